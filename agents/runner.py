@@ -1,0 +1,297 @@
+"""Running one agent on one model over a document's prefix cache (the synchronous core).
+
+`generate` copies the prefix cache (the caller's cache is never modified, so one document cache can
+serve many agents, even concurrently), prefills the agent's suffix on the copy, then decodes token by
+token: greedy or seeded sampling, stop strings, EOS, a callback per token, cancellation between
+tokens. With ``prefix_cache=None`` it re-prefills prefix + suffix in one pass instead: the baseline that
+cache reuse is measured against, and the fallback when no trustworthy cache exists.
+JSON agents go through the bounded repair loop of `agents.structured`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from agents.detok import TextAssembler
+from agents.errors import GenerationCancelledError
+from agents.kv import (
+    check_context,
+    check_prefix_cache,
+    copy_cache,
+    forward_tokens,
+    model_device,
+    new_cache,
+    sync_device,
+)
+from agents.prompt import RepairTurn, Suffix, build_suffix
+from agents.sampling import Sampler
+from agents.spec import AgentSpec
+from agents.structured import JsonObjectTracker, run_with_repairs
+
+__all__ = ["TokenEvent", "AgentTimings", "AgentResult", "FinishReason", "generate", "eos_token_ids"]
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token: the text it made safe to stream ('' if held back), its id and position."""
+
+    agent: str
+    text: str
+    token_id: int
+    index: int
+    attempt: int = 0
+    """0 for the first generation, n for the n-th JSON repair attempt (its tokens restart at index 0)."""
+
+
+class AgentTimings(BaseModel):
+    """Where one agent run spent its time (seconds; summed over repair attempts)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cache_copy_s: float
+    """Copying the prefix cache (0 when re-prefilling)."""
+    prefill_s: float
+    """Suffix prefill over the cache, or the full prefix + suffix prefill when re-prefilling."""
+    time_to_first_token_s: float
+    """From the call to the first sampled token (includes copy and prefill)."""
+    generation_s: float
+    """Decoding after the prefill, all tokens."""
+    total_s: float
+    """Wall time of the whole call."""
+    tokens_per_s: float
+    """Generated tokens / generation_s."""
+
+
+class AgentResult(BaseModel):
+    """What one agent produced and what it cost."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    agent: str
+    """The agent's name."""
+    text: str
+    """Output text (cut before a stop string; the raw reply for JSON agents)."""
+    parsed: Any = None
+    """For JSON agents: the validated object (a pydantic model instance, or a dict for schemas)."""
+    token_ids: list[int]
+    """Generated token ids of the accepted attempt (including a final EOS)."""
+    finish_reason: FinishReason
+    """eos: end-of-sequence token; stop: a stop string or a complete JSON object; length: max_new_tokens."""
+    attempts: int = 1
+    """Generations it took (1 + JSON repairs)."""
+    generated_tokens: int
+    """Tokens generated over all attempts."""
+    prefix_tokens: int
+    """Length of the shared document prefix."""
+    suffix_tokens: int
+    """Length of the agent's suffix (accepted attempt)."""
+    reprefilled: bool
+    """True when no prefix cache was given and the whole prompt was prefilled."""
+    timings: AgentTimings
+
+    def downstream_text(self) -> str:
+        """What downstream agents see: canonical JSON for JSON agents, the text otherwise."""
+        if isinstance(self.parsed, BaseModel):
+            return self.parsed.model_dump_json()
+        if self.parsed is not None:
+            import json
+
+            return json.dumps(self.parsed, ensure_ascii=False)
+        return self.text
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Token ids that end generation: from the generation config, the model config and the tokenizer."""
+    found: set[int] = set()
+    sources = (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer)
+    for source in sources:
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, (list, tuple)):
+            found.update(int(v) for v in value)
+    return frozenset(found)
+
+
+CancelCheck = Callable[[], bool]
+
+
+def _as_check(cancel: CancelCheck | threading.Event | None) -> CancelCheck:
+    if cancel is None:
+        return lambda: False
+    if isinstance(cancel, threading.Event):
+        return cancel.is_set
+    return cancel
+
+
+@dataclass
+class _Clock:
+    start: float
+    copy_s: float = 0.0
+    prefill_s: float = 0.0
+    generation_s: float = 0.0
+    first_token_s: float | None = None
+    generated: int = 0
+
+
+@dataclass
+class _Generation:
+    text: str
+    finish_reason: FinishReason
+    token_ids: list[int] = field(default_factory=list)
+    suffix: Suffix | None = None
+
+
+def _decode_once(
+    model: Any,
+    tokenizer: Any,
+    spec: AgentSpec,
+    prefix_ids: list[int],
+    prefix_cache: Any | None,
+    suffix: Suffix,
+    *,
+    attempt: int,
+    eos: frozenset[int],
+    on_token: Callable[[TokenEvent], None] | None,
+    cancelled: CancelCheck,
+    clock: _Clock,
+) -> _Generation:
+    settings = spec.generation
+    n_prefix = len(prefix_ids)
+    check_context(model, n_prefix, len(suffix.ids), settings.max_new_tokens, agent=spec.name)
+    if not suffix.ids:
+        raise ValueError(f"agent {spec.name!r}: the suffix is empty; an agent needs a task")
+    if cancelled():
+        raise GenerationCancelledError(spec.name, 0)
+    device = model_device(model)
+    sampler = Sampler.from_settings(settings)
+    if settings.seed is not None and attempt:
+        sampler = Sampler(settings.temperature, settings.top_p, settings.top_k, settings.seed + attempt)
+    assembler = TextAssembler(tokenizer, settings.stop)
+    tracker = JsonObjectTracker() if spec.output.kind == "json" else None
+    ids: list[int] = []
+    finish: FinishReason = "length"
+
+    t0 = time.perf_counter()
+    if prefix_cache is None:
+        cache = new_cache(model)
+        t1 = t0
+        logits = forward_tokens(model, [*prefix_ids, *suffix.ids], cache, 0)
+    else:
+        cache = copy_cache(prefix_cache, model)
+        t1 = time.perf_counter()
+        logits = forward_tokens(model, list(suffix.ids), cache, n_prefix)
+    sync_device(device)
+    t2 = time.perf_counter()
+    clock.copy_s += t1 - t0
+    clock.prefill_s += t2 - t1
+
+    position = n_prefix + len(suffix.ids)
+    for index in range(settings.max_new_tokens):
+        token = sampler(logits)
+        if clock.first_token_s is None:
+            clock.first_token_s = time.perf_counter() - clock.start
+        ids.append(token)
+        clock.generated += 1
+        last = True
+        if token in eos:
+            finish, text = "eos", assembler.finish()
+        else:
+            before = len(assembler.decoded)
+            text = assembler.push(token)
+            if assembler.stopped:
+                finish = "stop"
+            elif tracker is not None and tracker.feed(assembler.decoded[before:]):
+                finish, text = "stop", text + assembler.finish()
+            elif index == settings.max_new_tokens - 1:
+                finish, text = "length", text + assembler.finish()
+            else:
+                last = False
+        if on_token is not None:
+            on_token(TokenEvent(agent=spec.name, text=text, token_id=token, index=index, attempt=attempt))
+        if last:
+            break
+        if cancelled():
+            clock.generation_s += time.perf_counter() - t2
+            raise GenerationCancelledError(spec.name, len(ids))
+        logits = forward_tokens(model, [token], cache, position)
+        position += 1
+    clock.generation_s += time.perf_counter() - t2
+    return _Generation(text=assembler.text, finish_reason=finish, token_ids=ids, suffix=suffix)
+
+
+def generate(
+    model: Any,
+    tokenizer: Any,
+    spec: AgentSpec,
+    *,
+    prefix_ids: Sequence[int],
+    prefix_cache: Any | None = None,
+    upstream: Mapping[str, Any] | None = None,
+    on_token: Callable[[TokenEvent], None] | None = None,
+    cancel: CancelCheck | threading.Event | None = None,
+    use_chat_template: bool | None = None,
+) -> AgentResult:
+    """Run ``spec`` on ``model`` after the document prefix ``prefix_ids``; return its result.
+
+    ``prefix_cache`` must hold exactly the prefix positions (PrefixCacheMismatchError otherwise); it is
+    copied, never modified. ``None`` re-prefills prefix + suffix from scratch. ``upstream`` maps upstream
+    agent names to their outputs (UnknownUpstreamError if the template needs a missing one).
+    ``on_token`` is called in this thread for every token; ``cancel`` is polled between tokens
+    (GenerationCancelledError). Raises ContextOverflowError before any compute when the prompt plus
+    max_new_tokens does not fit, and OutputValidationError / TruncatedOutputError for JSON agents whose
+    output stays invalid after the repairs.
+    """
+    clock = _Clock(start=time.perf_counter())
+    prefix = list(prefix_ids)
+    if not prefix:
+        raise ValueError("prefix_ids is empty; build it with DocumentPrompt(...).token_ids(tokenizer)")
+    if prefix_cache is not None:
+        check_prefix_cache(prefix_cache, len(prefix))
+    cancelled = _as_check(cancel)
+    eos = eos_token_ids(model, tokenizer)
+
+    def attempt(index: int, repairs: Sequence[RepairTurn]) -> _Generation:
+        suffix = build_suffix(tokenizer, spec, upstream, repairs=repairs, use_chat_template=use_chat_template)
+        return _decode_once(model, tokenizer, spec, prefix, prefix_cache, suffix, attempt=index, eos=eos,
+                            on_token=on_token, cancelled=cancelled, clock=clock)
+
+    with torch.no_grad():
+        if spec.output.kind == "json":
+            structured = run_with_repairs(spec, attempt)
+            result, parsed, attempts = structured.generation, structured.value, structured.attempts
+        else:
+            result, parsed, attempts = attempt(0, ()), None, 1
+
+    total = time.perf_counter() - clock.start
+    assert result.suffix is not None
+    timings = AgentTimings(
+        cache_copy_s=clock.copy_s,
+        prefill_s=clock.prefill_s,
+        time_to_first_token_s=clock.first_token_s if clock.first_token_s is not None else total,
+        generation_s=clock.generation_s,
+        total_s=total,
+        tokens_per_s=clock.generated / clock.generation_s if clock.generation_s > 0 else 0.0,
+    )
+    return AgentResult(
+        agent=spec.name,
+        text=result.text,
+        parsed=parsed,
+        token_ids=result.token_ids,
+        finish_reason=result.finish_reason,
+        attempts=attempts,
+        generated_tokens=clock.generated,
+        prefix_tokens=len(prefix),
+        suffix_tokens=len(result.suffix.ids),
+        reprefilled=prefix_cache is None,
+        timings=timings,
+    )

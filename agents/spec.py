@@ -1,0 +1,298 @@
+"""`AgentSpec`: what one agent is (role, task template, generation settings, output kind).
+
+A task template references upstream agents' outputs by name, either ``str.format`` style
+(``{summarizer}``; write ``{{``/``}}`` for literal braces) or ``$``-style (``$summarizer`` or
+``${key-facts}``; write ``$$`` for a literal dollar). Only plain names are allowed: no attribute
+access, indexing, conversions or format specs. The names a template needs are
+``spec.required_inputs()``; rendering without one of them raises `UnknownUpstreamError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import string
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from agents.errors import InvalidTemplateError, UnknownUpstreamError
+from agents.schema import check_schema, schema_errors
+
+__all__ = [
+    "AGENT_NAME_PATTERN",
+    "GenerationSettings",
+    "OutputSpec",
+    "AgentSpec",
+    "TemplateSyntax",
+    "upstream_text",
+    "escape_template",
+]
+
+AGENT_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]*$"
+_NAME_RE = re.compile(AGENT_NAME_PATTERN)
+
+TemplateSyntax = Literal["format", "dollar"]
+
+
+class _DollarTemplate(string.Template):
+    """``$name`` (identifier) or ``${name-with-hyphens}``; case-sensitive."""
+
+    flags = re.ASCII
+    idpattern = r"[A-Za-z_][A-Za-z0-9_]*"
+    braceidpattern = r"[A-Za-z_][A-Za-z0-9_-]*"
+
+
+# A parsed template: literal text and placeholder names, in order.
+_Segment = tuple[Literal["text", "ref"], str]
+
+
+def _parse_format(template: str) -> list[_Segment]:
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise InvalidTemplateError(f"task template is not valid str.format syntax: {exc}; write {{{{ and }}}} "
+                                   f"for literal braces") from exc
+    segments: list[_Segment] = []
+    for literal, field, fmt, conversion in parts:
+        if literal:
+            segments.append(("text", literal))
+        if field is None:
+            continue
+        if not field or not _NAME_RE.match(field) or fmt or conversion:
+            shown = "{" + field + (f"!{conversion}" if conversion else "") + (f":{fmt}" if fmt else "") + "}"
+            raise InvalidTemplateError(
+                f"task template placeholder {shown} is not supported: use {{agent_name}} with a plain agent "
+                f"name (letters, digits, _ or -), and {{{{ }}}} for literal braces"
+            )
+        segments.append(("ref", field))
+    return segments
+
+
+def _parse_dollar(template: str) -> list[_Segment]:
+    segments: list[_Segment] = []
+    pos = 0
+    for match in _DollarTemplate.pattern.finditer(template):
+        if match.start() > pos:
+            segments.append(("text", template[pos : match.start()]))
+        pos = match.end()
+        if match.group("escaped") is not None:
+            segments.append(("text", "$"))
+        elif match.group("invalid") is not None:
+            raise InvalidTemplateError(
+                f"task template has a bare '$' at offset {match.start()}: use $name, ${{name}} or $$ for a "
+                f"literal dollar"
+            )
+        else:
+            segments.append(("ref", match.group("named") or match.group("braced")))
+    if pos < len(template):
+        segments.append(("text", template[pos:]))
+    return segments
+
+
+def escape_template(text: str, syntax: TemplateSyntax = "format") -> str:
+    """Escape literal text so that it can be embedded in a task template of the given syntax."""
+    if syntax == "format":
+        return text.replace("{", "{{").replace("}", "}}")
+    return text.replace("$", "$$")
+
+
+def upstream_text(value: Any) -> str:
+    """The text an upstream output contributes to a prompt (JSON for structured outputs)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, BaseModel):
+        return value.model_dump_json()
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+class GenerationSettings(BaseModel):
+    """How tokens are chosen and when generation stops."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(256, ge=1, le=65536)
+    """Upper bound on generated tokens (the context check counts this in full)."""
+    temperature: float = Field(0.0, ge=0.0, le=10.0)
+    """0 means greedy decoding; above 0, logits are divided by it before sampling."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int | None = Field(None, ge=1)
+    """If set, sample only among the k most likely tokens."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation; the output is cut before the first one."""
+    seed: int | None = None
+    """Seed of the sampling generator (same seed, same model, same prompt: same tokens); None: random."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _import_model(path: str) -> type[BaseModel]:
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"output model {path!r} must be an import path like 'package.module:ClassName'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import output model {path!r}: {exc}") from exc
+    if not (isinstance(obj, type) and issubclass(obj, BaseModel)):
+        raise ValueError(f"output model {path!r} is not a pydantic model class")
+    return obj
+
+
+class OutputSpec(BaseModel):
+    """What the agent's output must be: free text, or a JSON object validated by a model or schema."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    kind: Literal["text", "json"] = "text"
+    """"text": the output is free text; "json": the first JSON object in it is parsed and validated."""
+    model: type[BaseModel] | None = None
+    """Pydantic model the JSON object must validate against (or its import path 'pkg.mod:Class')."""
+    json_schema: dict[str, Any] | None = None
+    """JSON schema the object must satisfy (used when no model is given); see agents.schema."""
+    max_repairs: int = Field(1, ge=0, le=5)
+    """How many times an invalid or truncated JSON reply is re-generated with a repair instruction."""
+    instructions: str | None = None
+    """Format instructions appended to the task; default: generated from the model or schema."""
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_from_path(cls, value: Any) -> Any:
+        return _import_model(value) if isinstance(value, str) else value
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_ok(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check_schema(value)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> OutputSpec:
+        if self.kind == "text" and (self.model is not None or self.json_schema is not None):
+            raise ValueError("a model or json_schema needs kind='json'")
+        if self.model is not None and self.json_schema is not None:
+            raise ValueError("give either a pydantic model or a json_schema, not both")
+        return self
+
+    @field_serializer("model")
+    def _model_path(self, value: type[BaseModel] | None) -> str | None:
+        return None if value is None else f"{value.__module__}:{value.__qualname__}"
+
+    def schema_dict(self) -> dict[str, Any] | None:
+        """The JSON schema of the expected object (from the model if given)."""
+        if self.model is not None:
+            return self.model.model_json_schema()
+        return self.json_schema
+
+    def format_instructions(self) -> str:
+        """Text appended to the task that says how to format the reply ('' for free text)."""
+        if self.kind == "text":
+            return ""
+        if self.instructions is not None:
+            return self.instructions
+        schema = self.schema_dict()
+        if schema is None:
+            return "Reply with only a JSON object and nothing else."
+        compact = json.dumps(_strip_titles(schema), separators=(",", ":"), ensure_ascii=False)
+        return f"Reply with only a JSON object that follows this JSON schema, and nothing else:\n{compact}"
+
+    def validate_value(self, value: Any) -> Any:
+        """Validate a parsed JSON object: a model instance, or the object itself; ValueError if invalid."""
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+        if self.model is not None:
+            return self.model.model_validate(value)
+        if self.json_schema is not None:
+            problems = schema_errors(value, self.json_schema)
+            if problems:
+                raise ValueError("; ".join(problems[:5]))
+        return value
+
+
+def _strip_titles(node: Any) -> Any:
+    """Pydantic schemas carry 'title' on every node; drop them to keep prompts short."""
+    if isinstance(node, dict):
+        return {k: _strip_titles(v) for k, v in node.items() if k != "title" or isinstance(v, dict)}
+    if isinstance(node, list):
+        return [_strip_titles(v) for v in node]
+    return node
+
+
+class AgentSpec(BaseModel):
+    """One agent: a name, system instructions, a task template over upstream outputs, and policies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=AGENT_NAME_PATTERN)
+    """Unique agent name; downstream templates reference this agent's output by it."""
+    role: str = "You are a careful assistant that analyses documents."
+    """System instructions (the system message when the model has a chat template)."""
+    task: str = Field(min_length=1)
+    """Task template; references upstream outputs as {name} (or $name with template_syntax='dollar')."""
+    template_syntax: TemplateSyntax = "format"
+    """'format' for {name} placeholders, 'dollar' for $name / ${name} placeholders."""
+    generation: GenerationSettings = GenerationSettings()
+    """Decoding settings (max tokens, temperature, top-p/top-k, stop strings, seed)."""
+    output: OutputSpec = OutputSpec()
+    """Output kind (text or validated JSON) and the repair budget."""
+
+    _segments: list[_Segment] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _parse_task(self) -> AgentSpec:
+        parse = _parse_format if self.template_syntax == "format" else _parse_dollar
+        try:
+            self._segments = parse(self.task)
+        except InvalidTemplateError as exc:
+            raise ValueError(f"agent {self.name!r}: {exc}") from exc
+        return self
+
+    def required_inputs(self) -> tuple[str, ...]:
+        """Names of the upstream outputs the task template references, in order of first use."""
+        return tuple(dict.fromkeys(name for kind, name in self._segments if kind == "ref"))
+
+    def render_task(self, upstream: Mapping[str, Any] | None = None) -> str:
+        """The task with upstream outputs filled in; UnknownUpstreamError if one is missing."""
+        upstream = upstream or {}
+        missing = [name for name in self.required_inputs() if name not in upstream]
+        if missing:
+            raise UnknownUpstreamError(self.name, missing, upstream.keys())
+        return "".join(text if kind == "text" else upstream_text(upstream[text]) for kind, text in self._segments)
+
+    def with_generation(self, **changes: Any) -> AgentSpec:
+        """A copy with some generation settings changed (validated)."""
+        settings = GenerationSettings.model_validate({**self.generation.model_dump(), **changes})
+        return self.model_copy(update={"generation": settings})

@@ -1,0 +1,85 @@
+"""Turn calibration statistics + a method + a layer plan into a :class:`LinearKVMap`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from mappings.apply import LayerMap, LinearKVMap
+from mappings.fit import Block, fit_linear, head_blocks, identity_prior
+
+if TYPE_CHECKING:
+    import torch
+
+    from mappings.capture import KVShape
+    from mappings.methods import MethodSpec
+    from mappings.rope import RopeSpec
+    from mappings.store import LayerStats
+
+__all__ = ["PASSTHROUGH", "fit_layer", "fit_kv_map", "factorize", "layer_blocks", "layer_prior"]
+
+PASSTHROUGH = None
+"""The per-layer choice meaning 'copy the (first) source layer unchanged'."""
+
+
+def layer_blocks(spec: MethodSpec, n_sources: int, s: KVShape, t: KVShape) -> list[Block] | None:
+    """Per-head blocks for ``granularity == "head"``, else None (one block)."""
+    if spec.granularity == "head":
+        return head_blocks(n_sources, s.kv_heads, s.head_dim, t.kv_heads, t.head_dim)
+    return None
+
+
+def layer_prior(spec: MethodSpec, n_sources: int, s: KVShape, t: KVShape) -> torch.Tensor | None:
+    """``W₀``: identity on the first (best) source layer for anchored methods, else None."""
+    if spec.prior != "anchored":
+        return None
+    return identity_prior(n_sources * s.width, t.width)
+
+
+def fit_layer(
+    stats: LayerStats, spec: MethodSpec, alpha: float | None, sources: Sequence[int], s: KVShape, t: KVShape
+) -> LayerMap:
+    """One target layer: fitted with ``alpha``, or pass-through when ``alpha`` is None."""
+    sources = tuple(sources)
+    if alpha is PASSTHROUGH:
+        return LayerMap(sources, "passthrough")
+    blocks = layer_blocks(spec, len(sources), s, t)
+    prior = layer_prior(spec, len(sources), s, t)
+    kw, kb = fit_linear(stats.keys, alpha=alpha, prior=prior, bias=spec.bias, rank=spec.rank, blocks=blocks)
+    vw, vb = fit_linear(stats.values, alpha=alpha, prior=prior, bias=spec.bias, rank=spec.rank, blocks=blocks)
+    if spec.rank is not None:
+        rank = spec.rank * (len(blocks) if blocks else 1)
+        kf, vf = factorize(kw, prior, rank), factorize(vw, prior, rank)
+        if kf is not None and vf is not None:
+            return LayerMap(sources, "map", None, kb, None, vb, float(alpha), kf[0], kf[1], vf[0], vf[1],
+                            anchored=prior is not None)
+    return LayerMap(sources, "map", kw, kb, vw, vb, float(alpha))
+
+
+def factorize(w: torch.Tensor, prior: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``W − W₀ = down @ up`` with ``rank`` columns, when that stores (and costs) less than ``W``; else None."""
+    import torch
+
+    p, q = w.shape
+    if rank * (p + q) >= p * q:
+        return None
+    delta = w.double() - (prior.double() if prior is not None else 0.0)
+    u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
+    return (u[:, :rank] * sv[:rank]).float().contiguous(), vh[:rank].float().contiguous()
+
+
+def fit_kv_map(
+    stats: Sequence[LayerStats],
+    spec: MethodSpec,
+    plan: Sequence[Sequence[int]],
+    s: KVShape,
+    t: KVShape,
+    source_rope: RopeSpec,
+    target_rope: RopeSpec,
+    choices: Sequence[float | None] | None = None,
+) -> LinearKVMap:
+    """Fit every target layer; ``choices`` gives per-layer α (None: pass-through), default ``spec.default_alpha``."""
+    if choices is None:
+        choices = [spec.default_alpha] * t.num_layers
+    layers = [fit_layer(stats[i], spec, choices[i], plan[i], s, t) for i in range(t.num_layers)]
+    return LinearKVMap(layers, s, t, source_rope, target_rope, key_space=spec.key_space)

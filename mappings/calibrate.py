@@ -1,0 +1,602 @@
+"""Calibrate a KV map for a source → target pair on a text corpus.
+
+1. Check the pair (tokenizers must match; shape and RoPE differences are bridged).
+2. Cut the corpus into windows. Held-out windows come from the *last* corpus text when several
+   are given (a different domain than the fitting text — the issue's trap: text overlapping the
+   target's fine-tuning data makes every map look better than it is), else from the tail.
+3. When depths differ, pick each target layer's source layers by held-out single-source fit.
+4. Stream the training windows through both models, accumulating per-layer statistics
+   (keys in RoPE-stripped content space).
+5. Per layer, choose λ (or "pass the source KV through unchanged") by held-out next-token KL:
+   one coordinate sweep over the layers, every other layer at its current choice, scored by the
+   target's KL on the last ``m`` tokens of each held-out window given the mapped prefix.
+6. Record held-out fit metrics per layer: cosine, relative MSE and R² of keys and values, and the
+   cosine of the target's attention output (its own true queries, captured by a hook on the
+   query projection, attending to mapped vs true K/V of that layer with the causal mask).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from collections.abc import Mapping as MappingABC
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from mappings.errors import CorpusTooSmallError, DocumentTooLongError, ShapeMismatchError
+
+if TYPE_CHECKING:
+    import torch
+
+    from mappings.apply import LinearKVMap
+    from mappings.capture import KVCapture, KVShape
+    from mappings.methods import MethodSpec
+    from mappings.models import ModelHandle
+    from mappings.rope import RopeSpec
+    from mappings.store import LayerStats, Mapping
+
+__all__ = ["CalibrationConfig", "calibrate", "prepare_windows", "CorpusWindows", "HeldOut", "capture_heldout",
+           "accumulate_stats", "screen_sources", "select_layers", "layer_metrics", "KLJudge", "corpus_digest",
+           "model_info"]
+
+Corpus = Sequence[str] | Sequence[tuple[str, str]] | MappingABC[str, str]
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Calibration budget and splits."""
+
+    tokens: int = 16384
+    """Training tokens to fit on (whole windows)."""
+    window: int = 512
+    """Tokens per window (each window is one independent sequence starting at position 0)."""
+    stride: int | None = None
+    """Start-to-start distance of fitting windows; None: disjoint windows, overlapping only if the corpus is short."""
+    heldout_fraction: float = 0.125
+    """Held-out windows as a fraction of training windows (at least 1, at most ``max_heldout_windows``)."""
+    max_heldout_windows: int = 8
+    """Upper bound on held-out windows (they are kept in memory)."""
+    batch_size: int = 4
+    """Windows per forward pass."""
+    screen_tokens: int = 1024
+    """Training tokens used to pick source layers when depths differ."""
+    sweeps: int = 1
+    """Coordinate sweeps of the per-layer KL selection."""
+
+
+@dataclass
+class CorpusWindows:
+    """Token windows cut from the corpus."""
+
+    train: list[torch.Tensor]
+    """Windows the statistics are accumulated on."""
+    heldout: list[torch.Tensor]
+    """Windows used for selection and metrics only."""
+    heldout_from: str
+    """Where the held-out windows came from."""
+    digest: str
+    """sha256 of the corpus texts."""
+    names: list[str]
+    """Corpus text names."""
+    stride: int = 0
+    """Start-to-start distance of the fitting windows."""
+
+
+def _named(corpus: Corpus) -> list[tuple[str, str]]:
+    if isinstance(corpus, MappingABC):
+        return [(str(k), str(v)) for k, v in corpus.items()]
+    if isinstance(corpus, str):
+        return [("text0", corpus)]
+    out = []
+    for i, item in enumerate(corpus):
+        if isinstance(item, tuple):
+            out.append((str(item[0]), str(item[1])))
+        else:
+            out.append((f"text{i}", str(item)))
+    return out
+
+
+def corpus_digest(texts: Sequence[str]) -> str:
+    """sha256 over the texts in order (length-prefixed, so boundaries count)."""
+    h = hashlib.sha256()
+    for text in texts:
+        data = text.encode("utf-8")
+        h.update(f"{len(data)}:".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def _spread(items: list[Any], k: int) -> list[Any]:
+    """``k`` items spread evenly over ``items`` (all when k >= len)."""
+    if k >= len(items):
+        return list(items)
+    if k <= 0:
+        return []
+    step = len(items) / k
+    return [items[int(i * step)] for i in range(k)]
+
+
+def prepare_windows(corpus: Corpus, tokenizer: Any, config: CalibrationConfig) -> CorpusWindows:
+    """Tokenize the corpus and split it into training and held-out windows."""
+    from mappings.capture import make_windows
+
+    named = _named(corpus)
+    texts = [t for _, t in named]
+    if not named or not any(t.strip() for t in texts):
+        raise CorpusTooSmallError("the calibration corpus is empty: pass one or more non-empty text files")
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    window, stride = config.window, config.stride or config.window
+    need = max(1, math.ceil(config.tokens / window))
+    n_held = min(config.max_heldout_windows, max(1, round(config.heldout_fraction * need)))
+    if len(named) >= 2 and len(ids[-1]) >= window:
+        held_pool = make_windows(ids[-1], window)
+        train_ids = ids[:-1]
+        heldout_from = f"last corpus text ({named[-1][0]})"
+    else:
+        # One text: the held-out windows are its tail, cut off before the (maybe overlapping) fitting windows.
+        last = ids[-1]
+        cut = max(0, len(last) - n_held * window)
+        held_pool = make_windows(last[cut:], window) if cut > 0 else []
+        train_ids = [*ids[:-1], last[:cut]]
+        heldout_from = "tail of the corpus"
+    # Without an explicit stride, overlap fitting windows (half, then quarter window) only if the corpus
+    # is too small for disjoint ones: overlapping windows put the same text at other positions.
+    strides = [stride] if config.stride else [window, max(1, window // 2), max(1, window // 4)]
+    for stride in strides:
+        train_pool = [w for t in train_ids for w in make_windows(t, window, stride)]
+        if len(train_pool) >= need:
+            break
+    if len(train_pool) < need or not held_pool:
+        total = sum(len(t) for t in ids)
+        raise CorpusTooSmallError(
+            f"the corpus has {total} tokens, giving {len(train_pool)} fitting window(s) of {window} "
+            f"(stride {stride}) and {len(held_pool)} held-out window(s); calibration needs {need} fitting "
+            f"windows ({need * window} tokens) plus {n_held} held-out: add more text, or lower --tokens / --window"
+        )
+    return CorpusWindows(
+        stride=stride,
+        train=_spread(train_pool, need),
+        heldout=_spread(held_pool, n_held),
+        heldout_from=heldout_from,
+        digest=corpus_digest(texts),
+        names=[n for n, _ in named],
+    )
+
+
+# --------------------------------------------------------------------------- held-out captures
+@dataclass
+class HeldOut:
+    """Held-out windows captured on both models, dense ``[B, heads, T, dim]`` per layer."""
+
+    ids: torch.Tensor
+    """``[B, T]`` token ids."""
+    source: list[tuple[torch.Tensor, torch.Tensor]]
+    """Source (K, V) per layer, as cached (RoPE applied)."""
+    target: list[tuple[torch.Tensor, torch.Tensor]]
+    """Target (K, V) per layer, as cached."""
+    queries: list[torch.Tensor] | None
+    """Target queries per layer ``[B, q_heads, T, dim]`` with RoPE applied."""
+
+
+def _dense(cap: KVCapture, batch: int, seq: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for k, v in zip(cap.keys, cap.values, strict=True):
+        out.append((k.view(batch, seq, *k.shape[1:]).transpose(1, 2), v.view(batch, seq, *v.shape[1:]).transpose(1, 2)))
+    return out
+
+
+def capture_heldout(source: Any, target: Any, windows: Sequence[torch.Tensor], *, queries: bool = True,
+                    batch_size: int = 4) -> HeldOut:
+    """Capture equal-length windows on both models and keep them (fp32, CPU)."""
+    import torch
+
+    from mappings.capture import capture_kv
+
+    ids = torch.stack(list(windows))
+    batch, seq = ids.shape
+    src_parts, tgt_parts, q_parts = [], [], []
+    for start in range(0, batch, batch_size):
+        chunk = ids[start : start + batch_size]
+        sc = capture_kv(source, chunk)
+        tc = capture_kv(target, chunk, queries=queries)
+        src_parts.append(_dense(sc, chunk.shape[0], seq))
+        tgt_parts.append(_dense(tc, chunk.shape[0], seq))
+        if queries:
+            q_parts.append([q.view(chunk.shape[0], seq, *q.shape[1:]).transpose(1, 2) for q in tc.queries])
+
+    def cat(parts):
+        return [(torch.cat([p[i][0] for p in parts]).cpu(), torch.cat([p[i][1] for p in parts]).cpu())
+                for i in range(len(parts[0]))]
+
+    qs = [torch.cat([p[i] for p in q_parts]).cpu() for i in range(len(q_parts[0]))] if queries else None
+    return HeldOut(ids, cat(src_parts), cat(tgt_parts), qs)
+
+
+# --------------------------------------------------------------------------- layer screening
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D]`` -> ``[B*T, H*D]``."""
+    return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], -1)
+
+
+def _content(layers: list[tuple[torch.Tensor, torch.Tensor]], rope: RopeSpec, key_space: str,
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    import torch
+
+    seq = layers[0][0].shape[2]
+    pos = torch.arange(seq)
+    keys = [_flat(rope.strip(k, pos, seq_len=seq) if key_space == "content" else k) for k, _ in layers]
+    values = [_flat(v) for _, v in layers]
+    return keys, values
+
+
+def screen_sources(
+    source: Any, target: Any, windows: Sequence[torch.Tensor], heldout: HeldOut, src_rope: RopeSpec,
+    tgt_rope: RopeSpec, top_k: int, key_space: str, batch_size: int,
+) -> tuple[list[tuple[int, ...]], list[list[float]]]:
+    """Per target layer, the ``top_k`` source layers with the best held-out single-source R² (best first)."""
+    import torch
+
+    from mappings.fit import RegressionStats, fit_linear
+
+    train = capture_heldout(source, target, windows, queries=False, batch_size=batch_size)
+    sk, sv = _content(train.source, src_rope, key_space)
+    tk, tv = _content(train.target, tgt_rope, key_space)
+    hsk, hsv = _content(heldout.source, src_rope, key_space)
+    htk, htv = _content(heldout.target, tgt_rope, key_space)
+    scores = torch.zeros(len(tk), len(sk), dtype=torch.float64)
+    for j in range(len(sk)):
+        for t in range(len(tk)):
+            r2 = []
+            for xs, ys, hx, hy in ((sk[j], tk[t], hsk[j], htk[t]), (sv[j], tv[t], hsv[j], htv[t])):
+                w, b = fit_linear(RegressionStats.from_data(xs, ys), alpha=0.01, bias="free")
+                r2.append(RegressionStats.from_data(hx, hy).r2(w, b))
+            scores[t, j] = sum(r2) / 2
+    k = min(top_k, len(sk))
+    plan = [tuple(int(i) for i in scores[t].argsort(descending=True)[:k]) for t in range(len(tk))]
+    return plan, scores.tolist()
+
+
+# --------------------------------------------------------------------------- KL judge
+class KLJudge:
+    """Scores a candidate set of mapped prefix caches by the target's next-token KL on held-out suffixes."""
+
+    def __init__(self, target_model: Any, heldout: HeldOut, suffix_tokens: int) -> None:
+        from mappings.cache_io import build_cache, forward_with_cache, model_device, model_dtype, slice_layers
+
+        self.model = target_model
+        seq = heldout.ids.shape[1]
+        self.m = max(1, min(suffix_tokens, seq // 4))
+        self.prefix = seq - self.m
+        self.suffix_ids = heldout.ids[:, self.prefix :]
+        self.source_prefix = slice_layers(heldout.source, 0, self.prefix)
+        true_prefix = slice_layers(heldout.target, 0, self.prefix)
+        cache = build_cache(true_prefix, target_model.config, model_device(target_model), model_dtype(target_model))
+        logits, _, _ = forward_with_cache(target_model, self.suffix_ids, cache)
+        self.true_logits = logits.float()
+        self._build = build_cache
+
+    def kl(self, prefix_layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        from mappings.cache_io import forward_with_cache, model_device, model_dtype
+        from mappings.metrics import kl_divergence
+
+        cache = self._build(list(prefix_layers), self.model.config, model_device(self.model), model_dtype(self.model))
+        logits, _, _ = forward_with_cache(self.model, self.suffix_ids, cache)
+        return float(kl_divergence(self.true_logits, logits.float().to(self.true_logits.device)).mean())
+
+
+def _option_name(alpha: float | None) -> str:
+    return "passthrough" if alpha is None else f"alpha={alpha:g}"
+
+
+def select_layers(
+    stats: Sequence[LayerStats], spec: MethodSpec, plan: Sequence[tuple[int, ...]], s: KVShape, t: KVShape,
+    src_rope: RopeSpec, tgt_rope: RopeSpec, judge: KLJudge | None, heldout: HeldOut, *,
+    sweeps: int = 1, progress: bool = False,
+) -> tuple[LinearKVMap, list[float | None], list[dict[str, float]]]:
+    """Choose per-layer α / pass-through (``spec.selection``); returns the map, choices and scores."""
+    from tqdm.auto import tqdm
+
+    from mappings.assemble import fit_kv_map, fit_layer
+
+    choices: list[float | None] = [spec.default_alpha] * t.num_layers
+    kv_map = fit_kv_map(stats, spec, plan, s, t, src_rope, tgt_rope, choices)
+    scores: list[dict[str, float]] = [{} for _ in range(t.num_layers)]
+    if spec.selection == "none":
+        return kv_map, choices, scores
+    options: list[float | None] = list(spec.alphas)
+    if spec.passthrough:
+        options.append(None)
+    fitted: dict[tuple[int, float | None], Any] = {}
+
+    def layer_for(i: int, option: float | None):
+        if (i, option) not in fitted:
+            fitted[(i, option)] = fit_layer(stats[i], spec, option, plan[i], s, t)
+        return fitted[(i, option)]
+
+    if spec.selection == "error":
+        from mappings.fit import RegressionStats
+
+        hk, hv = _content(heldout.source, src_rope, spec.key_space)
+        tk, tv = _content(heldout.target, tgt_rope, spec.key_space)
+        for i in range(t.num_layers):
+            xk = _cat_sources(hk, plan[i])
+            xv = _cat_sources(hv, plan[i])
+            sk, sv = RegressionStats.from_data(xk, tk[i]), RegressionStats.from_data(xv, tv[i])
+            for option in options:
+                lm = layer_for(i, option)
+                wk, wv = _effective(lm, xk.shape[1], tk[i].shape[1])
+                scores[i][_option_name(option)] = sk.relative_error(wk, lm.k_bias) + sv.relative_error(wv, lm.v_bias)
+            best = min(options, key=lambda o, i=i: scores[i][_option_name(o)])
+            choices[i] = best
+            kv_map.layers[i] = layer_for(i, best)
+        return kv_map, choices, scores
+
+    assert judge is not None
+    current = kv_map.apply(judge.source_prefix)
+    bar = tqdm(total=sweeps * t.num_layers * len(options), desc="selecting per-layer maps", disable=not progress)
+    try:
+        for _ in range(sweeps):
+            for i in range(t.num_layers):
+                for option in options:
+                    kv_map.layers[i] = layer_for(i, option)
+                    trial = list(current)
+                    trial[i] = kv_map.apply(judge.source_prefix, only={i})[i]
+                    scores[i][_option_name(option)] = judge.kl(trial)
+                    bar.update(1)
+                best = min(options, key=lambda o, i=i: scores[i][_option_name(o)])
+                choices[i] = best
+                kv_map.layers[i] = layer_for(i, best)
+                current[i] = kv_map.apply(judge.source_prefix, only={i})[i]
+    finally:
+        bar.close()
+    return kv_map, choices, scores
+
+
+def _cat_sources(feats: Sequence[torch.Tensor], sources: Sequence[int]) -> torch.Tensor:
+    import torch
+
+    return torch.cat([feats[j] for j in sources], -1) if len(sources) > 1 else feats[sources[0]]
+
+
+def _effective(lm: Any, p: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights of a layer map as matrices (pass-through: identity on the first source)."""
+    from mappings.fit import identity_prior
+
+    if lm.mode == "passthrough":
+        w = identity_prior(p, q).float()
+        return w, w
+    return lm.dense("k"), lm.dense("v")
+
+
+# --------------------------------------------------------------------------- metrics
+def layer_metrics(
+    kv_map: LinearKVMap, heldout: HeldOut, target_model: Any, identity: LinearKVMap | None,
+) -> list[dict[str, Any]]:
+    """Held-out fit metrics per target layer (keys compared as cached, i.e. target RoPE applied)."""
+    from mappings.capture import decoder_layers
+    from mappings.metrics import attention_output, fit_quality, mean_cosine
+
+    mapped = kv_map.apply(heldout.source)
+    ident = identity.apply(heldout.source) if identity is not None else None
+    attn_modules = decoder_layers(target_model)
+    out = []
+    for i, ((mk, mv), (tk, tv)) in enumerate(zip(mapped, heldout.target, strict=True)):
+        row: dict[str, Any] = {"layer": i, "keys": fit_quality(_flat(mk), _flat(tk)),
+                               "values": fit_quality(_flat(mv), _flat(tv))}
+        if heldout.queries is not None:
+            attn = getattr(attn_modules[i], "self_attn", None)
+            scaling = float(getattr(attn, "scaling", tk.shape[-1] ** -0.5))
+            q = heldout.queries[i]
+            true_out = attention_output(q, tk, tv, scaling)
+            row["attn_cosine"] = mean_cosine(attention_output(q, mk, mv, scaling), true_out)
+            if ident is not None:
+                row["identity_attn_cosine"] = mean_cosine(attention_output(q, *ident[i], scaling), true_out)
+        out.append(row)
+    return out
+
+
+def accumulate_stats(
+    source: Any, target: Any, windows: Sequence[torch.Tensor], plan: Sequence[tuple[int, ...]], s: KVShape,
+    t: KVShape, src_rope: RopeSpec, tgt_rope: RopeSpec, key_space: str, *, batch_size: int = 4,
+    progress: bool = True,
+) -> list[LayerStats]:
+    """Stream equal-length windows through both models into per-target-layer statistics.
+
+    Keys enter in content space (each model's RoPE stripped) unless ``key_space == "rotated"``;
+    target layer ``i`` regresses on the concatenated source layers ``plan[i]``.
+    """
+    from tqdm.auto import tqdm
+
+    from mappings.capture import capture_windows
+    from mappings.fit import RegressionStats
+    from mappings.store import LayerStats
+
+    stats = [
+        LayerStats(RegressionStats.zeros(len(plan[i]) * s.width, t.width),
+                   RegressionStats.zeros(len(plan[i]) * s.width, t.width))
+        for i in range(t.num_layers)
+    ]
+    src_iter = capture_windows(source, windows, batch_size=batch_size, progress=False)
+    tgt_iter = capture_windows(target, windows, batch_size=batch_size, progress=False)
+    bar = tqdm(total=len(windows), desc="capturing source+target KV", unit="win", disable=not progress)
+    try:
+        for sc, tc in zip(src_iter, tgt_iter, strict=True):
+            seq = max(sc.lengths)
+            if key_space == "content":
+                sk = [src_rope.strip(k, sc.positions, seq_len=seq).reshape(k.shape[0], -1) for k in sc.keys]
+                tk = [tgt_rope.strip(k, tc.positions, seq_len=seq).reshape(k.shape[0], -1) for k in tc.keys]
+            else:
+                sk = [k.reshape(k.shape[0], -1) for k in sc.keys]
+                tk = [k.reshape(k.shape[0], -1) for k in tc.keys]
+            sv = [v.reshape(v.shape[0], -1) for v in sc.values]
+            tv = [v.reshape(v.shape[0], -1) for v in tc.values]
+            for i in range(t.num_layers):
+                stats[i].keys.update(_cat_sources(sk, plan[i]), tk[i])
+                stats[i].values.update(_cat_sources(sv, plan[i]), tv[i])
+            bar.update(len(sc.lengths))
+    finally:
+        bar.close()
+    return stats
+
+
+def _spec_fits(spec: MethodSpec, card: Any) -> bool:
+    if spec.needs_same_shape and not card.same_kv_shape:
+        return False
+    return not (spec.granularity == "head" and not card.same_kv_heads)
+
+
+def model_info(handle: ModelHandle) -> dict[str, Any]:
+    """The manifest's description of one side of the pair."""
+    from mappings.cache_io import model_dtype
+    from mappings.capture import kv_shape
+    from mappings.rope import RopeSpec
+
+    config = handle.model.config
+    return {
+        "path": str(handle.path.resolve()) if handle.path is not None else None,
+        "fingerprint": handle.fingerprint.as_dict(),
+        "dtype": str(model_dtype(handle.model)).replace("torch.", ""),
+        "kv_shape": kv_shape(config).as_dict(),
+        "rope": RopeSpec.from_config(config).describe(),
+        "config": json.loads(config.to_json_string(use_diff=False)),
+    }
+
+
+# --------------------------------------------------------------------------- entry point
+def calibrate(
+    source: Any,
+    target: Any,
+    corpus: Corpus,
+    *,
+    method: str | MethodSpec = "auto",
+    tokens: int = 16384,
+    window: int = 512,
+    heldout_fraction: float = 0.125,
+    stride: int | None = None,
+    progress: bool = True,
+    source_tokenizer: Any = None,
+    target_tokenizer: Any = None,
+    device: str = "cpu",
+    dtype: Any = None,
+    config: CalibrationConfig | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Mapping:
+    """Fit a KV map from ``source`` to ``target`` (model folders, handles or in-memory models).
+
+    Returns a :class:`~mappings.store.Mapping` (call ``.save(dir)``), with its manifest and the
+    calibration statistics. Raises :class:`TokenizerMismatchError`, :class:`CorpusTooSmallError`,
+    :class:`NonFiniteKVError`, :class:`ShapeMismatchError` (method not possible for this pair).
+    """
+    import torch
+
+    from mappings.apply import identity_map
+    from mappings.capture import kv_shape
+    from mappings.compat import check_pair
+    from mappings.manifest import (
+        CalibrationInfo,
+        FileRecord,
+        LayerMetrics,
+        LayerPlanEntry,
+        MappingManifest,
+        ModelInfo,
+    )
+    from mappings.methods import resolve_method
+    from mappings.models import load_model
+    from mappings.rope import RopeSpec
+    from mappings.store import Mapping
+
+    say = log or (lambda _msg: None)
+    started = time.perf_counter()
+    cfg = config or CalibrationConfig(tokens=tokens, window=window, heldout_fraction=heldout_fraction, stride=stride)
+    src = load_model(source, source_tokenizer, device=device, dtype=dtype)
+    tgt = load_model(target, target_tokenizer, device=device, dtype=dtype)
+    card = check_pair(src.model, src.tokenizer, tgt.model, tgt.tokenizer, source_name=src.name, target_name=tgt.name)
+    say(card.render())
+    if isinstance(method, str):
+        spec = resolve_method(method, same_kv_shape=card.same_kv_shape, same_kv_heads=card.same_kv_heads)
+    else:
+        spec = method
+        if not _spec_fits(spec, card):
+            raise ShapeMismatchError(
+                f"method {spec.name!r} needs equal KV heads (and head size for identity anchors); this pair "
+                "differs: use a plain-ridge, per-layer method"
+            )
+    for side, info in (("source", card.source), ("target", card.target)):
+        if info.max_positions is not None and cfg.window > info.max_positions:
+            raise DocumentTooLongError(
+                f"calibration windows of {cfg.window} tokens exceed the {side}'s {info.max_positions} positions; "
+                "lower --window"
+            )
+    windows = prepare_windows(corpus, src.tokenizer, cfg)
+    s, t = kv_shape(src.model.config), kv_shape(tgt.model.config)
+    src_rope, tgt_rope = RopeSpec.from_config(src.model.config), RopeSpec.from_config(tgt.model.config)
+    say(f"method {spec.name}: {len(windows.train)} x {cfg.window} fitting tokens, "
+        f"{len(windows.heldout)} held-out window(s) from the {windows.heldout_from}")
+
+    heldout = capture_heldout(src.model, tgt.model, windows.heldout, queries=True, batch_size=cfg.batch_size)
+
+    # Layer plan: which source layers feed each target layer.
+    if card.same_depth:
+        plan: list[tuple[int, ...]] = [(i,) for i in range(t.num_layers)]
+    else:
+        n_screen = max(1, min(len(windows.train), cfg.screen_tokens // cfg.window))
+        plan, _ = screen_sources(src.model, tgt.model, windows.train[:n_screen], heldout, src_rope, tgt_rope,
+                                 spec.top_k, spec.key_space, cfg.batch_size)
+        say("layer plan: " + ", ".join(f"{i}<-{list(p)}" for i, p in enumerate(plan)))
+
+    stats = accumulate_stats(src.model, tgt.model, windows.train, plan, s, t, src_rope, tgt_rope, spec.key_space,
+                             batch_size=cfg.batch_size, progress=progress)
+
+    # Per-layer selection.
+    judge = KLJudge(tgt.model, heldout, spec.kl_suffix_tokens)
+    kv_map, choices, scores = select_layers(stats, spec, plan, s, t, src_rope, tgt_rope, judge, heldout,
+                                            sweeps=cfg.sweeps, progress=progress)
+    identity = identity_map(src.model.config, tgt.model.config) if card.identical_layout else None
+    summary: dict[str, float | None] = {
+        "kl": judge.kl(kv_map.apply(judge.source_prefix)),
+        "kl_identity": judge.kl(identity.apply(judge.source_prefix)) if identity is not None else None,
+        "suffix_tokens": float(judge.m),
+        "windows": float(heldout.ids.shape[0]),
+    }
+    if spec.selection == "kl":
+        from mappings.assemble import fit_kv_map
+
+        default_map = fit_kv_map(stats, spec, plan, s, t, src_rope, tgt_rope)
+        summary["kl_default_alpha"] = judge.kl(default_map.apply(judge.source_prefix))
+    with torch.no_grad():
+        metrics = layer_metrics(kv_map, heldout, tgt.model, identity)
+    for i, row in enumerate(metrics):
+        if scores[i]:
+            row["kl_by_option"] = scores[i]
+            if spec.selection == "kl":
+                row["kl"] = scores[i][_option_name(choices[i])]
+    say(f"held-out KL {summary['kl']:.4f}" + (
+        f" (source KV unchanged: {summary['kl_identity']:.4f})" if summary["kl_identity"] is not None else ""))
+
+    manifest = MappingManifest(
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        source=ModelInfo(**model_info(src)),
+        target=ModelInfo(**model_info(tgt)),
+        method=spec,
+        layer_plan=[
+            LayerPlanEntry(target_layer=i, sources=list(plan[i]), mode=lm.mode, alpha=lm.alpha,
+                           bias=lm.mode == "map" and lm.k_bias is not None, form=lm.form, anchored=lm.anchored)
+            for i, lm in enumerate(kv_map.layers)
+        ],
+        calibration=CalibrationInfo(
+            corpus_sha256=windows.digest, corpus_names=windows.names,
+            token_count=len(windows.train) * cfg.window, heldout_tokens=len(windows.heldout) * cfg.window,
+            window=cfg.window, stride=windows.stride, train_windows=len(windows.train),
+            heldout_windows=len(windows.heldout),
+            heldout_from=windows.heldout_from, seconds=round(time.perf_counter() - started, 3),
+        ),
+        metrics=[LayerMetrics(**row) for row in metrics],
+        heldout=summary,
+        pair_differences=card.differences,
+        tensors=FileRecord(name="mapping.safetensors", sha256="", bytes=0),
+    )
+    return Mapping(kv_map, manifest, stats)

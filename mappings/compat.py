@@ -1,0 +1,215 @@
+"""Pair compatibility: may this source's KV be carried into this target, and what must be bridged?
+
+Different tokenizers are refused (same text must give the same ids, or the positions of the two
+caches mean different things). Everything a map can bridge — RoPE base or scaling, KV-head count,
+head size, depth, dtype — is listed on the :class:`PairCard` and handled by the fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mappings.errors import TokenizerMismatchError
+
+__all__ = ["ModelCard", "PairCard", "check_pair", "compare_tokenizers", "model_card", "PROBE_TEXT"]
+
+PROBE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. def parse(line):\n    return [int(x) for x in "
+    "line.split(',')]  # 1234567890 ÄÖÜ ß 日本語 — “quotes” <tag> & co."
+)
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The facts about one model that decide how its cache is laid out."""
+
+    name: str
+    """Path or class name."""
+    model_type: str
+    """transformers model_type (llama, qwen2, ...)."""
+    num_layers: int
+    """Decoder layers."""
+    num_attention_heads: int
+    """Query heads."""
+    kv_heads: int
+    """Key/value heads."""
+    head_dim: int
+    """Head size."""
+    hidden_size: int
+    """Residual width."""
+    vocab_size: int
+    """Embedding rows."""
+    max_positions: int | None
+    """Maximum positions (max_position_embeddings)."""
+    rope: dict[str, Any]
+    """RoPE type and parameters."""
+    dtype: str
+    """Parameter dtype."""
+
+
+def model_card(model_or_config: Any, name: str | None = None) -> ModelCard:
+    """Describe a model (or a bare config)."""
+    from mappings.capture import kv_shape
+    from mappings.rope import RopeSpec
+
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    shape = kv_shape(config)
+    if hasattr(model_or_config, "parameters"):
+        from mappings.cache_io import model_dtype
+
+        dtype = str(model_dtype(model_or_config)).replace("torch.", "")
+    else:
+        dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").replace("torch.", "")
+    rope = RopeSpec.from_config(config)
+    return ModelCard(
+        name=name or str(getattr(config, "_name_or_path", "") or type(model_or_config).__name__),
+        model_type=str(getattr(config, "model_type", "?")),
+        num_layers=shape.num_layers,
+        num_attention_heads=int(config.num_attention_heads),
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(getattr(config, "vocab_size", 0) or 0),
+        max_positions=getattr(config, "max_position_embeddings", None),
+        rope=rope.describe(),
+        dtype=dtype,
+    )
+
+
+def compare_tokenizers(source: Any, target: Any, probe_text: str = PROBE_TEXT) -> list[str]:
+    """Human-readable differences between two tokenizers (empty when they agree)."""
+    problems: list[str] = []
+    va, vb = source.get_vocab(), target.get_vocab()
+    if len(va) != len(vb):
+        problems.append(f"vocabulary sizes differ ({len(va)} vs {len(vb)} tokens)")
+    differing = [tok for tok, i in va.items() if vb.get(tok) != i]
+    if differing:
+        examples = ", ".join(f"{tok!r}: {va[tok]} vs {vb.get(tok)}" for tok in sorted(differing)[:3])
+        problems.append(f"{len(differing)} tokens have different ids (e.g. {examples})")
+    sa = {k: str(v) for k, v in source.special_tokens_map.items()}
+    sb = {k: str(v) for k, v in target.special_tokens_map.items()}
+    for key in sorted(set(sa) | set(sb)):
+        if sa.get(key) != sb.get(key):
+            problems.append(f"special token {key} differs ({sa.get(key)!r} vs {sb.get(key)!r})")
+    ia = source(probe_text, add_special_tokens=False)["input_ids"]
+    ib = target(probe_text, add_special_tokens=False)["input_ids"]
+    if ia != ib:
+        first = next((i for i, (x, y) in enumerate(zip(ia, ib, strict=False)) if x != y), min(len(ia), len(ib)))
+        problems.append(
+            f"the probe text tokenizes differently ({len(ia)} vs {len(ib)} ids, first difference at token {first})"
+        )
+    return problems
+
+
+@dataclass
+class PairCard:
+    """What a source→target pair shares and what a map has to bridge."""
+
+    source: ModelCard
+    """The model whose cache is carried."""
+    target: ModelCard
+    """The model that receives it."""
+    tokenizer: str = "identical"
+    """Tokenizer verdict (only identical tokenizers get a card)."""
+    differences: list[str] = field(default_factory=list)
+    """Bridgeable differences, one line each."""
+
+    @property
+    def same_kv_heads(self) -> bool:
+        return self.source.kv_heads == self.target.kv_heads
+
+    @property
+    def same_kv_shape(self) -> bool:
+        """Equal KV heads and head size per layer (depth may still differ)."""
+        return self.same_kv_heads and self.source.head_dim == self.target.head_dim
+
+    @property
+    def same_depth(self) -> bool:
+        return self.source.num_layers == self.target.num_layers
+
+    @property
+    def same_rope(self) -> bool:
+        return self.source.rope == self.target.rope
+
+    @property
+    def identical_layout(self) -> bool:
+        """Source KV could be reused unchanged (same depth, heads, head size)."""
+        return self.same_kv_shape and self.same_depth
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": asdict(self.source), "target": asdict(self.target), "tokenizer": self.tokenizer,
+                "differences": list(self.differences)}
+
+    def render(self) -> str:
+        """A readable multi-line card."""
+        rows = [
+            ("model", self.source.name, self.target.name),
+            ("type", self.source.model_type, self.target.model_type),
+            ("layers", self.source.num_layers, self.target.num_layers),
+            ("q heads", self.source.num_attention_heads, self.target.num_attention_heads),
+            ("kv heads", self.source.kv_heads, self.target.kv_heads),
+            ("head dim", self.source.head_dim, self.target.head_dim),
+            ("hidden", self.source.hidden_size, self.target.hidden_size),
+            ("rope", _rope_text(self.source.rope), _rope_text(self.target.rope)),
+            ("max positions", self.source.max_positions, self.target.max_positions),
+            ("dtype", self.source.dtype, self.target.dtype),
+        ]
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(len(str(r[1])) for r in rows)
+        lines = ["pair card", f"  {'':{w0}}  {'source':{w1}}  target"]
+        for label, a, b in rows:
+            mark = "" if a == b or label == "model" else "   <- differs"
+            lines.append(f"  {label:{w0}}  {a!s:{w1}}  {b}{mark}")
+        lines.append(f"  tokenizer: {self.tokenizer}")
+        if self.differences:
+            lines.append("  bridged by the map:")
+            lines.extend(f"    - {d}" for d in self.differences)
+        else:
+            lines.append("  no differences to bridge")
+        return "\n".join(lines)
+
+
+def _rope_text(rope: dict[str, Any]) -> str:
+    if rope.get("rope_type") == "none":
+        return "none"
+    extra = {k: v for k, v in rope.items() if k not in {"rope_type", "rope_theta", "head_dim"}}
+    text = f"{rope.get('rope_type')} θ={rope.get('rope_theta')}"
+    return text + (f" {extra}" if extra else "")
+
+
+def check_pair(
+    source: Any,
+    source_tokenizer: Any,
+    target: Any,
+    target_tokenizer: Any,
+    *,
+    source_name: str | None = None,
+    target_name: str | None = None,
+    probe_text: str = PROBE_TEXT,
+) -> PairCard:
+    """Compare a pair; raises :class:`TokenizerMismatchError` naming the difference for different tokenizers."""
+    problems = compare_tokenizers(source_tokenizer, target_tokenizer, probe_text)
+    if problems:
+        raise TokenizerMismatchError(
+            "source and target tokenizers differ, so their caches cannot be mapped: "
+            + "; ".join(problems)
+            + ". Pick two models of one family (same tokenizer)."
+        )
+    s, t = model_card(source, source_name), model_card(target, target_name)
+    diffs = []
+    if s.num_layers != t.num_layers:
+        diffs.append(f"depth {s.num_layers} -> {t.num_layers} layers: each target layer is fed by its best source layers")
+    if s.kv_heads != t.kv_heads:
+        diffs.append(f"KV heads {s.kv_heads} -> {t.kv_heads}: per-layer maps over all heads")
+    if s.head_dim != t.head_dim:
+        diffs.append(f"head size {s.head_dim} -> {t.head_dim}: per-layer maps over all heads")
+    if s.rope != t.rope:
+        diffs.append(f"RoPE {_rope_text(s.rope)} -> {_rope_text(t.rope)}: keys mapped with RoPE stripped, target RoPE re-applied")
+    if s.dtype != t.dtype:
+        diffs.append(f"dtype {s.dtype} -> {t.dtype}: fitted in fp32, cast to the target dtype")
+    if s.max_positions != t.max_positions:
+        diffs.append(f"max positions {s.max_positions} -> {t.max_positions}: documents must fit the target")
+    return PairCard(s, t, "identical (vocabulary, special tokens, probe ids)", diffs)

@@ -1,0 +1,360 @@
+"""The honest table: how close does a mapped cache bring the target to its own prefill?
+
+For a document, the first ``N`` tokens become the cache (re-prefilled by the target as the
+truth, or prefilled by the source and mapped), the next ``M`` tokens are fed as real input, and
+the target's next-token distributions over those ``M`` positions are compared with the truth:
+
+- ``kl``: mean ``KL(p_true || p_method)`` (nats); ``top1``: argmaxes agree; ``top5``: the true
+  argmax is in the method's top 5; ``nll_delta``: mean NLL difference on the document's own next
+  tokens; ``greedy_agreement``: greedy tokens generated after the suffix until the first one that
+  differs from the truth's (out of ``greedy_tokens``);
+- ``map_seconds``: producing the target cache from the source cache; ``prefill_seconds``: target
+  forward passes spent on the prefix (the whole prefix for ``reprefill``, the tail for ``+tail``).
+
+Methods: ``reprefill`` (truth), ``identity`` (source KV unchanged, identical layouts only),
+``ridge`` / ``anchored`` / ``perhead_rope`` (refitted from the mapping's stored calibration
+statistics), the mapping's own method, and tail-recompute variants. Single-layer replacement
+(one layer mapped, the rest true) and error accumulation (layers ``0..k`` mapped) are reported
+per layer for the mapping's own method.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mappings.errors import DocumentTooLongError, DocumentTooShortError
+
+if TYPE_CHECKING:
+    import torch
+
+    from mappings.apply import LinearKVMap
+    from mappings.store import Mapping
+
+__all__ = ["MethodResult", "LayerCurvePoint", "EvaluationReport", "evaluate", "write_report", "plot_layer_curves",
+           "BASELINES"]
+
+BASELINES = ("identity", "ridge", "anchored", "perhead_rope")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MethodResult(_Model):
+    """One row of the table."""
+
+    method: str
+    kl: float = Field(description="mean KL(target's own prefill || method) over the suffix, nats")
+    top1: float = Field(description="fraction of suffix positions whose argmax agrees with the truth")
+    top5: float = Field(description="fraction where the truth's argmax is in the method's top 5")
+    nll_delta: float = Field(description="mean NLL(method) - NLL(truth) of the document's next tokens")
+    map_seconds: float = Field(description="seconds to produce the target cache from the source cache")
+    prefill_seconds: float = Field(description="seconds of target forward passes spent on the prefix")
+    greedy_agreement: int | None = Field(default=None, description="greedy tokens before the first divergence")
+    greedy_tokens: int = Field(default=0, description="greedy tokens compared")
+
+
+class LayerCurvePoint(_Model):
+    """KL when some layers are mapped and the others are the target's own."""
+
+    layer: int
+    kl: float
+    top1: float
+
+
+class EvaluationReport(_Model):
+    """Everything ``orchestra evaluate`` prints and writes."""
+
+    mapping: str | None
+    mapping_method: str
+    source: dict[str, Any] = Field(description="path and fingerprint of the source")
+    target: dict[str, Any] = Field(description="path and fingerprint of the target")
+    document: dict[str, Any] = Field(description="name, sha256 and token counts of the document")
+    prefix_tokens: int
+    suffix_tokens: int
+    tail_tokens: int
+    reference_prefill_seconds: float = Field(description="target prefill of the prefix")
+    source_prefill_seconds: float = Field(description="source prefill of the prefix (paid once, shared)")
+    methods: list[MethodResult]
+    skipped: dict[str, str] = Field(default_factory=dict, description="methods not run, and why")
+    single_layer: list[LayerCurvePoint] = Field(default_factory=list, description="only layer i mapped")
+    accumulation: list[LayerCurvePoint] = Field(default_factory=list, description="layers 0..i mapped")
+    plots: list[str] = Field(default_factory=list)
+
+    def row(self, method: str) -> MethodResult:
+        for r in self.methods:
+            if r.method == method:
+                return r
+        raise KeyError(method)
+
+
+def _greedy(model: Any, cache: Any, first_logits: torch.Tensor, steps: int) -> list[int]:
+    from mappings.cache_io import forward_with_cache
+
+    tokens: list[int] = []
+    nxt = first_logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(steps):
+        tokens.append(int(nxt[0, 0]))
+        if len(tokens) == steps:
+            break
+        logits, cache, _ = forward_with_cache(model, nxt, cache)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+    return tokens
+
+
+def _first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _baseline_maps(mapping: Mapping, names: Sequence[str], identical_layout: bool, source_config: Any,
+                   target_config: Any) -> tuple[dict[str, LinearKVMap], dict[str, str]]:
+    from mappings.apply import identity_map
+    from mappings.assemble import fit_kv_map
+    from mappings.methods import METHODS
+
+    maps: dict[str, LinearKVMap] = {}
+    skipped: dict[str, str] = {}
+    km = mapping.kv_map
+    s, t = km.source_shape, km.target_shape
+    plan = [lm.sources for lm in km.layers]
+    for name in names:
+        if name == "identity":
+            if identical_layout:
+                maps[name] = identity_map(source_config, target_config)
+            else:
+                skipped[name] = "source and target cache layouts differ: the source KV cannot be reused unchanged"
+            continue
+        if name == mapping.manifest.method.name:
+            continue  # the mapping's own row covers it
+        spec = METHODS[name]
+        if spec.needs_same_shape and (s.kv_heads, s.head_dim) != (t.kv_heads, t.head_dim):
+            skipped[name] = "needs equal KV heads and head size"
+            continue
+        if spec.granularity == "head" and s.kv_heads != t.kv_heads:
+            skipped[name] = "needs equal KV head counts"
+            continue
+        if mapping.stats is None:
+            skipped[name] = "the mapping was saved without calibration statistics"
+            continue
+        maps[name] = fit_kv_map(mapping.stats, spec, plan, s, t, km.source_rope, km.target_rope)
+    return maps, skipped
+
+
+def evaluate(
+    mapping: Mapping | str | Path,
+    document: str | Sequence[int],
+    *,
+    source: Any = None,
+    target: Any = None,
+    prefix_tokens: int = 1024,
+    suffix_tokens: int = 32,
+    tail_tokens: int = 64,
+    greedy_tokens: int = 64,
+    baselines: Sequence[str] = BASELINES,
+    layer_curves: bool = True,
+    document_name: str = "document",
+    device: str = "cpu",
+    progress: bool = False,
+) -> EvaluationReport:
+    """Evaluate a mapping (directory or loaded) on one document; see the module docstring.
+
+    ``source``/``target`` default to the model folders recorded in the manifest; their
+    fingerprints are checked against the mapping (:class:`StaleMappingError`).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from mappings.cache_io import (
+        build_cache,
+        cache_layers,
+        forward_with_cache,
+        model_device,
+        model_dtype,
+        prefill,
+        slice_layers,
+    )
+    from mappings.capture import kv_shape
+    from mappings.metrics import next_token_agreement
+    from mappings.models import load_model
+    from mappings.store import check_fingerprints, load_mapping, read_manifest
+
+    mapping_dir = None
+    if isinstance(mapping, (str, Path)):
+        mapping_dir = Path(mapping)
+        manifest = read_manifest(mapping_dir)
+        source = source if source is not None else manifest.source.path
+        target = target if target is not None else manifest.target.path
+        if source is None or target is None:
+            raise ValueError("the mapping does not record model folders: pass source= and target=")
+    else:
+        manifest = mapping.manifest
+        mapping_dir = mapping.path
+        source = source if source is not None else manifest.source.path
+        target = target if target is not None else manifest.target.path
+    src = load_model(source, device=device)
+    tgt = load_model(target, device=device)
+    if isinstance(mapping, (str, Path)):
+        mapping = load_mapping(mapping, src.fingerprint, tgt.fingerprint, device=device, with_stats=True)
+    else:
+        check_fingerprints(mapping.manifest, src.fingerprint, tgt.fingerprint)
+
+    # ---- the document
+    if isinstance(document, str):
+        doc_sha = hashlib.sha256(document.encode("utf-8")).hexdigest()
+        ids_all = tgt.tokenizer(document, add_special_tokens=False)["input_ids"]
+    else:
+        ids_all = list(document)
+        doc_sha = hashlib.sha256(",".join(map(str, ids_all)).encode()).hexdigest()
+    n, m = int(prefix_tokens), int(suffix_tokens)
+    if n < 1 or m < 1:
+        raise ValueError("prefix and suffix need at least one token each")
+    if len(ids_all) < n + m:
+        raise DocumentTooShortError(
+            f"{document_name} has {len(ids_all)} tokens, the evaluation needs prefix {n} + suffix {m}: "
+            "pass a longer document or lower --prefix-tokens / --suffix-tokens"
+        )
+    need = n + m + greedy_tokens
+    for side, model in (("source", src.model), ("target", tgt.model)):
+        limit = getattr(model.config, "max_position_embeddings", None)
+        span = n if side == "source" else need
+        if limit is not None and span > limit:
+            raise DocumentTooLongError(
+                f"the evaluated span ({span} tokens) exceeds the {side}'s {limit} positions: "
+                "lower --prefix-tokens (or --greedy-tokens)"
+            )
+    ids = torch.tensor(ids_all[: n + m + 1])[None]
+    prefix, suffix = ids[:, :n], ids[:, n : n + m]
+    labels = torch.full((1, m), -100, dtype=torch.long)
+    nxt = ids[0, n + 1 : n + m + 1]
+    labels[0, : nxt.numel()] = nxt
+    tail = max(0, min(int(tail_tokens), n - 1))
+    dev, dt, cfg = model_device(tgt.model), model_dtype(tgt.model), tgt.model.config
+
+    # ---- truth
+    t0 = time.perf_counter()
+    _, true_cache = prefill(tgt.model, prefix)
+    ref_seconds = time.perf_counter() - t0
+    true_layers = [(k, v) for k, v in cache_layers(true_cache)]
+    true_logits, after, _ = forward_with_cache(tgt.model, suffix, build_cache(true_layers, cfg))
+    true_greedy = _greedy(tgt.model, after, true_logits, greedy_tokens) if greedy_tokens else []
+
+    t0 = time.perf_counter()
+    _, src_cache = prefill(src.model, prefix)
+    src_seconds = time.perf_counter() - t0
+    src_layers = [(k, v) for k, v in cache_layers(src_cache)]
+
+    identical = kv_shape(src.model.config) == kv_shape(tgt.model.config)
+    maps, skipped = _baseline_maps(mapping, [b for b in baselines if b != "reprefill"], identical,
+                                   src.model.config, tgt.model.config)
+    own = mapping.manifest.method.name
+    maps[own] = mapping.kv_map
+    order = [b for b in baselines if b in maps] + ([own] if own not in baselines else [])
+
+    def score(name: str, cache: Any, map_s: float, prefill_s: float) -> MethodResult:
+        logits, after_m, _ = forward_with_cache(tgt.model, suffix, cache)
+        agree = next_token_agreement(true_logits.float(), logits.float(), labels.to(logits.device))
+        greedy = _greedy(tgt.model, after_m, logits, greedy_tokens) if greedy_tokens else []
+        return MethodResult(
+            method=name, kl=agree["kl"], top1=agree["top1"], top5=agree["top5"], nll_delta=agree["nll_delta"],
+            map_seconds=map_s, prefill_seconds=prefill_s,
+            greedy_agreement=_first_divergence(true_greedy, greedy) if greedy_tokens else None,
+            greedy_tokens=greedy_tokens,
+        )
+
+    results = [score("reprefill", build_cache(true_layers, cfg), 0.0, ref_seconds)]
+    tail_rows = [own] + (["identity"] if "identity" in maps else []) if tail else []
+    bar = tqdm(total=len(order) + len(tail_rows), desc="evaluating", disable=not progress)
+    mapped_own: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    for name in order:
+        t0 = time.perf_counter()
+        mapped = maps[name].apply(src_layers, device=dev, dtype=dt)
+        cache = build_cache(mapped, cfg)
+        map_s = time.perf_counter() - t0
+        if name == own:
+            mapped_own = mapped
+        results.append(score(name, cache, map_s, 0.0))
+        bar.update(1)
+    for name in tail_rows:
+        t0 = time.perf_counter()
+        cache = build_cache(maps[name].apply(slice_layers(src_layers, 0, n - tail), device=dev, dtype=dt), cfg)
+        map_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _, cache = forward_with_cache(tgt.model, prefix[:, n - tail :], cache)[:2]
+        results.append(score(f"{name}+tail{tail}", cache, map_s, time.perf_counter() - t0))
+        bar.update(1)
+    bar.close()
+
+    single: list[LayerCurvePoint] = []
+    accum: list[LayerCurvePoint] = []
+    if layer_curves and mapped_own is not None:
+        for i in range(len(true_layers)):
+            mixed = list(true_layers)
+            mixed[i] = mapped_own[i]
+            logits, _, _ = forward_with_cache(tgt.model, suffix, build_cache(mixed, cfg))
+            a = next_token_agreement(true_logits.float(), logits.float())
+            single.append(LayerCurvePoint(layer=i, kl=a["kl"], top1=a["top1"]))
+            mixed = list(mapped_own[: i + 1]) + list(true_layers[i + 1 :])
+            logits, _, _ = forward_with_cache(tgt.model, suffix, build_cache(mixed, cfg))
+            a = next_token_agreement(true_logits.float(), logits.float())
+            accum.append(LayerCurvePoint(layer=i, kl=a["kl"], top1=a["top1"]))
+
+    return EvaluationReport(
+        mapping=str(mapping_dir) if mapping_dir is not None else None,
+        mapping_method=own,
+        source={"path": str(src.path) if src.path else None, "fingerprint": src.fingerprint.as_dict()},
+        target={"path": str(tgt.path) if tgt.path else None, "fingerprint": tgt.fingerprint.as_dict()},
+        document={"name": document_name, "sha256": doc_sha, "tokens": len(ids_all)},
+        prefix_tokens=n, suffix_tokens=m, tail_tokens=tail,
+        reference_prefill_seconds=ref_seconds, source_prefill_seconds=src_seconds,
+        methods=results, skipped=skipped, single_layer=single, accumulation=accum,
+    )
+
+
+def plot_layer_curves(report: EvaluationReport, path: str | Path) -> Path:
+    """PNG of single-layer-replacement KL and the error-accumulation curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    path = Path(path)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [p.layer for p in report.single_layer]
+    axes[0].bar(xs, [p.kl for p in report.single_layer], color="tab:blue")
+    axes[0].set_title("single-layer replacement (one layer mapped)")
+    axes[0].set_xlabel("target layer")
+    axes[0].set_ylabel("mean KL vs re-prefill (nats)")
+    axes[1].plot([p.layer for p in report.accumulation], [p.kl for p in report.accumulation], marker="o")
+    axes[1].set_title("error accumulation (layers 0..k mapped)")
+    axes[1].set_xlabel("k")
+    axes[1].set_ylabel("mean KL vs re-prefill (nats)")
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(f"{report.mapping_method}: {report.document.get('name')} prefix {report.prefix_tokens}, "
+                 f"suffix {report.suffix_tokens}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: EvaluationReport, json_path: str | Path, *, plots: bool = True) -> EvaluationReport:
+    """Write the report as JSON (and the layer-curve PNG next to it); returns the report with plot paths."""
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    if plots and report.single_layer:
+        png = plot_layer_curves(report, json_path.with_name(json_path.stem + "_layers.png"))
+        report = report.model_copy(update={"plots": [str(png)]})
+    json_path.write_text(report.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    return report

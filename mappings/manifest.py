@@ -1,0 +1,147 @@
+"""The JSON manifest of a saved mapping (pydantic): what it maps, how it was fitted, how good it is.
+
+Its identity fields double as the cache key of any KV produced with it (the seed's section 5.3:
+source and target model versions, dtype, RoPE parameters, mapping version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mappings.methods import MethodSpec
+
+__all__ = [
+    "MAPPING_VERSION",
+    "MANIFEST_FILE",
+    "TENSORS_FILE",
+    "STATS_FILE",
+    "ModelInfo",
+    "LayerPlanEntry",
+    "KVFitMetrics",
+    "LayerMetrics",
+    "CalibrationInfo",
+    "FileRecord",
+    "MappingManifest",
+]
+
+MAPPING_VERSION = 1
+"""Bump whenever the on-disk format or the meaning of a stored tensor changes."""
+
+MANIFEST_FILE = "manifest.json"
+TENSORS_FILE = "mapping.safetensors"
+STATS_FILE = "stats.safetensors"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelInfo(_Model):
+    """One side of the pair."""
+
+    path: str | None = Field(default=None, description="where the model was loaded from, if a folder")
+    fingerprint: dict[str, str] = Field(description="sha256 of config, weights, tokenizer and combined")
+    dtype: str = Field(description="parameter dtype at calibration")
+    kv_shape: dict[str, int] = Field(description="num_layers, kv_heads, head_dim")
+    rope: dict[str, Any] = Field(description="RoPE type and parameters")
+    config: dict[str, Any] = Field(description="the model config (to rebuild RoPE without the model)")
+
+
+class LayerPlanEntry(_Model):
+    """How one target layer is produced."""
+
+    target_layer: int = Field(description="target layer index")
+    sources: list[int] = Field(description="source layers concatenated as input")
+    mode: Literal["map", "passthrough"] = Field(description="mapped, or source layer copied unchanged")
+    alpha: float | None = Field(default=None, description="chosen relative ridge strength (None: pass-through)")
+    bias: bool = Field(default=False, description="whether a bias tensor is stored")
+    form: Literal["passthrough", "dense", "lowrank"] = Field(
+        default="dense", description="how the weights are stored: one matrix, or low-rank factors"
+    )
+    anchored: bool = Field(default=False, description="low-rank form: identity anchor added to the factors")
+
+
+class KVFitMetrics(_Model):
+    """Held-out fit quality of one tensor kind in one layer."""
+
+    cosine: float = Field(description="mean per-token cosine(mapped, true), all heads together")
+    rel_mse: float = Field(description="‖mapped − true‖² / ‖true‖²")
+    r2: float = Field(description="1 − SSE / centred total sum of squares")
+
+
+class LayerMetrics(_Model):
+    """Held-out metrics of one target layer."""
+
+    layer: int
+    keys: KVFitMetrics = Field(description="keys, compared as cached (target RoPE applied)")
+    values: KVFitMetrics
+    attn_cosine: float | None = Field(
+        default=None,
+        description="cosine of the target's attention output (true Q) with mapped vs true K/V of this layer",
+    )
+    identity_attn_cosine: float | None = Field(default=None, description="same with the source K/V unchanged")
+    kl: float | None = Field(default=None, description="held-out next-token KL after the selection sweep")
+    kl_by_option: dict[str, float] | None = Field(default=None, description="held-out KL of each option tried")
+
+
+class CalibrationInfo(_Model):
+    """What the map was fitted on."""
+
+    corpus_sha256: str = Field(description="sha256 over the calibration texts (in order)")
+    corpus_names: list[str] = Field(default_factory=list, description="names of the calibration texts")
+    token_count: int = Field(description="tokens the map was fitted on")
+    heldout_tokens: int = Field(description="tokens used for selection and metrics")
+    window: int = Field(description="tokens per window")
+    stride: int = Field(description="start-to-start distance of the fitting windows (< window: overlapping)")
+    train_windows: int
+    heldout_windows: int
+    heldout_from: str = Field(description="where the held-out windows came from")
+    seconds: float = Field(description="wall time of the calibration")
+
+
+class FileRecord(_Model):
+    """A tensor file of the mapping directory."""
+
+    name: str
+    sha256: str
+    bytes: int
+
+
+class MappingManifest(_Model):
+    """Everything about a saved mapping except its tensors."""
+
+    mapping_version: int = Field(default=MAPPING_VERSION, description="format version of the mapping")
+    created_at: str = Field(description="UTC time of creation, ISO 8601")
+    source: ModelInfo
+    target: ModelInfo
+    method: MethodSpec
+    layer_plan: list[LayerPlanEntry]
+    calibration: CalibrationInfo
+    metrics: list[LayerMetrics] = Field(default_factory=list)
+    heldout: dict[str, float | None] = Field(default_factory=dict, description="held-out KL summary")
+    pair_differences: list[str] = Field(default_factory=list, description="bridged differences (pair card)")
+    tensors: FileRecord
+    stats: FileRecord | None = Field(default=None, description="calibration statistics (for refitting baselines)")
+
+    def cache_key(self) -> dict[str, Any]:
+        """Fields that must all match before KV mapped with this mapping may be reused (seed §5.3)."""
+        return {
+            "source_fingerprint": self.source.fingerprint["combined"],
+            "target_fingerprint": self.target.fingerprint["combined"],
+            "source_rope": self.source.rope,
+            "target_rope": self.target.rope,
+            "source_dtype": self.source.dtype,
+            "runtime_dtype": self.target.dtype,
+            "mapping_version": self.mapping_version,
+            "method": self.method.name,
+            "mapping_sha256": self.tensors.sha256,
+        }
+
+    def cache_key_digest(self) -> str:
+        """sha256 of :meth:`cache_key` (canonical JSON)."""
+        payload = json.dumps(self.cache_key(), sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()

@@ -1,0 +1,95 @@
+"""Named mapping methods: the hyper-parameters of one way to fit a KV map.
+
+=================  ======================================================================
+``anchored_kl``    identity-anchored ridge per layer; per layer, λ from a grid or "pass the
+                   source KV through unchanged", chosen by held-out next-token KL (default
+                   when KV heads and head size match)
+``ridge_kl``       plain ridge per layer, λ per layer by held-out KL (default otherwise)
+``anchored``       identity-anchored ridge per layer, α = 1 (fixed)
+``perhead_rope``   identity-anchored ridge per KV head on RoPE-stripped keys, α = 1 (fixed)
+``ridge``          plain ridge per layer, α = 0.01, no bias (the paper's formula)
+``paper``          plain ridge per KV head, α = 0.01, no bias (the paper's recipe)
+``lowrank``        ``anchored_kl`` with a rank-limited correction ``W − I``
+=================  ======================================================================
+
+``auto`` picks ``anchored_kl`` or ``ridge_kl`` from the pair's shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mappings.errors import ShapeMismatchError
+
+__all__ = ["MethodSpec", "METHODS", "method_names", "resolve_method"]
+
+
+class MethodSpec(BaseModel):
+    """How to fit one mapping (stored verbatim in the manifest)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="method name")
+    prior: Literal["ridge", "anchored"] = Field(description="regularise W toward 0 (ridge) or toward identity")
+    granularity: Literal["layer", "head"] = Field(description="one map per layer (heads together) or per KV head")
+    bias: Literal["none", "free", "regularized"] = Field(description="bias term: none, unregularised, or shrunk to 0")
+    rank: int | None = Field(default=None, description="rank limit of the correction W − W₀ (None: full rank)")
+    alphas: tuple[float, ...] = Field(description="λ grid, relative to trace(XᵀX)/p")
+    default_alpha: float = Field(description="λ used without selection, and the start of the KL sweep")
+    selection: Literal["none", "kl", "error"] = Field(description="per-layer choice by held-out KL, error, or none")
+    passthrough: bool = Field(default=False, description="allow 'source KV unchanged' as a per-layer choice")
+    key_space: Literal["content", "rotated"] = Field(default="content", description="fit keys with RoPE stripped or as cached")
+    top_k: int = Field(default=2, ge=1, description="source layers feeding each target layer when depths differ")
+    kl_suffix_tokens: int = Field(default=32, ge=1, description="real tokens after the mapped prefix when scoring KL")
+
+    @property
+    def needs_same_shape(self) -> bool:
+        """Identity anchors and pass-through only exist when KV heads and head size match."""
+        return self.prior == "anchored" or self.passthrough
+
+
+_KL_GRID = (0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+
+METHODS: dict[str, MethodSpec] = {
+    "anchored_kl": MethodSpec(name="anchored_kl", prior="anchored", granularity="layer", bias="regularized",
+                              alphas=_KL_GRID, default_alpha=1.0, selection="kl", passthrough=True),
+    "ridge_kl": MethodSpec(name="ridge_kl", prior="ridge", granularity="layer", bias="regularized",
+                           alphas=(0.001, 0.01, 0.1, 1.0), default_alpha=0.01, selection="kl"),
+    "anchored": MethodSpec(name="anchored", prior="anchored", granularity="layer", bias="regularized",
+                           alphas=(1.0,), default_alpha=1.0, selection="none"),
+    "perhead_rope": MethodSpec(name="perhead_rope", prior="anchored", granularity="head", bias="regularized",
+                               alphas=(1.0,), default_alpha=1.0, selection="none"),
+    "ridge": MethodSpec(name="ridge", prior="ridge", granularity="layer", bias="none",
+                        alphas=(0.01,), default_alpha=0.01, selection="none"),
+    "paper": MethodSpec(name="paper", prior="ridge", granularity="head", bias="none",
+                        alphas=(0.01,), default_alpha=0.01, selection="none"),
+    "lowrank": MethodSpec(name="lowrank", prior="anchored", granularity="layer", bias="regularized", rank=32,
+                          alphas=(0.3, 1.0, 3.0), default_alpha=1.0, selection="kl", passthrough=True),
+}
+
+
+def method_names() -> list[str]:
+    """Every name ``--method`` accepts."""
+    return ["auto", *METHODS]
+
+
+def resolve_method(name: str, *, same_kv_shape: bool, same_kv_heads: bool) -> MethodSpec:
+    """The spec for ``name`` on a pair; ``auto`` picks by shape. Raises when the pair cannot use it."""
+    if name == "auto":
+        return METHODS["anchored_kl" if same_kv_shape else "ridge_kl"]
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(method_names())}")
+    spec = METHODS[name]
+    if spec.needs_same_shape and not same_kv_shape:
+        raise ShapeMismatchError(
+            f"method {name!r} anchors to the identity, which needs equal KV heads and head size; "
+            "this pair differs: use --method ridge_kl, ridge or auto"
+        )
+    if spec.granularity == "head" and not same_kv_heads:
+        raise ShapeMismatchError(
+            f"method {name!r} maps each KV head separately, which needs equal KV head counts; "
+            "use a per-layer method (ridge_kl, ridge or auto)"
+        )
+    return spec

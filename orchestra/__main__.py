@@ -1,0 +1,3 @@
+from orchestra.cli import main
+
+main()

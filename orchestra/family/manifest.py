@@ -1,0 +1,90 @@
+"""The family manifest (`family.json`): what each member is, where it lives, how far it is from the root."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestra.errors import MemberNotFoundError
+
+__all__ = ["Divergence", "MemberRecord", "FamilyManifest", "Role", "MANIFEST_NAME", "MEMBER_MARKER"]
+
+MANIFEST_NAME = "family.json"
+MEMBER_MARKER = "member.json"
+Role = Literal["root", "finetuned", "quantized", "distilled", "external"]
+
+
+class Divergence(BaseModel):
+    """How far a member's next-token distribution is from the root's on held-out text."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(description="name of the held-out text")
+    tokens: int = Field(description="number of next-token positions compared")
+    kl: float = Field(description="mean KL(root || member) per position, nats")
+    top1: float = Field(description="fraction of positions where both pick the same top-1 token")
+
+
+class MemberRecord(BaseModel):
+    """One family member."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    role: Role
+    path: str
+    parent: str | None = None
+    made_by: dict[str, Any] = Field(default_factory=dict, description="the recipe that produced it")
+    fingerprint: dict[str, str] = Field(description="sha256 of config, weights, tokenizer and combined")
+    num_layers: int
+    num_parameters: int
+    bytes: int = Field(description="size of the weight files on disk")
+    divergence: Divergence | None = None
+
+
+class FamilyManifest(BaseModel):
+    """The whole family, as written to ``<home>/family/family.json``."""
+
+    model_config = ConfigDict(extra="forbid")
+    family: str = "smollm2"
+    home: str
+    members: dict[str, MemberRecord]
+
+    def member(self, key: str) -> MemberRecord:
+        """Look a member up by name or by role (``root``, ``finetuned``, ``quantized``, ``distilled``)."""
+        if key in self.members:
+            return self.members[key]
+        for record in self.members.values():
+            if record.role == key:
+                return record
+        raise MemberNotFoundError(
+            f"no family member named or with role {key!r}; known: "
+            + ", ".join(f"{r.name} ({r.role})" for r in self.members.values())
+        )
+
+    def member_path(self, key: str) -> Path:
+        return Path(self.member(key).path)
+
+    @classmethod
+    def load(cls, path: Path) -> FamilyManifest:
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+    def save(self, path: Path) -> None:
+        write_json_atomic(path, self.model_dump(mode="json"))
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON next to its destination, then rename, so a reader never sees half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

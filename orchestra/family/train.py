@@ -1,0 +1,159 @@
+"""Reproduce the shipped family deltas (LoRA adapters) from the root model.
+
+Training on this 2-core machine takes tens of minutes, so the adapters are committed under
+``orchestra/family/deltas/`` and ``orchestra family build`` only merges them. This module is the
+exact code that produced them::
+
+    orchestra family train-delta finetuned   # root + LoRA on stdlib docstrings
+    orchestra family train-delta distilled   # root minus 10 layers + LoRA distilled from the root
+
+Checkpoints go to ``<home>/train/<name>/`` every few steps, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["DeltaRecipe", "RECIPES", "train_delta", "DELTAS_DIR"]
+
+DELTAS_DIR = Path(__file__).parent / "deltas"
+
+
+@dataclass(frozen=True)
+class DeltaRecipe:
+    """How one shipped delta is trained."""
+
+    name: str
+    objective: str  # "lm" (next-token loss on the corpus) or "distill" (KL to the root's logits)
+    steps: int
+    seq_len: int = 256
+    batch_size: int = 4
+    lr: float = 1e-3
+    rank: int = 8
+    alpha: int = 16
+    seed: int = 0
+    drop_layers: tuple[int, ...] = ()
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    corpus: str = "stdlib_docstrings"
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+RECIPES: dict[str, DeltaRecipe] = {
+    "finetuned": DeltaRecipe(name="finetuned", objective="lm", steps=80, lr=1e-3),
+    # Later layers of small LMs are the most redundant (ShortGPT-style): drop 10 of the last 12
+    # but keep the final two, which shape the output distribution.
+    "distilled": DeltaRecipe(
+        name="distilled", objective="distill", steps=40, lr=1e-3, drop_layers=tuple(range(18, 28))
+    ),
+}
+
+
+def _batches(token_ids: list[int], recipe: DeltaRecipe):
+    import torch
+
+    window = recipe.seq_len
+    n_windows = len(token_ids) // window
+    data = torch.tensor(token_ids[: n_windows * window]).view(n_windows, window)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    step = 0
+    while True:
+        order = torch.randperm(n_windows, generator=gen)
+        for start in range(0, n_windows - recipe.batch_size + 1, recipe.batch_size):
+            yield step, data[order[start : start + recipe.batch_size]]
+            step += 1
+
+
+def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = None) -> Path:
+    """Train the named delta on the root model; returns the adapter directory."""
+    import torch
+    import torch.nn.functional as F
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from orchestra.family._prune import drop_layers
+    from orchestra.family.corpus import stdlib_docstrings
+
+    recipe = RECIPES[name]
+    out_dir = out_dir or DELTAS_DIR / name
+    ckpt_dir = home / "train" / name
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(recipe.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(root_dir))
+    student = AutoModelForCausalLM.from_pretrained(str(root_dir), dtype=torch.float32)
+    teacher = None
+    if recipe.objective == "distill":
+        teacher = AutoModelForCausalLM.from_pretrained(str(root_dir), dtype=torch.float32).eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+    if recipe.drop_layers:
+        drop_layers(student, list(recipe.drop_layers))
+    lora = LoraConfig(
+        r=recipe.rank, lora_alpha=recipe.alpha, lora_dropout=0.0, target_modules=list(recipe.target_modules),
+        bias="none", init_lora_weights=True,
+    )
+    model = get_peft_model(student, lora)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 10) * max(0.1, 1 - s / recipe.steps))
+
+    start = 0
+    state_file = ckpt_dir / "state.json"
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+        set_peft_model_state_dict(model, load_file(str(ckpt_dir / "adapter.safetensors")))
+        optim.load_state_dict(torch.load(ckpt_dir / "optim.pt", weights_only=True))
+        sched.load_state_dict(state["sched"])
+        start = state["step"]
+
+    ids = tokenizer(stdlib_docstrings())["input_ids"]
+    model.train()
+    bar = tqdm(total=recipe.steps, initial=start, desc=f"train {name}", unit="step")
+    losses: list[float] = []
+    for step, batch in _batches(ids, recipe):
+        if step < start:
+            continue  # replays the data order so a resumed run sees the same batches
+        if step >= recipe.steps:
+            break
+        out = model(input_ids=batch)
+        if teacher is None:
+            loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+        else:
+            with torch.no_grad():
+                t_logits = teacher(input_ids=batch).logits
+            loss = F.kl_div(
+                F.log_softmax(out.logits.flatten(0, 1), -1), F.log_softmax(t_logits.flatten(0, 1), -1),
+                log_target=True, reduction="batchmean",
+            )
+        loss.backward()
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        if (step + 1) % 10 == 0 or step + 1 == recipe.steps:
+            from peft import get_peft_model_state_dict
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(model).items()},
+                      str(ckpt_dir / "adapter.safetensors"))
+            torch.save(optim.state_dict(), ckpt_dir / "optim.pt")
+            state_file.write_text(json.dumps({"step": step + 1, "sched": sched.state_dict()}))
+    bar.close()
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    (out_dir / "README.md").unlink(missing_ok=True)  # peft's model-card template, not ours
+    meta = {
+        "recipe": {**asdict(recipe), "drop_layers": list(recipe.drop_layers), "target_modules": list(recipe.target_modules)},
+        "final_losses": losses[-10:],
+        "trained_with": {"python": platform.python_version(), "torch": torch.__version__},
+        "command": f"orchestra family train-delta {name}",
+    }
+    (out_dir / "recipe.json").write_text(json.dumps(meta, indent=2))
+    return out_dir

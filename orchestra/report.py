@@ -1,0 +1,67 @@
+"""The run report: per agent, which cache it ran on, what the gates said, what it cost and saved."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+__all__ = ["AgentReport", "ModelCacheReport", "RunReport"]
+
+
+class ModelCacheReport(BaseModel):
+    """How the document's cache was obtained for one model."""
+
+    model: str
+    path: Literal["exact", "mapped", "reprefilled"]
+    seconds: float = Field(description="Wall seconds to obtain it (prefill, or map + tail recompute).")
+    store_hit: bool = False
+    mapping: str | None = Field(None, description="Mapping directory used, for mapped caches.")
+    tail_tokens: int = 0
+
+
+class AgentReport(BaseModel):
+    """One agent's outcome."""
+
+    name: str
+    model: str
+    status: Literal["succeeded", "failed", "skipped", "cancelled"]
+    cache_path: Literal["exact", "mapped", "reprefilled"] | None = None
+    gate: list[dict[str, Any]] = Field(default_factory=list, description="Each gate's decision, reason and metrics.")
+    fallback_reason: str | None = None
+    output: str | None = None
+    parsed: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    skip_reason: str | None = None
+    ttft_s: float | None = Field(None, description="Seconds from the run start to this agent's first token.")
+    tokens: int = 0
+    suffix_tokens: int = 0
+    generation_s: float | None = None
+    prefill_s_spent: float = Field(0.0, description="Document prefill seconds spent for this agent (re-prefills).")
+    prefill_s_saved: float = Field(0.0, description="Estimated prefill seconds saved versus re-prefilling for it.")
+
+
+class RunReport(BaseModel):
+    """A whole run."""
+
+    run_id: str
+    pipeline: str
+    source_model: str
+    document_tokens: int
+    agents: list[AgentReport]
+    caches: list[ModelCacheReport]
+    seconds: float
+    prefill_s_spent: float
+    prefill_s_saved: float
+    store_hits: int
+    store_misses: int
+    store_hit_rate: float
+    warnings: list[str] = Field(default_factory=list, description="e.g. mappings calibrated on demand")
+
+    def agent(self, name: str) -> AgentReport:
+        return next(a for a in self.agents if a.name == name)
+
+    @property
+    def succeeded(self) -> list[str]:
+        return [a.name for a in self.agents if a.status == "succeeded"]

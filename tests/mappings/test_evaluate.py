@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mappings.calibrate import calibrate
+from mappings.errors import DocumentTooLongError, DocumentTooShortError, StaleMappingError
+from mappings.evaluate import evaluate, write_report
+from tests.mappings.conftest import TOKENS, WINDOW
+
+PREFIX, SUFFIX, TAIL, GREEDY = 192, 32, 32, 16
+
+
+@pytest.fixture(scope="session")
+def tiny_report(tiny_mapping, document):
+    return evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
+                    greedy_tokens=GREEDY, document_name="gpl-3.txt")
+
+
+def test_report_has_every_method_and_field(tiny_report, tiny_mapping):
+    names = [r.method for r in tiny_report.methods]
+    assert names == ["reprefill", "identity", "ridge", "anchored", "perhead_rope", "anchored_kl",
+                     f"anchored_kl+tail{TAIL}", f"identity+tail{TAIL}"]
+    truth = tiny_report.row("reprefill")
+    assert truth.kl == pytest.approx(0.0, abs=1e-9) and truth.top1 == 1.0 and truth.greedy_agreement == GREEDY
+    assert truth.prefill_seconds > 0 and truth.map_seconds == 0.0
+    for r in tiny_report.methods:
+        assert r.kl >= -1e-9 and 0 <= r.top1 <= 1 and 0 <= r.top5 <= 1
+        assert r.top5 >= r.top1
+        assert 0 <= r.greedy_agreement <= GREEDY
+    assert tiny_report.row(f"anchored_kl+tail{TAIL}").prefill_seconds > 0
+    assert tiny_report.source["fingerprint"]["combined"] == tiny_mapping.mapping.manifest.source.fingerprint["combined"]
+    assert len(tiny_report.single_layer) == len(tiny_report.accumulation) == len(tiny_mapping.mapping.kv_map.layers)
+    assert tiny_report.skipped == {}
+
+
+def test_mapped_beats_source_reuse_on_an_unseen_document(tiny_report):
+    """Measured on the three tiny families: anchored_kl KL is 3-50x below source-KV reuse on gpl-3.txt."""
+    own, reuse = tiny_report.row("anchored_kl"), tiny_report.row("identity")
+    assert own.kl <= reuse.kl * 1.05
+    assert tiny_report.row(f"anchored_kl+tail{TAIL}").kl <= reuse.kl * 1.05
+
+
+def test_accumulation_ends_at_the_full_mapping(tiny_report):
+    last = tiny_report.accumulation[-1]
+    assert last.kl == pytest.approx(tiny_report.row("anchored_kl").kl, rel=1e-4, abs=1e-7)
+    assert tiny_report.accumulation[0].kl == pytest.approx(tiny_report.single_layer[0].kl, rel=1e-6, abs=1e-9)
+
+
+def test_json_and_png_are_written(tiny_report, tmp_path):
+    report = write_report(tiny_report, tmp_path / "eval.json")
+    data = json.loads((tmp_path / "eval.json").read_text())
+    for row in data["methods"]:
+        assert {"method", "kl", "top1", "top5", "nll_delta", "map_seconds", "prefill_seconds"} <= set(row)
+    assert set(data["source"]["fingerprint"]) == {"config", "weights", "tokenizer", "combined"}
+    assert report.plots and (tmp_path / "eval_layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data["single_layer"]) == len(data["accumulation"]) > 0
+
+
+def test_identity_pair_has_near_zero_kl(llama_family, corpus, document):
+    mapping = calibrate(llama_family.parent, llama_family.parent, corpus, tokens=TOKENS, window=WINDOW, progress=False)
+    report = evaluate(mapping, document, source=llama_family.parent, target=llama_family.parent,
+                      prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=0, greedy_tokens=GREEDY,
+                      baselines=("identity",), layer_curves=False)
+    own = report.row("anchored_kl")
+    assert own.kl < 1e-6 and own.top1 == 1.0 and own.greedy_agreement == GREEDY
+    assert report.row("identity").kl < 1e-6
+    assert [r.method for r in report.methods] == ["reprefill", "identity", "anchored_kl"]
+
+
+def test_shape_mismatched_pair_skips_what_cannot_run(llama_family, mha_variant, corpus, document):
+    mapping = calibrate(llama_family.parent, mha_variant, corpus, tokens=TOKENS, window=WINDOW, progress=False)
+    report = evaluate(mapping, document, source=llama_family.parent, target=mha_variant, prefix_tokens=PREFIX,
+                      suffix_tokens=SUFFIX, tail_tokens=TAIL, greedy_tokens=4)
+    assert {"identity", "anchored", "perhead_rope"} <= set(report.skipped)
+    assert [r.method for r in report.methods] == ["reprefill", "ridge", "ridge_kl", f"ridge_kl+tail{TAIL}"]
+    assert all(r.kl == r.kl and r.kl < 10 for r in report.methods)  # finite
+
+
+def test_document_limits(tiny_mapping, document):
+    with pytest.raises(DocumentTooLongError, match="512 positions"):
+        evaluate(tiny_mapping.path, document, prefix_tokens=600, suffix_tokens=8, greedy_tokens=0)
+    with pytest.raises(DocumentTooLongError, match="greedy"):
+        evaluate(tiny_mapping.path, document, prefix_tokens=480, suffix_tokens=16, greedy_tokens=64)
+    with pytest.raises(DocumentTooShortError, match="has 3 tokens"):
+        evaluate(tiny_mapping.path, [5, 6, 7], prefix_tokens=8, suffix_tokens=8)
+
+
+def test_evaluating_with_other_models_is_refused(tiny_mapping, document, llama_family, qwen2_family):
+    fam = tiny_mapping.family
+    other = qwen2_family if fam.arch != "qwen2" else llama_family
+    with pytest.raises(StaleMappingError):
+        evaluate(tiny_mapping.path, document, target=other.child, prefix_tokens=64, suffix_tokens=8)

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestra.family._quantize import quantize_dequantize, quantize_linear_layers
+
+
+def test_each_group_uses_at_most_2_to_the_bits_levels_and_error_is_bounded():
+    torch.manual_seed(0)
+    w = torch.randn(8, 256)
+    q = quantize_dequantize(w, bits=4, group_size=128)
+    groups_w = w.view(8, 2, 128)
+    groups_q = q.view(8, 2, 128)
+    for r in range(8):
+        for g in range(2):
+            levels = torch.unique(groups_q[r, g])
+            assert len(levels) <= 16
+            scale = groups_w[r, g].abs().max() / 7
+            assert (groups_w[r, g] - groups_q[r, g]).abs().max() <= scale / 2 + 1e-6
+    assert not torch.equal(q, w)
+
+
+def test_symmetric_grid_keeps_zero_and_sign():
+    w = torch.tensor([[0.0, 1.0, -1.0, 0.5] * 32])
+    q = quantize_dequantize(w, bits=4, group_size=128)
+    assert q[0, 0] == 0.0
+    assert torch.all(torch.sign(q[0, 1:4]) == torch.sign(w[0, 1:4]))
+
+
+def test_group_size_must_divide_input_features():
+    with pytest.raises(ValueError, match="multiple of group size"):
+        quantize_dequantize(torch.randn(4, 100), bits=4, group_size=128)
+
+
+def test_only_decoder_linear_layers_are_quantized(tiny_family):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_family.parent)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # tiny models have 64/96 input features: use a group that divides both
+    changed = quantize_linear_layers(model, bits=3, group_size=32)
+    after = model.state_dict()
+    assert changed == 7 * model.config.num_hidden_layers
+    assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+    q = after["model.layers.0.self_attn.q_proj.weight"]
+    assert len(torch.unique(q.view(q.shape[0], -1, 32)[0, 0])) <= 8

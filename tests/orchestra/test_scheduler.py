@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestra.errors import CrossFamilyError, DocumentError, PipelineError, UnknownModelError
+from orchestra.events import AgentFailed, AgentSkipped, Fallback, GateResult, RunFinished, TokenEvent
+from orchestra.family.corpus import data_text
+from orchestra.kvstore import KVStore
+from orchestra.mapstore import MappingStore
+from orchestra.pipeline import PipelineSpec
+from orchestra.scheduler import Orchestra
+from tests.tiny_family import build_tiny_family
+
+DOC = data_text("gpl-3.txt")[:320]
+
+
+@pytest.fixture(scope="module")
+def fam(tiny_root):
+    return build_tiny_family(tiny_root, "llama")
+
+
+@pytest.fixture(scope="module")
+def mapstore(tmp_path_factory):
+    corpus = [("mpl", data_text("mpl-2.0.txt")[:6000]), ("apache", data_text("apache-2.0.txt")[:6000])]
+    return MappingStore(tmp_path_factory.mktemp("maps"), tokens=2048, corpus=corpus)
+
+
+def _spec(name, model, upstream=(), task="Summarise the document.", **gen):
+    return {"name": name, "model": model, "upstream": list(upstream),
+            "spec": {"role": "You are careful.", "task": task,
+                     "generation": {"max_new_tokens": gen.get("max_new_tokens", 8), "temperature": 0.0}}}
+
+
+def _pipeline(fam, agents, **extra) -> PipelineSpec:
+    return PipelineSpec.model_validate({
+        "name": "t", "models": {"base": str(fam.parent), "child": str(fam.child), "base2": str(fam.parent)},
+        "source": "base", "default_device": "cpu", "agents": agents, **extra,
+    })
+
+
+async def test_prefill_once_fan_out_and_store_hit(fam, mapstore):
+    pipe = _pipeline(fam, [
+        _spec("a", "base"), _spec("b", "child"), _spec("c", "base2", upstream=["a"], task="Improve: {a}"),
+    ], gate={"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0}})
+    orch = Orchestra(pipe, mappings=mapstore, store=KVStore())
+    events = []
+    report = await orch.run(DOC, on_event=events.append)
+    assert report.succeeded == ["a", "b", "c"]
+    paths = {r.name: r.cache_path for r in report.agents}
+    assert paths == {"a": "exact", "b": "mapped", "c": "exact"}  # base2 is the same weights: exact reuse
+    prefilled = [c for c in report.caches if c.path in {"exact", "reprefilled"}]
+    assert len(prefilled) == 1 and prefilled[0].model == "base"  # the document was prefilled once
+    assert any(isinstance(e, TokenEvent) and e.agent == "b" for e in events)
+    assert isinstance(events[-1], RunFinished)
+    gate = [e for e in events if isinstance(e, GateResult)]
+    assert [g.agent for g in gate] == ["b"] and gate[0].passed and "excess_nll" in gate[0].metrics
+    assert report.agent("b").ttft_s is not None and report.agent("b").prefill_s_saved > 0
+
+    again = await orch.run(DOC)  # same document: exact and mapped caches come from the store
+    assert again.store_hits >= 2
+    assert all(c.store_hit for c in again.caches)
+    assert [a.output for a in again.agents] == [a.output for a in report.agents]
+
+
+def _bad_mapping(mapping):
+    from mappings.apply import LayerMap
+
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for i, _layer in enumerate(mapping.kv_map.layers):
+        width = mapping.kv_map.target_shape.width
+        w = torch.randn(width, width, generator=gen) * 3
+        layers.append(LayerMap((i,), "map", k_weight=w, v_weight=w.clone()))
+    mapping.kv_map.layers = layers
+    return mapping
+
+
+async def test_bad_mapping_falls_back_and_matches_reprefill(fam, mapstore, tmp_path):
+    pipe = _pipeline(fam, [_spec("b", "child", max_new_tokens=12)],
+                     gate={"offline": None, "probe": {"tokens": 16, "max_excess_nll": 0.5}})
+    good = Orchestra(pipe, mappings=mapstore, store=KVStore())
+    source, target = good.registry.load("base"), good.registry.load("child")
+    mapping, _ = mapstore.get(source, target)
+
+    bad_store = MappingStore(tmp_path, corpus=mapstore.corpus, tokens=2048)
+    bad_store._cache[(source.info.fingerprint, target.info.fingerprint)] = _bad_mapping(
+        type(mapping)(mapping.kv_map.__class__(**{**mapping.kv_map.__dict__}), mapping.manifest, None, None))
+    bad_store._probe.update(mapstore._probe)
+    orch = Orchestra(pipe, mappings=bad_store, store=KVStore())
+    orch.registry = good.registry
+    events = []
+    report = await orch.run(DOC, on_event=events.append)
+    agent = report.agent("b")
+    assert agent.cache_path == "reprefilled"
+    assert "probe gate failed" in agent.fallback_reason
+    assert any(isinstance(e, Fallback) for e in events)
+    assert not agent.gate[0]["passed"] and agent.gate[0]["metrics"]["excess_nll"] > 0.5
+
+    baseline = await Orchestra(pipe, mappings=mapstore, store=KVStore(), share_prefill=False).run(DOC)
+    assert agent.output == baseline.agent("b").output
+
+
+async def test_failing_agent_skips_dependents_only(fam, mapstore):
+    agents = [
+        _spec("ok", "base"),
+        {**_spec("slow", "child", max_new_tokens=50), "timeout_s": 0.001},
+        _spec("after", "base", upstream=["slow"], task="Use {slow}"),
+    ]
+    events = []
+    report = await Orchestra(_pipeline(fam, agents), mappings=mapstore).run(DOC, on_event=events.append)
+    assert report.agent("ok").status == "succeeded"
+    assert report.agent("slow").status == "failed" and report.agent("slow").error_type == "TimeoutError"
+    assert report.agent("after").status == "skipped" and "slow" in report.agent("after").skip_reason
+    assert any(isinstance(e, AgentFailed) for e in events) and any(isinstance(e, AgentSkipped) for e in events)
+
+
+async def test_stream_yields_typed_events(fam, mapstore):
+    orch = Orchestra(_pipeline(fam, [_spec("a", "base")]), mappings=mapstore)
+    kinds = [event.kind async for event in orch.stream(DOC)]
+    assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
+    assert "token" in kinds and "agent_finished" in kinds
+    assert orch.last_report is not None and orch.last_report.succeeded == ["a"]
+
+
+async def test_bad_documents(fam, mapstore):
+    orch = Orchestra(_pipeline(fam, [_spec("a", "base")]), mappings=mapstore)
+    with pytest.raises(DocumentError, match="empty"):
+        await orch.run("   ")
+    with pytest.raises(DocumentError, match="takes at most 512"):
+        await orch.run(data_text("gpl-3.txt"))
+
+
+def test_invalid_pipelines_refused_before_loading(fam, tmp_path):
+    with pytest.raises(UnknownModelError, match="neither a family member"):
+        Orchestra(PipelineSpec.model_validate({"models": {"m": str(tmp_path)}, "agents": [_spec("a", "m")]}))
+    with pytest.raises(PipelineError, match="not in its upstream list"):
+        Orchestra(_pipeline(fam, [_spec("a", "base"), _spec("b", "base", task="use {a}")]))
+
+
+def test_other_family_is_refused(fam, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_family import make_tokenizer
+
+    other = tmp_path / "other"
+    AutoModelForCausalLM.from_pretrained(fam.parent).save_pretrained(other)
+    make_tokenizer(vocab_size=300).save_pretrained(other)
+    pipe = PipelineSpec.model_validate({"models": {"base": str(fam.parent), "other": str(other)},
+                                        "source": "base", "agents": [_spec("a", "base"), _spec("b", "other")]})
+    with pytest.raises(CrossFamilyError, match="different tokenizer"):
+        Orchestra(pipe)
