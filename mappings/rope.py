@@ -155,14 +155,15 @@ class RopeSpec:
     def cos_sin(
         self, positions: torch.Tensor, seq_len: int | None = None, device: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Unscaled ``cos``/``sin`` (fp32, shape ``positions.shape + (rotary_dim,)``) and the scaling."""
+        """transformers-style unscaled ``cos``/``sin`` (fp32, ``positions.shape + (rotary_dim,)``) and the scaling."""
         import torch
 
         tables = self.tables(positions, seq_len, device)
-        return torch.cat((tables.cos, tables.cos), -1), torch.cat((tables.sin, tables.sin), -1), tables.scaling
+        half = tables.cos.shape[-1] // 2
+        return tables.cos, torch.cat((tables.sin[..., half:], tables.sin[..., half:]), -1), tables.scaling
 
     def tables(self, positions: torch.Tensor, seq_len: int | None = None, device: Any = None) -> RopeTables:
-        """Half-size cos/sin tables for ``positions`` (reuse them to rotate many layers at once)."""
+        """cos/sin tables for ``positions`` (compute once, reuse to rotate many layers)."""
         import torch
 
         device = positions.device if device is None else device
@@ -170,7 +171,8 @@ class RopeSpec:
             seq_len = int(positions.max().item()) + 1 if positions.numel() else 1
         inv_freq, scaling = self.frequencies(seq_len, device)
         freqs = positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq
-        return RopeTables(freqs.cos(), freqs.sin(), scaling, positions.dim())
+        cos, sin = freqs.cos(), freqs.sin()
+        return RopeTables(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), scaling, positions.dim())
 
     # ----------------------------------------------------------------- rotation
     def _rotate(
@@ -179,8 +181,10 @@ class RopeSpec:
     ) -> torch.Tensor:
         """Rotate pairs ``(i, i + r/2)`` of the first ``r`` dims by ±angle (and scale), in fp32.
 
-        Layouts: ``x`` [B, H, T, D] with positions [T] or [B, T]; ``x`` [N, H, D] with positions [N];
-        with ``heads_last``, ``x`` [B, T, H, D] with positions [T] or [B, T]. The result is contiguous.
+        ``x·cos + swap(x)·sin`` with ``swap(x) = [x₂, x₁]`` and ``sin = [−sin, sin]`` — the same
+        rotation as transformers' ``x·cos + rotate_half(x)·sin``; the inverse negates the angle and
+        divides by the attention scaling. Layouts: ``x`` [B, H, T, D] with positions [T] or [B, T];
+        ``x`` [N, H, D] with positions [N]; with ``heads_last``, ``x`` [B, T, H, D].
         """
         import torch
 
@@ -196,30 +200,27 @@ class RopeSpec:
         if heads_last:
             if x.dim() != 4:
                 raise ValueError(f"heads_last expects [B, T, H, D], got {tuple(x.shape)}")
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [T, 1, h] or [B, T, 1, h]
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [T, 1, r] or [B, T, 1, r]
         elif x.dim() == 4 and tables.position_dims == 1:
-            pass  # [T, h] broadcasts against [B, H, T, h]
+            pass  # [T, r] broadcasts against [B, H, T, r]
         elif (x.dim() == 4 and tables.position_dims == 2) or (x.dim() == 3 and tables.position_dims == 1):
-            cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, h] or [N, 1, h]
+            cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, r] or [N, 1, r]
         else:
             raise ValueError(f"cannot rotate a tensor of shape {tuple(x.shape)} with {tables.position_dims}-d positions")
-        half = cos.shape[-1]
         scale = 1.0 / tables.scaling if inverse else tables.scaling
-        if scale != 1.0:
-            cos, sin = cos * scale, sin * scale
         if inverse:
             sin = -sin
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        rot = cos.shape[-1]
+        half = rot // 2
         work = x if x.dtype == torch.float32 else x.float()
-        x1, x2 = work[..., :half], work[..., half : 2 * half]
-        out = torch.empty(work.shape, dtype=torch.float32, device=work.device)
-        o1, o2 = out[..., :half], out[..., half : 2 * half]
-        torch.mul(x1, cos, out=o1)
-        o1.addcmul_(x2, sin, value=-1.0)
-        torch.mul(x2, cos, out=o2)
-        o2.addcmul_(x1, sin)
-        if 2 * half < work.shape[-1]:
-            out[..., 2 * half :] = work[..., 2 * half :]
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        if rot == work.shape[-1]:
+            swapped = torch.cat((work[..., half:], work[..., :half]), -1)
+            return work * cos + swapped * sin
+        head = work[..., :rot]
+        swapped = torch.cat((head[..., half:], head[..., :half]), -1)
+        return torch.cat((head * cos + swapped * sin, work[..., rot:]), -1)
 
     def apply(
         self, keys: torch.Tensor, positions: torch.Tensor | None = None, seq_len: int | None = None, *,
@@ -238,12 +239,12 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class RopeTables:
-    """Precomputed half-size RoPE tables for one set of positions."""
+    """Precomputed RoPE tables for one set of positions."""
 
     cos: torch.Tensor
-    """``positions.shape + (rotary_dim / 2,)`` cosines (fp32, unscaled)."""
+    """``positions.shape + (rotary_dim,)`` cosines ``[cos, cos]`` (fp32, unscaled)."""
     sin: torch.Tensor
-    """Same shape, sines."""
+    """Same shape, signed sines ``[−sin, sin]``."""
     scaling: float
     """The rope type's attention scaling (1 except yarn/longrope)."""
     position_dims: int

@@ -118,7 +118,7 @@ class MappingStore:
             return mapping, calibrated
 
     def _calibrate(self, source: LoadedModel, target: LoadedModel, path: Path) -> None:
-        from mappings import calibrate
+        from mappings.calibrate import calibrate
 
         mapping = calibrate(
             source.model, target.model, self.corpus, method=self.method, tokens=self.tokens, progress=False,

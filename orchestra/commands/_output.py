@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -10,8 +11,9 @@ from rich.table import Table
 if TYPE_CHECKING:
     from orchestra.family import FamilyManifest
 
-console = Console()
-err_console = Console(stderr=True)
+# Pipes and CI logs get a wide console, so tables are not squeezed into 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
 def family_table(manifest: FamilyManifest) -> Table:

@@ -1,0 +1,57 @@
+"""The scheduler on the real SmolLM2 family: one source prefill, mapped caches elsewhere, gates."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestra.family.corpus import data_text
+from orchestra.kvstore import KVStore
+from orchestra.mapstore import MappingStore
+from orchestra.pipeline import PipelineSpec
+from orchestra.scheduler import Orchestra
+
+pytestmark = pytest.mark.real_model
+
+DOC = data_text("gpl-3.txt")[:2400]
+
+
+def _agent(name, model, task, upstream=()):
+    return {"name": name, "model": model, "upstream": list(upstream),
+            "spec": {"role": "You answer briefly.", "task": task,
+                     "generation": {"max_new_tokens": 12, "temperature": 0.0}}}
+
+
+async def test_prefill_once_map_to_members_and_match_exact_baseline(real_family, tmp_path_factory):
+    pipe = PipelineSpec.model_validate({
+        "name": "real", "models": {"root": "root", "tuned": "finetuned", "quant": "quantized"},
+        "source": "root", "default_device": "cpu",
+        "agents": [
+            _agent("what", "root", "What is this document? One sentence."),
+            _agent("who", "tuned", "Who publishes this licence?"),
+            _agent("free", "quant", "Is the software free of charge?"),
+            _agent("join", "root", "Combine: {who} / {free}", upstream=["who", "free"]),
+        ],
+        "gate": {"offline": {"max_kl": 1.0}, "probe": {"tokens": 16, "max_excess_nll": 1.0, "max_excess_kl": 0.5}},
+    })
+    corpus = [(name, data_text(name)[:12000]) for name in ("mpl-2.0.txt", "apache-2.0.txt")]
+    maps = MappingStore(tmp_path_factory.mktemp("real_maps"), tokens=1024, corpus=corpus)
+    orch = Orchestra(pipe, family=real_family, mappings=maps, store=KVStore())
+    report = await orch.run(DOC)
+
+    assert report.succeeded == ["what", "who", "free", "join"], [(a.name, a.error) for a in report.agents]
+    prefills = [c for c in report.caches if c.path == "exact"]
+    assert [c.model for c in prefills] == ["root"]  # the document was prefilled once, on the source
+    for name in ("who", "free"):
+        agent = report.agent(name)
+        assert agent.cache_path in {"mapped", "reprefilled"}
+        assert {g["gate"] for g in agent.gate} == {"offline", "probe"}
+        assert (agent.cache_path == "reprefilled") == (agent.fallback_reason is not None)
+    mapped = [c for c in report.caches if c.path == "mapped"]
+    assert all(c.mapping and c.tail_tokens == 16 for c in mapped)
+
+    baseline = await Orchestra(pipe, family=real_family, mappings=maps, store=KVStore(), share_prefill=False).run(DOC)
+    # exact caches give exactly the re-prefill outputs under greedy decoding
+    assert report.agent("what").output == baseline.agent("what").output
+    for name in ("who", "free"):
+        if report.agent(name).cache_path == "reprefilled":
+            assert report.agent(name).output == baseline.agent(name).output
