@@ -1,13 +1,18 @@
 """Apply a fitted linear KV map: source cache in, target cache out.
 
 Per target layer ``t`` with source layers ``S_t``: values ``V_t = [V_s for s in S_t] W_v + b_v``;
-keys the same in content space — strip the source RoPE, map, apply the target RoPE. It is a
-few small matmuls per layer, so mapping costs a tiny fraction of the target's own prefill.
+keys the same in content space — strip the source RoPE, map, apply the target RoPE.
+
+Cost: a dense map is two ``width × width`` matmuls per layer and token; for SmolLM2-135M
+(width 192 = 3 KV heads × 64, hidden 576) that is about 2 % of the model's own FLOPs per token,
+so low-rank maps (``W = I + down @ up``) are stored and applied as factors. RoPE is stripped and
+re-applied as one complex multiply on (i, i + d/2) pairs, with the map's key weights reordered to
+pair order once, so keys cost two copies instead of a dozen elementwise passes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from mappings.cache_io import (
@@ -25,7 +30,7 @@ from mappings.rope import RopeSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LayerMap", "LinearKVMap", "map_cache", "tail_recompute", "identity_map"]
+__all__ = ["LayerMap", "LinearKVMap", "map_cache", "tail_recompute", "identity_map", "pair_order_index"]
 
 
 @dataclass
@@ -56,6 +61,25 @@ class LayerMap:
     """``[r, target_width]`` second factor of the low-rank value map."""
     anchored: bool = False
     """Low-rank form only: add the first source layer's features unchanged (the identity anchor)."""
+    _pair_order: dict[Any, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
+
+    def pair_ordered(self, device: Any, in_index: torch.Tensor, out_index: torch.Tensor) -> dict[str, Any]:
+        """Key tensors with features reordered to RoPE pair order (cached per device)."""
+        key = (str(device), in_index.numel(), out_index.numel())
+        if key not in self._pair_order:
+            out: dict[str, Any] = {}
+            for part in ("weight", "down"):
+                t = getattr(self, f"k_{part}")
+                if t is not None:
+                    out[part] = t.to(device)[in_index.to(device)]
+            if self.k_weight is not None:
+                out["weight"] = out["weight"][:, out_index.to(device)].contiguous()
+            if self.k_up is not None:
+                out["up"] = self.k_up.to(device)[:, out_index.to(device)].contiguous()
+            if self.k_bias is not None:
+                out["bias"] = self.k_bias.to(device)[out_index.to(device)].contiguous()
+            self._pair_order[key] = out
+        return self._pair_order[key]
 
     @property
     def form(self) -> str:
@@ -88,6 +112,38 @@ class LayerMap:
                 if t is not None:
                     out[f"{kind}.{part}"] = t
         return out
+
+
+def pair_order_index(heads: int, head_dim: int, copies: int = 1) -> torch.Tensor:
+    """Feature order that puts each RoPE pair ``(i, i + d/2)`` of every head side by side.
+
+    Position ``j`` of the pair-ordered layout holds feature ``index[j]`` of the cache layout
+    (``copies`` repeats the pattern for several concatenated source layers).
+    """
+    import torch
+
+    half = head_dim // 2
+    one = torch.arange(head_dim).view(2, half).T.reshape(-1)  # [0, h, 1, h+1, ...]
+    per_head = torch.cat([h * head_dim + one for h in range(heads)])
+    width = heads * head_dim
+    return torch.cat([c * width + per_head for c in range(copies)])
+
+
+def _to_pairs(k: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D]`` cache keys -> ``[B, T, H, D/2]`` complex pairs (one copy)."""
+    import torch
+
+    b, h, t, d = k.shape
+    pairs = k.reshape(b, h, t, 2, d // 2).permute(0, 2, 1, 4, 3).contiguous()
+    return torch.view_as_complex(pairs)
+
+
+def _from_pairs(z: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H, D/2]`` complex pairs -> ``[B, H, T, D]`` cache layout (one copy)."""
+    import torch
+
+    b, t, h, half = z.shape
+    return torch.view_as_real(z).permute(0, 2, 1, 4, 3).reshape(b, h, t, 2 * half)
 
 
 @dataclass
@@ -143,11 +199,14 @@ class LinearKVMap:
         dtype: Any = None,
         only: set[int] | None = None,
         check_finite: bool = False,
+        fast: bool = True,
     ) -> KVLayers:
         """Map source ``(K, V)`` per layer (``[batch, heads, seq, dim]``) to the target layout.
 
         ``positions`` (``[seq]`` or ``[batch, seq]``, default ``0..seq-1``) are the positions of
         the cached tokens. ``only``: compute just these target layers (others are None).
+        ``fast``: rotate keys as complex pairs when both models rotate whole heads (same result,
+        fewer memory passes); False forces the generic real-valued path.
         """
         import torch
 
@@ -198,6 +257,12 @@ class LinearKVMap:
                 y += x[:, : y.shape[1]]
             return y if b is None else y.add_(b.to(device))
 
+        fast = (fast and content and self.source_rope.full_rotary and self.target_rope.full_rotary
+                and s.head_dim % 2 == 0 and t.head_dim % 2 == 0)
+        if fast:
+            return self._apply_pairs(source_layers, positions, seq_len, device, dtype, only, check_finite,
+                                     source_values, inputs)
+
         out: KVLayers = []
         for ti, lm in enumerate(self.layers):
             if only is not None and ti not in only:
@@ -216,6 +281,73 @@ class LinearKVMap:
             if tgt_tables is not None:
                 k = self.target_rope.apply(k, tables=tgt_tables, heads_last=True)
             k = k.transpose(1, 2)
+            v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
+            if check_finite and not (bool(torch.isfinite(yk).all()) and bool(torch.isfinite(yv).all())):
+                raise NonFiniteKVError(
+                    f"mapped layer {ti} holds NaN/inf: the source cache or the map is broken; recalibrate"
+                )
+            out.append((k.to(dtype), v.to(dtype)))
+        return out
+
+    def _apply_pairs(self, source_layers, positions, seq_len, device, dtype, only, check_finite, source_values,
+                     inputs) -> KVLayers:
+        """Keys via complex RoPE pairs: strip and re-apply are one complex multiply each, and the map's
+        key weights are reordered once to pair order, so keys need two copies instead of a dozen passes."""
+        import torch
+
+        s, t = self.source_shape, self.target_shape
+        k0 = source_layers[0][0]
+        batch, seq = k0.shape[0], k0.shape[2]
+        rows = batch * seq
+        same_rope = self.source_rope.same_as(self.target_rope)
+        unrotate = self.source_rope.phases(positions, seq_len, device, inverse=True).unsqueeze(-2)  # [T|B,T, 1, h]
+        rotate = self.target_rope.phases(positions, seq_len, device).unsqueeze(-2)
+        src_pairs: dict[int, torch.Tensor] = {}
+        out_index = pair_order_index(t.kv_heads, t.head_dim)
+
+        def source_keys(i: int) -> torch.Tensor:  # [B*T, Hs*Ds] content space, pair order
+            if i not in src_pairs:
+                z = _to_pairs(source_layers[i][0].to(device=device, dtype=torch.float32))
+                z.mul_(unrotate)
+                src_pairs[i] = torch.view_as_real(z).reshape(rows, s.width)
+            return src_pairs[i]
+
+        out: KVLayers = []
+        for ti, lm in enumerate(self.layers):
+            if only is not None and ti not in only:
+                out.append((None, None))  # type: ignore[arg-type]
+                continue
+            if lm.mode == "passthrough" and same_rope:
+                k, v = source_layers[lm.sources[0]]
+                out.append((k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)))
+                continue
+            if lm.mode == "passthrough":
+                z = _to_pairs(source_layers[lm.sources[0]][0].to(device=device, dtype=torch.float32))
+                k = _from_pairs(z.mul_(unrotate * rotate))
+                out.append((k.to(dtype), source_layers[lm.sources[0]][1].to(device=device, dtype=dtype)))
+                continue
+            x = inputs(source_keys, lm.sources)
+            w = lm.pair_ordered(device, pair_order_index(s.kv_heads, s.head_dim, len(lm.sources)), out_index)
+            if "weight" in w:
+                yk = x @ w["weight"] if "bias" not in w else torch.addmm(w["bias"], x, w["weight"])
+            else:
+                yk = (x @ w["down"]) @ w["up"]
+                if lm.anchored:
+                    yk += x[:, : yk.shape[1]]
+                if "bias" in w:
+                    yk += w["bias"]
+            z = torch.view_as_complex(yk.view(batch, seq, t.kv_heads, t.head_dim // 2, 2))
+            k = _from_pairs(z.mul_(rotate))
+            xv = inputs(source_values, lm.sources)
+            if lm.v_weight is not None:
+                vw = lm.v_weight.to(device)
+                yv = xv @ vw if lm.v_bias is None else torch.addmm(lm.v_bias.to(device), xv, vw)
+            else:
+                yv = (xv @ lm.v_down.to(device)) @ lm.v_up.to(device)
+                if lm.anchored:
+                    yv += xv[:, : yv.shape[1]]
+                if lm.v_bias is not None:
+                    yv += lm.v_bias.to(device)
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
             if check_finite and not (bool(torch.isfinite(yk).all()) and bool(torch.isfinite(yv).all())):
                 raise NonFiniteKVError(

@@ -86,6 +86,8 @@ def build_cache(
     """A fresh ``DynamicCache`` holding ``layers``, on ``device``/``dtype`` when given.
 
     With ``config`` the cache gets the model's own layer types (e.g. sliding-window layers).
+    Plain full-attention layers take the tensors as they are (no copy; caches never modify
+    their tensors in place); other layer types are filled through ``update``.
     """
     from transformers import DynamicCache
 
@@ -96,8 +98,26 @@ def build_cache(
     for i, (k, v) in enumerate(layers):
         k = k.to(device=device if device is not None else k.device, dtype=dtype if dtype is not None else k.dtype)
         v = v.to(device=device if device is not None else v.device, dtype=dtype if dtype is not None else v.dtype)
-        cache.update(k, v, i)
+        if not _adopt(cache, i, k, v):
+            cache.update(k, v, i)
     return cache
+
+
+def _adopt(cache: Any, index: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Hand ``k``/``v`` to an empty full-attention ``DynamicLayer`` without the copy ``update`` makes."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # transformers without per-layer cache objects
+        return False
+    layers = getattr(cache, "layers", None)
+    if layers is None or index >= len(layers):
+        return False
+    layer = layers[index]
+    if type(layer) is not DynamicLayer or getattr(layer, "is_initialized", True):
+        return False
+    layer.lazy_initialization(k, v)
+    layer.keys, layer.values = k, v
+    return True
 
 
 def cache_kwarg(model: Any) -> str:

@@ -337,23 +337,55 @@ def select_layers(
 
     assert judge is not None
     current = kv_map.apply(judge.source_prefix)
-    bar = tqdm(total=sweeps * t.num_layers * len(options), desc="selecting per-layer maps", disable=not progress)
+    # Options in order of increasing regularisation; pass-through is the α → ∞ end of the same line.
+    ordered = sorted(o for o in options if o is not None) + ([None] if None in options else [])
+    start = ordered.index(spec.default_alpha) if spec.default_alpha in ordered else len(ordered) // 2
+
+    def score(i: int, option: float | None) -> float:
+        name = _option_name(option)
+        if name not in scores[i]:
+            kv_map.layers[i] = layer_for(i, option)
+            trial = list(current)
+            trial[i] = kv_map.apply(judge.source_prefix, only={i})[i]
+            scores[i][name] = judge.kl(trial)
+            bar.update(1)
+        return scores[i][name]
+
+    per_layer = len(ordered) if spec.search == "grid" else min(len(ordered), 4)
+    bar = tqdm(total=sweeps * t.num_layers * per_layer, desc="selecting per-layer maps", disable=not progress)
     try:
-        for _ in range(sweeps):
+        for sweep in range(sweeps):
             for i in range(t.num_layers):
-                for option in options:
-                    kv_map.layers[i] = layer_for(i, option)
-                    trial = list(current)
-                    trial[i] = kv_map.apply(judge.source_prefix, only={i})[i]
-                    scores[i][_option_name(option)] = judge.kl(trial)
-                    bar.update(1)
-                best = min(options, key=lambda o, i=i: scores[i][_option_name(o)])
+                if sweep:
+                    scores[i] = {}
+                if spec.search == "grid":
+                    best = min(ordered, key=lambda o, i=i: score(i, o))
+                else:
+                    best = _local_search(ordered, start, lambda o, i=i: score(i, o))
                 choices[i] = best
                 kv_map.layers[i] = layer_for(i, best)
                 current[i] = kv_map.apply(judge.source_prefix, only={i})[i]
     finally:
         bar.close()
     return kv_map, choices, scores
+
+
+def _local_search(ordered: Sequence[Any], start: int, cost: Callable[[Any], float]) -> Any:
+    """Walk an ordered grid from ``start`` toward lower cost until it rises (assumes one valley)."""
+    best = start
+    left = cost(ordered[start - 1]) if start > 0 else float("inf")
+    right = cost(ordered[start + 1]) if start + 1 < len(ordered) else float("inf")
+    here = cost(ordered[start])
+    if here <= left and here <= right:
+        return ordered[start]
+    step = -1 if left < right else 1
+    best, best_cost = start + step, min(left, right)
+    while 0 <= best + step < len(ordered):
+        nxt = cost(ordered[best + step])
+        if nxt >= best_cost:
+            break
+        best, best_cost = best + step, nxt
+    return ordered[best]
 
 
 def _cat_sources(feats: Sequence[torch.Tensor], sources: Sequence[int]) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,9 @@ class MethodResult(_Model):
     nll_delta: float = Field(description="mean NLL(method) - NLL(truth) of the document's next tokens")
     map_seconds: float = Field(description="seconds to produce the target cache from the source cache")
     prefill_seconds: float = Field(description="seconds of target forward passes spent on the prefix")
-    greedy_agreement: int | None = Field(default=None, description="greedy tokens before the first divergence")
+    greedy_agreement: float | None = Field(
+        default=None, description="greedy tokens generated before the first divergence (mean over windows)"
+    )
     greedy_tokens: int = Field(default=0, description="greedy tokens compared")
 
 
@@ -78,6 +81,7 @@ class EvaluationReport(_Model):
     document: dict[str, Any] = Field(description="name, sha256 and token counts of the document")
     prefix_tokens: int
     suffix_tokens: int
+    windows: int = Field(default=1, description="document windows averaged")
     tail_tokens: int
     reference_prefill_seconds: float = Field(description="target prefill of the prefix")
     source_prefill_seconds: float = Field(description="source prefill of the prefix (paid once, shared)")
@@ -157,6 +161,7 @@ def evaluate(
     target: Any = None,
     prefix_tokens: int = 1024,
     suffix_tokens: int = 32,
+    windows: int = 1,
     tail_tokens: int = 64,
     greedy_tokens: int = 64,
     baselines: Sequence[str] = BASELINES,
@@ -167,23 +172,14 @@ def evaluate(
 ) -> EvaluationReport:
     """Evaluate a mapping (directory or loaded) on one document; see the module docstring.
 
-    ``source``/``target`` default to the model folders recorded in the manifest; their
-    fingerprints are checked against the mapping (:class:`StaleMappingError`).
+    ``windows`` consecutive spans of ``prefix_tokens + suffix_tokens`` from the start of the
+    document are scored and averaged. ``source``/``target`` default to the model folders recorded
+    in the manifest; their fingerprints are checked against the mapping (:class:`StaleMappingError`).
     """
     import torch
     from tqdm.auto import tqdm
 
-    from mappings.cache_io import (
-        build_cache,
-        cache_layers,
-        forward_with_cache,
-        model_device,
-        model_dtype,
-        prefill,
-        slice_layers,
-    )
     from mappings.capture import kv_shape
-    from mappings.metrics import next_token_agreement
     from mappings.models import load_model
     from mappings.store import check_fingerprints, load_mapping, read_manifest
 
@@ -191,15 +187,13 @@ def evaluate(
     if isinstance(mapping, (str, Path)):
         mapping_dir = Path(mapping)
         manifest = read_manifest(mapping_dir)
-        source = source if source is not None else manifest.source.path
-        target = target if target is not None else manifest.target.path
-        if source is None or target is None:
-            raise ValueError("the mapping does not record model folders: pass source= and target=")
     else:
         manifest = mapping.manifest
         mapping_dir = mapping.path
-        source = source if source is not None else manifest.source.path
-        target = target if target is not None else manifest.target.path
+    source = source if source is not None else manifest.source.path
+    target = target if target is not None else manifest.target.path
+    if source is None or target is None:
+        raise ValueError("the mapping does not record model folders: pass source= and target=")
     src = load_model(source, device=device)
     tgt = load_model(target, device=device)
     if isinstance(mapping, (str, Path)):
@@ -214,13 +208,13 @@ def evaluate(
     else:
         ids_all = list(document)
         doc_sha = hashlib.sha256(",".join(map(str, ids_all)).encode()).hexdigest()
-    n, m = int(prefix_tokens), int(suffix_tokens)
-    if n < 1 or m < 1:
-        raise ValueError("prefix and suffix need at least one token each")
-    if len(ids_all) < n + m:
+    n, m, windows = int(prefix_tokens), int(suffix_tokens), int(windows)
+    if n < 1 or m < 1 or windows < 1:
+        raise ValueError("prefix, suffix and windows need to be at least 1")
+    if len(ids_all) < windows * (n + m):
         raise DocumentTooShortError(
-            f"{document_name} has {len(ids_all)} tokens, the evaluation needs prefix {n} + suffix {m}: "
-            "pass a longer document or lower --prefix-tokens / --suffix-tokens"
+            f"{document_name} has {len(ids_all)} tokens, the evaluation needs {windows} window(s) of prefix {n} + "
+            f"suffix {m}: pass a longer document or lower --prefix-tokens / --suffix-tokens / --windows"
         )
     need = n + m + greedy_tokens
     for side, model in (("source", src.model), ("target", tgt.model)):
@@ -231,26 +225,7 @@ def evaluate(
                 f"the evaluated span ({span} tokens) exceeds the {side}'s {limit} positions: "
                 "lower --prefix-tokens (or --greedy-tokens)"
             )
-    ids = torch.tensor(ids_all[: n + m + 1])[None]
-    prefix, suffix = ids[:, :n], ids[:, n : n + m]
-    labels = torch.full((1, m), -100, dtype=torch.long)
-    nxt = ids[0, n + 1 : n + m + 1]
-    labels[0, : nxt.numel()] = nxt
     tail = max(0, min(int(tail_tokens), n - 1))
-    dev, dt, cfg = model_device(tgt.model), model_dtype(tgt.model), tgt.model.config
-
-    # ---- truth
-    t0 = time.perf_counter()
-    _, true_cache = prefill(tgt.model, prefix)
-    ref_seconds = time.perf_counter() - t0
-    true_layers = [(k, v) for k, v in cache_layers(true_cache)]
-    true_logits, after, _ = forward_with_cache(tgt.model, suffix, build_cache(true_layers, cfg))
-    true_greedy = _greedy(tgt.model, after, true_logits, greedy_tokens) if greedy_tokens else []
-
-    t0 = time.perf_counter()
-    _, src_cache = prefill(src.model, prefix)
-    src_seconds = time.perf_counter() - t0
-    src_layers = [(k, v) for k, v in cache_layers(src_cache)]
 
     identical = kv_shape(src.model.config) == kv_shape(tgt.model.config)
     maps, skipped = _baseline_maps(mapping, [b for b in baselines if b != "reprefill"], identical,
@@ -258,22 +233,106 @@ def evaluate(
     own = mapping.manifest.method.name
     maps[own] = mapping.kv_map
     order = [b for b in baselines if b in maps] + ([own] if own not in baselines else [])
+    tail_rows = ([own] + (["identity"] if "identity" in maps else [])) if tail else []
 
-    def score(name: str, cache: Any, map_s: float, prefill_s: float) -> MethodResult:
-        logits, after_m, _ = forward_with_cache(tgt.model, suffix, cache)
-        agree = next_token_agreement(true_logits.float(), logits.float(), labels.to(logits.device))
-        greedy = _greedy(tgt.model, after_m, logits, greedy_tokens) if greedy_tokens else []
-        return MethodResult(
-            method=name, kl=agree["kl"], top1=agree["top1"], top5=agree["top5"], nll_delta=agree["nll_delta"],
-            map_seconds=map_s, prefill_seconds=prefill_s,
-            greedy_agreement=_first_divergence(true_greedy, greedy) if greedy_tokens else None,
-            greedy_tokens=greedy_tokens,
-        )
+    per_window: list[_Window] = []
+    bar = tqdm(total=windows, desc="evaluating windows", disable=not progress)
+    for w in range(windows):
+        span = torch.tensor(ids_all[w * (n + m) : w * (n + m) + n + m + 1])[None]
+        per_window.append(_evaluate_window(src.model, tgt.model, maps, order, tail_rows, own, span, n, m, tail,
+                                           greedy_tokens, layer_curves))
+        bar.update(1)
+    bar.close()
 
-    results = [score("reprefill", build_cache(true_layers, cfg), 0.0, ref_seconds)]
-    tail_rows = [own] + (["identity"] if "identity" in maps else []) if tail else []
-    bar = tqdm(total=len(order) + len(tail_rows), desc="evaluating", disable=not progress)
-    mapped_own: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    def mean(values: Sequence[float]) -> float:
+        return float(sum(values) / len(values))
+
+    results = []
+    for name in per_window[0].rows:
+        rows = [pw.rows[name] for pw in per_window]
+        greedy = [r["greedy"] for r in rows if r["greedy"] is not None]
+        nll = [r["nll_delta"] for r in rows if r["nll_delta"] == r["nll_delta"]]
+        results.append(MethodResult(
+            method=name, kl=mean([r["kl"] for r in rows]), top1=mean([r["top1"] for r in rows]),
+            top5=mean([r["top5"] for r in rows]), nll_delta=mean(nll) if nll else float("nan"),
+            map_seconds=mean([r["map_seconds"] for r in rows]), prefill_seconds=mean([r["prefill_seconds"] for r in rows]),
+            greedy_agreement=mean(greedy) if greedy else None, greedy_tokens=greedy_tokens,
+        ))
+    single = [LayerCurvePoint(layer=i, kl=mean([pw.single[i][0] for pw in per_window]),
+                              top1=mean([pw.single[i][1] for pw in per_window]))
+              for i in range(len(per_window[0].single))]
+    accum = [LayerCurvePoint(layer=i, kl=mean([pw.accum[i][0] for pw in per_window]),
+                             top1=mean([pw.accum[i][1] for pw in per_window]))
+             for i in range(len(per_window[0].accum))]
+    return EvaluationReport(
+        mapping=str(mapping_dir) if mapping_dir is not None else None,
+        mapping_method=own,
+        source={"path": str(src.path) if src.path else None, "fingerprint": src.fingerprint.as_dict()},
+        target={"path": str(tgt.path) if tgt.path else None, "fingerprint": tgt.fingerprint.as_dict()},
+        document={"name": document_name, "sha256": doc_sha, "tokens": len(ids_all)},
+        prefix_tokens=n, suffix_tokens=m, windows=windows, tail_tokens=tail,
+        reference_prefill_seconds=mean([pw.ref_seconds for pw in per_window]),
+        source_prefill_seconds=mean([pw.src_seconds for pw in per_window]),
+        methods=results, skipped=skipped, single_layer=single, accumulation=accum,
+    )
+
+
+@dataclass
+class _Window:
+    """Raw results of one evaluation window."""
+
+    rows: dict[str, dict[str, Any]]
+    single: list[tuple[float, float]]
+    accum: list[tuple[float, float]]
+    ref_seconds: float
+    src_seconds: float
+
+
+def _evaluate_window(
+    source: Any, target: Any, maps: dict[str, LinearKVMap], order: Sequence[str], tail_rows: Sequence[str],
+    own: str, ids: torch.Tensor, n: int, m: int, tail: int, greedy_tokens: int, layer_curves: bool,
+) -> _Window:
+    import torch
+
+    from mappings.cache_io import (
+        build_cache,
+        cache_layers,
+        forward_with_cache,
+        model_device,
+        model_dtype,
+        prefill,
+        slice_layers,
+    )
+    from mappings.metrics import next_token_agreement
+
+    prefix, suffix = ids[:, :n], ids[:, n : n + m]
+    labels = torch.full((1, m), -100, dtype=torch.long)
+    nxt = ids[0, n + 1 : n + m + 1]
+    labels[0, : nxt.numel()] = nxt
+    dev, dt, cfg = model_device(target), model_dtype(target), target.config
+
+    t0 = time.perf_counter()
+    _, true_cache = prefill(target, prefix)
+    ref_seconds = time.perf_counter() - t0
+    true_layers = list(cache_layers(true_cache))
+    true_logits, after, _ = forward_with_cache(target, suffix, build_cache(true_layers, cfg))
+    true_logits = true_logits.float()
+    true_greedy = _greedy(target, after, true_logits, greedy_tokens) if greedy_tokens else []
+
+    t0 = time.perf_counter()
+    _, src_cache = prefill(source, prefix)
+    src_seconds = time.perf_counter() - t0
+    src_layers = list(cache_layers(src_cache))
+
+    def score(cache: Any, map_s: float, prefill_s: float) -> dict[str, Any]:
+        logits, after_m, _ = forward_with_cache(target, suffix, cache)
+        agree = next_token_agreement(true_logits, logits.float(), labels.to(logits.device))
+        greedy = _greedy(target, after_m, logits, greedy_tokens) if greedy_tokens else None
+        return {**agree, "map_seconds": map_s, "prefill_seconds": prefill_s,
+                "greedy": _first_divergence(true_greedy, greedy) if greedy is not None else None}
+
+    rows = {"reprefill": score(build_cache(true_layers, cfg), 0.0, ref_seconds)}
+    mapped_own = None
     for name in order:
         t0 = time.perf_counter()
         mapped = maps[name].apply(src_layers, device=dev, dtype=dt)
@@ -281,42 +340,27 @@ def evaluate(
         map_s = time.perf_counter() - t0
         if name == own:
             mapped_own = mapped
-        results.append(score(name, cache, map_s, 0.0))
-        bar.update(1)
+        rows[name] = score(cache, map_s, 0.0)
     for name in tail_rows:
         t0 = time.perf_counter()
         cache = build_cache(maps[name].apply(slice_layers(src_layers, 0, n - tail), device=dev, dtype=dt), cfg)
         map_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _, cache = forward_with_cache(tgt.model, prefix[:, n - tail :], cache)[:2]
-        results.append(score(f"{name}+tail{tail}", cache, map_s, time.perf_counter() - t0))
-        bar.update(1)
-    bar.close()
+        _, cache, _ = forward_with_cache(target, prefix[:, n - tail :], cache)
+        rows[f"{name}+tail{tail}"] = score(cache, map_s, time.perf_counter() - t0)
 
-    single: list[LayerCurvePoint] = []
-    accum: list[LayerCurvePoint] = []
+    single: list[tuple[float, float]] = []
+    accum: list[tuple[float, float]] = []
     if layer_curves and mapped_own is not None:
         for i in range(len(true_layers)):
-            mixed = list(true_layers)
-            mixed[i] = mapped_own[i]
-            logits, _, _ = forward_with_cache(tgt.model, suffix, build_cache(mixed, cfg))
-            a = next_token_agreement(true_logits.float(), logits.float())
-            single.append(LayerCurvePoint(layer=i, kl=a["kl"], top1=a["top1"]))
-            mixed = list(mapped_own[: i + 1]) + list(true_layers[i + 1 :])
-            logits, _, _ = forward_with_cache(tgt.model, suffix, build_cache(mixed, cfg))
-            a = next_token_agreement(true_logits.float(), logits.float())
-            accum.append(LayerCurvePoint(layer=i, kl=a["kl"], top1=a["top1"]))
-
-    return EvaluationReport(
-        mapping=str(mapping_dir) if mapping_dir is not None else None,
-        mapping_method=own,
-        source={"path": str(src.path) if src.path else None, "fingerprint": src.fingerprint.as_dict()},
-        target={"path": str(tgt.path) if tgt.path else None, "fingerprint": tgt.fingerprint.as_dict()},
-        document={"name": document_name, "sha256": doc_sha, "tokens": len(ids_all)},
-        prefix_tokens=n, suffix_tokens=m, tail_tokens=tail,
-        reference_prefill_seconds=ref_seconds, source_prefill_seconds=src_seconds,
-        methods=results, skipped=skipped, single_layer=single, accumulation=accum,
-    )
+            for mixed, out in (
+                ([*true_layers[:i], mapped_own[i], *true_layers[i + 1 :]], single),
+                ([*mapped_own[: i + 1], *true_layers[i + 1 :]], accum),
+            ):
+                logits, _, _ = forward_with_cache(target, suffix, build_cache(mixed, cfg))
+                a = next_token_agreement(true_logits, logits.float())
+                out.append((a["kl"], a["top1"]))
+    return _Window(rows, single, accum, ref_seconds, src_seconds)
 
 
 def plot_layer_curves(report: EvaluationReport, path: str | Path) -> Path:

@@ -43,6 +43,9 @@ class MethodSpec(BaseModel):
     key_space: Literal["content", "rotated"] = Field(default="content", description="fit keys with RoPE stripped or as cached")
     top_k: int = Field(default=2, ge=1, description="source layers feeding each target layer when depths differ")
     kl_suffix_tokens: int = Field(default=32, ge=1, description="real tokens after the mapped prefix when scoring KL")
+    search: Literal["local", "grid"] = Field(
+        default="local", description="per-layer choice: walk the grid from default_alpha (local) or try all (grid)"
+    )
 
     @property
     def needs_same_shape(self) -> bool:
@@ -50,7 +53,7 @@ class MethodSpec(BaseModel):
         return self.prior == "anchored" or self.passthrough
 
 
-_KL_GRID = (0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+_KL_GRID = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 METHODS: dict[str, MethodSpec] = {
     "anchored_kl": MethodSpec(name="anchored_kl", prior="anchored", granularity="layer", bias="regularized",

@@ -174,6 +174,30 @@ class RopeSpec:
         cos, sin = freqs.cos(), freqs.sin()
         return RopeTables(torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1), scaling, positions.dim())
 
+    @property
+    def full_rotary(self) -> bool:
+        """Every dimension of a head is rotated (no partial rotary factor)."""
+        return self.is_rotary and float(self.parameters.get("partial_rotary_factor", 1.0) or 1.0) == 1.0
+
+    def phases(
+        self, positions: torch.Tensor, seq_len: int | None = None, device: Any = None, *, inverse: bool = False
+    ) -> torch.Tensor:
+        """Complex rotations ``s·e^{±i·p·θ}`` (complex64, ``positions.shape + (rotary_dim / 2,)``).
+
+        Multiplying a head viewed as complex pairs ``(x_i, x_{i + r/2})`` by this applies the
+        rotation (``inverse``: undoes it, dividing by the attention scaling).
+        """
+        import torch
+
+        device = positions.device if device is None else device
+        if seq_len is None:
+            seq_len = int(positions.max().item()) + 1 if positions.numel() else 1
+        inv_freq, scaling = self.frequencies(seq_len, device)
+        angles = positions.to(device=device, dtype=torch.float32)[..., None] * inv_freq
+        if inverse:
+            angles, scaling = -angles, 1.0 / scaling
+        return torch.polar(torch.full_like(angles, float(scaling)), angles)
+
     # ----------------------------------------------------------------- rotation
     def _rotate(
         self, x: torch.Tensor, positions: torch.Tensor | None, inverse: bool, seq_len: int | None,

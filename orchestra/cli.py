@@ -12,7 +12,6 @@ from orchestra.commands import family as family_cmd
 from orchestra.commands._output import err_console
 
 
-
 class _Group(TyperGroup):
     """Turns the project's typed errors into one readable line and exit code 2, tracebacks only for bugs."""
 

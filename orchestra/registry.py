@@ -154,7 +154,7 @@ class ModelRegistry:
             return self._infos[alias]
         from transformers import AutoTokenizer
 
-        from mappings.fingerprint import config_digest, tokenizer_digest
+        from mappings.fingerprint import tokenizer_digest
 
         name, path, fp = self._path_for(alias)
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))

@@ -447,7 +447,7 @@ class Orchestra:
         except Exception as exc:
             report.status = "failed"
             report.error_type = type(exc).__name__
-            report.error = str(exc) or ("timed out after %ss" % agent.timeout_s if isinstance(exc, TimeoutError) else "")
+            report.error = str(exc) or (f"timed out after {agent.timeout_s}s" if isinstance(exc, TimeoutError) else "")
             await run.emit(ev.AgentFailed(run_id=run.run_id, agent=name, error_type=report.error_type,
                                           error=report.error))
         finally:

@@ -84,6 +84,9 @@ def evaluate_cmd(
     suffix_tokens: Annotated[
         int, typer.Option("--suffix-tokens", min=1, help="Following tokens fed as real input and scored.")
     ] = 32,
+    windows: Annotated[
+        int, typer.Option("--windows", min=1, help="Score this many consecutive prefix+suffix spans and average.")
+    ] = 1,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Write the report as JSON here (layer plots as PNG next to it).")
     ] = None,
@@ -113,6 +116,7 @@ def evaluate_cmd(
         text = _read_text(document)
         report = evaluate(
             mapping, text, source=source, target=target, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
+            windows=windows,
             tail_tokens=tail_tokens, greedy_tokens=greedy_tokens, document_name=document.name, device=device,
         )
         if json_out is not None:
@@ -120,12 +124,12 @@ def evaluate_cmd(
     except (MappingError, ValueError, FileNotFoundError) as exc:
         raise _fail(exc) from exc
 
-    table = Table(title=f"{report.mapping_method}: {document.name}, prefix {report.prefix_tokens} + "
-                        f"suffix {report.suffix_tokens} tokens")
+    table = Table(title=f"{report.mapping_method}: {document.name}, {report.windows} x (prefix {report.prefix_tokens} "
+                        f"+ suffix {report.suffix_tokens}) tokens")
     for col in ("method", "KL", "top-1", "top-5", "NLL Δ", "greedy", "map s", "prefill s"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for r in report.methods:
-        greedy = "-" if r.greedy_agreement is None else f"{r.greedy_agreement}/{r.greedy_tokens}"
+        greedy = "-" if r.greedy_agreement is None else f"{r.greedy_agreement:.1f}/{r.greedy_tokens}"
         table.add_row(r.method, f"{r.kl:.4f}", f"{r.top1:.3f}", f"{r.top5:.3f}", f"{r.nll_delta:+.4f}", greedy,
                       f"{r.map_seconds:.4f}", f"{r.prefill_seconds:.3f}")
     console.print(table)

@@ -32,7 +32,7 @@ def measure_divergence(member, heldout: HeldoutWindows) -> tuple[float, float, i
     """Return (mean KL(root || member), top-1 agreement, positions) over the held-out windows."""
     kl_sum, agree, n = 0.0, 0, 0
     with torch.no_grad():
-        for w, ref in zip(heldout.windows, heldout.root_logprobs):
+        for w, ref in zip(heldout.windows, heldout.root_logprobs, strict=True):
             lp = F.log_softmax(member(input_ids=w).logits.float(), -1)[0]
             kl_sum += float((ref.exp() * (ref - lp)).sum(-1).sum())
             agree += int((ref.argmax(-1) == lp.argmax(-1)).sum())

@@ -149,3 +149,28 @@ def test_lowrank_form_equals_its_dense_matrix(llama_family):
         torch.testing.assert_close(k, k2, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, v2, atol=1e-5, rtol=1e-5)
     assert LinearKVMap(lowrank, s, s, rope, rope).num_parameters() < LinearKVMap(dense, s, s, rope, rope).num_parameters()
+
+
+def test_complex_pair_path_equals_the_generic_path(tiny_mapping):
+    """The fast key path (RoPE as complex pairs, weights in pair order) gives the generic path's result."""
+    kv_map = tiny_mapping.mapping.kv_map
+    source = load(tiny_mapping.family.parent)
+    ids = torch.cat([_doc_ids(20, 5), _doc_ids(20, 6)])
+    _, cache = prefill(source, ids)
+    layers = cache_layers(cache)
+    positions = torch.arange(40).view(2, 20) + torch.tensor([[0], [7]])  # per-row positions
+    for pos in (None, positions):
+        fast = kv_map.apply(layers, pos)
+        slow = kv_map.apply(layers, pos, fast=False)
+        for (k, v), (k2, v2) in zip(fast, slow, strict=True):
+            torch.testing.assert_close(k, k2, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v, v2, atol=1e-5, rtol=1e-5)
+    half = kv_map.apply(layers, dtype=torch.bfloat16)
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in half)
+
+
+def test_pair_order_index():
+    from mappings.apply import pair_order_index
+
+    assert pair_order_index(1, 4).tolist() == [0, 2, 1, 3]
+    assert pair_order_index(2, 4, copies=2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15]

@@ -46,7 +46,9 @@ def test_manifest_describes_the_calibration(tiny_mapping, corpus):
     for row in man.metrics:
         assert 0.5 < row.keys.cosine <= 1.0 and 0.5 < row.values.cosine <= 1.0
         assert row.attn_cosine is not None and row.identity_attn_cosine is not None
-        assert set(row.kl_by_option) == {f"alpha={a:g}" for a in METHODS["anchored_kl"].alphas} | {"passthrough"}
+        tried = set(row.kl_by_option)
+        assert tried <= {f"alpha={a:g}" for a in METHODS["anchored_kl"].alphas} | {"passthrough"}
+        assert len(tried) >= 3 and row.kl == min(row.kl_by_option.values())
 
 
 def test_selection_beats_source_reuse_on_heldout(tiny_mapping):
@@ -109,6 +111,13 @@ def test_depth_difference_picks_the_matching_source_layers(llama_family, pruned_
     assert mapping.manifest.metrics[0].keys.cosine > 0.9999
     assert mapping.manifest.heldout["kl"] < 0.01
     _check_valid_cache(mapping, llama_family.parent, pruned_variant, document)
+    # two concatenated source layers: the complex-pair key path agrees with the generic one
+    _, cache = prefill(load(llama_family.parent), torch.randint(3, 300, (1, 24)))
+    fast = mapping.kv_map.apply(cache_layers(cache))
+    slow = mapping.kv_map.apply(cache_layers(cache), fast=False)
+    for (k, v), (k2, v2) in zip(fast, slow, strict=True):
+        torch.testing.assert_close(k, k2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v2, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["ridge", "paper", "anchored", "perhead_rope", "lowrank"])
@@ -127,7 +136,7 @@ def test_heldout_error_selection(llama_family, corpus):
     mapping = calibrate(llama_family.parent, llama_family.child, corpus, method=spec, tokens=TOKENS, window=WINDOW,
                         progress=False)
     assert mapping.manifest.method.selection == "error"
-    assert all(len(r.kl_by_option) == 7 for r in mapping.manifest.metrics)
+    assert all(len(r.kl_by_option) == len(spec.alphas) + 1 for r in mapping.manifest.metrics)
 
 
 def test_in_memory_models_and_nan_kv(llama_family, corpus):
@@ -197,3 +206,28 @@ def test_short_corpus_falls_back_to_overlapping_windows(llama_family, corpus):
     assert auto.stride == 32 and len(auto.train) == math.ceil(n * 1.5 / 64)
     with pytest.raises(CorpusTooSmallError):
         prepare_windows([text], tok, CalibrationConfig(tokens=n * 8, window=64))
+
+
+def test_grid_search_tries_every_option(llama_family, corpus):
+    spec = METHODS["anchored_kl"].model_copy(update={"name": "anchored_grid", "search": "grid", "alphas": (0.1, 1.0)})
+    mapping = calibrate(llama_family.parent, llama_family.child, corpus, method=spec, tokens=TOKENS, window=WINDOW,
+                        progress=False)
+    for row, entry in zip(mapping.manifest.metrics, mapping.manifest.layer_plan, strict=True):
+        assert set(row.kl_by_option) == {"alpha=0.1", "alpha=1", "passthrough"}
+        chosen = "passthrough" if entry.mode == "passthrough" else f"alpha={entry.alpha:g}"
+        assert row.kl_by_option[chosen] == min(row.kl_by_option.values())
+
+
+def test_local_search_finds_the_valley():
+    from mappings.calibrate import _local_search
+
+    grid = list(range(9))
+    for valley in range(9):
+        calls = []
+
+        def cost(x, valley=valley, calls=calls):
+            calls.append(x)
+            return (x - valley) ** 2
+
+        assert _local_search(grid, 5, cost) == valley
+        assert len(set(calls)) <= abs(valley - 5) + 3

@@ -7,7 +7,7 @@ import pytest
 from mappings.calibrate import calibrate
 from mappings.errors import DocumentTooLongError, DocumentTooShortError, StaleMappingError
 from mappings.evaluate import evaluate, write_report
-from tests.mappings.conftest import TOKENS, WINDOW
+from tests.mappings.conftest import TOKENS, WINDOW, load_tokenizer
 
 PREFIX, SUFFIX, TAIL, GREEDY = 192, 32, 32, 16
 
@@ -92,3 +92,19 @@ def test_evaluating_with_other_models_is_refused(tiny_mapping, document, llama_f
     other = qwen2_family if fam.arch != "qwen2" else llama_family
     with pytest.raises(StaleMappingError):
         evaluate(tiny_mapping.path, document, target=other.child, prefix_tokens=64, suffix_tokens=8)
+
+
+def test_several_windows_average_single_window_results(tiny_mapping, document):
+    tok = load_tokenizer(tiny_mapping.family.child)
+    ids = tok(document, add_special_tokens=False)["input_ids"]
+    kwargs = dict(prefix_tokens=64, suffix_tokens=8, tail_tokens=8, greedy_tokens=4, baselines=("identity",))
+    both = evaluate(tiny_mapping.path, ids, windows=2, **kwargs)
+    first = evaluate(tiny_mapping.path, ids[:73], **kwargs)
+    second = evaluate(tiny_mapping.path, ids[72:], **kwargs)
+    assert both.windows == 2
+    for name in ("identity", "anchored_kl", "anchored_kl+tail8"):
+        assert both.row(name).kl == pytest.approx((first.row(name).kl + second.row(name).kl) / 2, rel=1e-5)
+        assert both.row(name).top1 == pytest.approx((first.row(name).top1 + second.row(name).top1) / 2)
+    assert both.single_layer[0].kl == pytest.approx((first.single_layer[0].kl + second.single_layer[0].kl) / 2, rel=1e-5)
+    with pytest.raises(DocumentTooShortError, match="3 window"):
+        evaluate(tiny_mapping.path, ids[:150], windows=3, **kwargs)

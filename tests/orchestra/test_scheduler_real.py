@@ -23,25 +23,25 @@ def _agent(name, model, task, upstream=()):
 
 async def test_prefill_once_map_to_members_and_match_exact_baseline(real_family, tmp_path_factory):
     pipe = PipelineSpec.model_validate({
-        "name": "real", "models": {"root": "root", "tuned": "finetuned", "quant": "quantized"},
+        "name": "real", "models": {"root": "root", "tuned": "finetuned"},
         "source": "root", "default_device": "cpu",
         "agents": [
             _agent("what", "root", "What is this document? One sentence."),
             _agent("who", "tuned", "Who publishes this licence?"),
-            _agent("free", "quant", "Is the software free of charge?"),
-            _agent("join", "root", "Combine: {who} / {free}", upstream=["who", "free"]),
+            _agent("join", "root", "Combine: {who}", upstream=["who"]),
         ],
         "gate": {"offline": {"max_kl": 1.0}, "probe": {"tokens": 16, "max_excess_nll": 1.0, "max_excess_kl": 0.5}},
+        "mapping": {"tail_tokens": 16},
     })
     corpus = [(name, data_text(name)[:12000]) for name in ("mpl-2.0.txt", "apache-2.0.txt")]
     maps = MappingStore(tmp_path_factory.mktemp("real_maps"), tokens=1024, corpus=corpus)
     orch = Orchestra(pipe, family=real_family, mappings=maps, store=KVStore())
     report = await orch.run(DOC)
 
-    assert report.succeeded == ["what", "who", "free", "join"], [(a.name, a.error) for a in report.agents]
+    assert report.succeeded == ["what", "who", "join"], [(a.name, a.error) for a in report.agents]
     prefills = [c for c in report.caches if c.path == "exact"]
     assert [c.model for c in prefills] == ["root"]  # the document was prefilled once, on the source
-    for name in ("who", "free"):
+    for name in ("who",):
         agent = report.agent(name)
         assert agent.cache_path in {"mapped", "reprefilled"}
         assert {g["gate"] for g in agent.gate} == {"offline", "probe"}
@@ -52,6 +52,6 @@ async def test_prefill_once_map_to_members_and_match_exact_baseline(real_family,
     baseline = await Orchestra(pipe, family=real_family, mappings=maps, store=KVStore(), share_prefill=False).run(DOC)
     # exact caches give exactly the re-prefill outputs under greedy decoding
     assert report.agent("what").output == baseline.agent("what").output
-    for name in ("who", "free"):
+    for name in ("who",):
         if report.agent(name).cache_path == "reprefilled":
             assert report.agent(name).output == baseline.agent(name).output
