@@ -63,21 +63,37 @@ class LayerMap:
     """Low-rank form only: add the first source layer's features unchanged (the identity anchor)."""
     _pair_order: dict[Any, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
-    def pair_ordered(self, device: Any, in_index: torch.Tensor, out_index: torch.Tensor) -> dict[str, Any]:
-        """Key tensors with features reordered to RoPE pair order (cached per device)."""
-        key = (str(device), in_index.numel(), out_index.numel())
+    def prepared(self, kind: str, device: Any, in_index: torch.Tensor | None = None,
+                 out_index: torch.Tensor | None = None) -> dict[str, Any]:
+        """``kind``'s tensors ready to apply on ``device`` (cached), optionally with features reordered.
+
+        Dense: ``weight`` (+ ``bias``). Low-rank: ``down`` and ``up`` with the bias appended as an
+        extra row, so ``y = anchor + [x·down, 1]·up`` is one fused ``addmm``.
+        """
+        import torch
+
+        key = (kind, str(device), None if in_index is None else in_index.numel(),
+               None if out_index is None else out_index.numel())
         if key not in self._pair_order:
+            def pick(t, rows=None, cols=None):
+                t = t.to(device)
+                if rows is not None:
+                    t = t[rows.to(device)]
+                if cols is not None:
+                    t = t[..., cols.to(device)]
+                return t.contiguous()
+
+            weight, bias = getattr(self, f"{kind}_weight"), getattr(self, f"{kind}_bias")
             out: dict[str, Any] = {}
-            for part in ("weight", "down"):
-                t = getattr(self, f"k_{part}")
-                if t is not None:
-                    out[part] = t.to(device)[in_index.to(device)]
-            if self.k_weight is not None:
-                out["weight"] = out["weight"][:, out_index.to(device)].contiguous()
-            if self.k_up is not None:
-                out["up"] = self.k_up.to(device)[:, out_index.to(device)].contiguous()
-            if self.k_bias is not None:
-                out["bias"] = self.k_bias.to(device)[out_index.to(device)].contiguous()
+            if weight is not None:
+                out["weight"] = pick(weight, in_index, out_index)
+                if bias is not None:
+                    out["bias"] = pick(bias, None, out_index)
+            else:
+                up = getattr(self, f"{kind}_up")
+                up = torch.cat([up, bias[None] if bias is not None else torch.zeros_like(up[:1])], 0)
+                out["down"] = pick(getattr(self, f"{kind}_down"), in_index)
+                out["up"] = pick(up, None, out_index)
             self._pair_order[key] = out
         return self._pair_order[key]
 
@@ -114,6 +130,14 @@ class LayerMap:
         return out
 
 
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """True when no element is NaN/inf: one reduction per tensor (a NaN or inf anywhere makes the sum
+    non-finite), far cheaper than an elementwise mask on every mapped token."""
+    import torch
+
+    return all(bool(torch.isfinite(t.sum(dtype=torch.float64))) for t in tensors)
+
+
 def pair_order_index(heads: int, head_dim: int, copies: int = 1) -> torch.Tensor:
     """Feature order that puts each RoPE pair ``(i, i + d/2)`` of every head side by side.
 
@@ -127,6 +151,17 @@ def pair_order_index(heads: int, head_dim: int, copies: int = 1) -> torch.Tensor
     per_head = torch.cat([h * head_dim + one for h in range(heads)])
     width = heads * head_dim
     return torch.cat([c * width + per_head for c in range(copies)])
+
+
+def _linear(x: torch.Tensor, w: dict[str, Any], anchored: bool) -> torch.Tensor:
+    """``x W + b`` (dense) or ``anchor + [x·down, 1]·up`` (low rank, bias folded into ``up``), fused."""
+    import torch
+
+    if "weight" in w:
+        return x @ w["weight"] if "bias" not in w else torch.addmm(w["bias"], x, w["weight"])
+    low = torch.nn.functional.pad(x @ w["down"], (0, 1), value=1.0)
+    q = w["up"].shape[1]
+    return torch.addmm(x[:, :q], low, w["up"]) if anchored else low @ w["up"]
 
 
 def _to_pairs(k: torch.Tensor) -> torch.Tensor:
@@ -282,7 +317,7 @@ class LinearKVMap:
                 k = self.target_rope.apply(k, tables=tgt_tables, heads_last=True)
             k = k.transpose(1, 2)
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
-            if check_finite and not (bool(torch.isfinite(yk).all()) and bool(torch.isfinite(yv).all())):
+            if check_finite and not _all_finite(yk, yv):
                 raise NonFiniteKVError(
                     f"mapped layer {ti} holds NaN/inf: the source cache or the map is broken; recalibrate"
                 )
@@ -326,30 +361,13 @@ class LinearKVMap:
                 k = _from_pairs(z.mul_(unrotate * rotate))
                 out.append((k.to(dtype), source_layers[lm.sources[0]][1].to(device=device, dtype=dtype)))
                 continue
-            x = inputs(source_keys, lm.sources)
-            w = lm.pair_ordered(device, pair_order_index(s.kv_heads, s.head_dim, len(lm.sources)), out_index)
-            if "weight" in w:
-                yk = x @ w["weight"] if "bias" not in w else torch.addmm(w["bias"], x, w["weight"])
-            else:
-                yk = (x @ w["down"]) @ w["up"]
-                if lm.anchored:
-                    yk += x[:, : yk.shape[1]]
-                if "bias" in w:
-                    yk += w["bias"]
+            in_index = pair_order_index(s.kv_heads, s.head_dim, len(lm.sources))
+            yk = _linear(inputs(source_keys, lm.sources), lm.prepared("k", device, in_index, out_index), lm.anchored)
             z = torch.view_as_complex(yk.view(batch, seq, t.kv_heads, t.head_dim // 2, 2))
             k = _from_pairs(z.mul_(rotate))
-            xv = inputs(source_values, lm.sources)
-            if lm.v_weight is not None:
-                vw = lm.v_weight.to(device)
-                yv = xv @ vw if lm.v_bias is None else torch.addmm(lm.v_bias.to(device), xv, vw)
-            else:
-                yv = (xv @ lm.v_down.to(device)) @ lm.v_up.to(device)
-                if lm.anchored:
-                    yv += xv[:, : yv.shape[1]]
-                if lm.v_bias is not None:
-                    yv += lm.v_bias.to(device)
+            yv = _linear(inputs(source_values, lm.sources), lm.prepared("v", device), lm.anchored)
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
-            if check_finite and not (bool(torch.isfinite(yk).all()) and bool(torch.isfinite(yv).all())):
+            if check_finite and not _all_finite(yk, yv):
                 raise NonFiniteKVError(
                     f"mapped layer {ti} holds NaN/inf: the source cache or the map is broken; recalibrate"
                 )

@@ -45,10 +45,12 @@ def fit_layer(
         return LayerMap(sources, "passthrough")
     blocks = layer_blocks(spec, len(sources), s, t)
     prior = layer_prior(spec, len(sources), s, t)
-    kw, kb = fit_linear(stats.keys, alpha=alpha, prior=prior, bias=spec.bias, rank=spec.rank, blocks=blocks)
-    vw, vb = fit_linear(stats.values, alpha=alpha, prior=prior, bias=spec.bias, rank=spec.rank, blocks=blocks)
-    if spec.rank is not None:
-        rank = spec.rank * (len(blocks) if blocks else 1)
+    block_width = t.head_dim if blocks else t.width
+    rank = spec.rank_for(block_width)
+    kw, kb = fit_linear(stats.keys, alpha=alpha, prior=prior, bias=spec.bias, rank=rank, blocks=blocks)
+    vw, vb = fit_linear(stats.values, alpha=alpha, prior=prior, bias=spec.bias, rank=rank, blocks=blocks)
+    if rank is not None:
+        rank = rank * (len(blocks) if blocks else 1)
         kf, vf = factorize(kw, prior, rank), factorize(vw, prior, rank)
         if kf is not None and vf is not None:
             return LayerMap(sources, "map", None, kb, None, vb, float(alpha), kf[0], kf[1], vf[0], vf[1],

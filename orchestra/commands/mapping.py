@@ -37,8 +37,8 @@ def calibrate_cmd(
     ],
     out: Annotated[Path, typer.Option("--out", help="Directory to write the mapping into.")],
     method: Annotated[
-        str, typer.Option("--method", help="Mapping method: auto, anchored_kl, ridge_kl, anchored, perhead_rope, "
-                          "ridge, paper or lowrank.")
+        str, typer.Option("--method", help="Mapping method: auto, anchored_kl, anchored_kl_full, ridge_kl, anchored, "
+                          "perhead_rope, ridge, paper or lowrank.")
     ] = "auto",
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Calibration tokens to fit on.")] = 16384,
     window: Annotated[int, typer.Option("--window", min=8, help="Tokens per calibration window.")] = 512,

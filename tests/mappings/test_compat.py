@@ -55,5 +55,8 @@ def test_method_resolution():
     with pytest.raises(ShapeMismatchError, match="KV head counts"):
         resolve_method("paper", same_kv_shape=False, same_kv_heads=False)
     assert resolve_method("paper", same_kv_shape=False, same_kv_heads=True).granularity == "head"
+    default = METHODS["anchored_kl"]
+    assert default.rank_for(192) == 32 and default.rank_for(1024) == 171  # max(32, width / 6)
+    assert METHODS["anchored_kl_full"].rank_for(192) is None
     with pytest.raises(ValueError, match="unknown method"):
         resolve_method("magic", same_kv_shape=True, same_kv_heads=True)

@@ -151,3 +151,50 @@ def test_other_family_is_refused(fam, tmp_path):
                                         "source": "base", "agents": [_spec("a", "base"), _spec("b", "other")]})
     with pytest.raises(CrossFamilyError, match="different tokenizer"):
         Orchestra(pipe)
+
+
+async def test_shadow_failures_trip_the_breaker(fam, mapstore):
+    from orchestra.gates import CircuitBreaker
+
+    gate = {"offline": None, "probe": None,
+            "shadow": {"probability": 1.0, "max_kl": 0.0, "window": 5, "trip_after": 1, "cooldown_s": 3600}}
+    pipe = _pipeline(fam, [_spec("b", "child")], gate=gate)
+    breaker = CircuitBreaker()
+    first = await Orchestra(pipe, mappings=mapstore, store=KVStore(), breaker=breaker).run(DOC)
+    agent = first.agent("b")
+    assert agent.cache_path == "reprefilled" and "shadow gate failed" in agent.fallback_reason
+    assert agent.gate[0]["gate"] == "shadow" and "breaker opened" in agent.gate[0]["reason"]
+    second = await Orchestra(pipe, mappings=mapstore, store=KVStore(), breaker=breaker).run(DOC)
+    assert second.agent("b").fallback_reason == "circuit breaker open for this pair after shadow failures"
+    assert second.agent("b").gate == []  # the map was not even tried
+
+
+def test_run_command_writes_report(fam, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from orchestra.cli import app
+
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(
+        f"models: {{base: '{fam.parent}', child: '{fam.child}'}}\nsource: base\ndefault_device: cpu\n"
+        f"mapping: {{directory: '{tmp_path / 'maps'}', tokens: 1024}}\n"
+        "gate: {offline: null, probe: {tokens: 8, max_excess_nll: 100, max_excess_kl: 100}}\n"
+        "agents:\n"
+        "  - {name: a, model: base, spec: {task: Summarise., generation: {max_new_tokens: 4}}}\n"
+        "  - {name: b, model: child, upstream: [a], spec: {task: 'Check {a}', generation: {max_new_tokens: 4}}}\n"
+    )
+    document = tmp_path / "doc.txt"
+    document.write_text(DOC)
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["run", str(pipeline), "--document", str(document), "--report", str(out),
+                                      "--home", str(tmp_path / "nohome")])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [a["status"] for a in report["agents"]] == ["succeeded", "succeeded"]
+    assert report["agents"][1]["cache_path"] == "mapped" and report["warnings"]  # calibrated on demand, said so
+    assert "prefill seconds spent" in result.output
+
+    missing = CliRunner().invoke(app, ["run", str(pipeline), "--document", str(tmp_path / "none.txt")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
