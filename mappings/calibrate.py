@@ -549,7 +549,8 @@ def calibrate(
     card = check_pair(src.model, src.tokenizer, tgt.model, tgt.tokenizer, source_name=src.name, target_name=tgt.name)
     say(card.render())
     if isinstance(method, str):
-        spec = resolve_method(method, same_kv_shape=card.same_kv_shape, same_kv_heads=card.same_kv_heads)
+        spec = resolve_method(method, same_kv_shape=card.same_kv_shape, same_kv_heads=card.same_kv_heads,
+                              same_depth=card.same_depth)
     else:
         spec = method
         if not _spec_fits(spec, card):

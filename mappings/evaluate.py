@@ -54,7 +54,7 @@ class MethodResult(_Model):
     kl: float = Field(description="mean KL(target's own prefill || method) over the suffix, nats")
     top1: float = Field(description="fraction of suffix positions whose argmax agrees with the truth")
     top5: float = Field(description="fraction where the truth's argmax is in the method's top 5")
-    nll_delta: float = Field(description="mean NLL(method) - NLL(truth) of the document's next tokens")
+    nll_delta: float | None = Field(description="mean NLL(method) - NLL(truth) of the document's next tokens")
     map_seconds: float = Field(description="seconds to produce the target cache from the source cache")
     prefill_seconds: float = Field(description="seconds of target forward passes spent on the prefix")
     greedy_agreement: float | None = Field(
@@ -254,7 +254,7 @@ def evaluate(
         nll = [r["nll_delta"] for r in rows if r["nll_delta"] == r["nll_delta"]]
         results.append(MethodResult(
             method=name, kl=mean([r["kl"] for r in rows]), top1=mean([r["top1"] for r in rows]),
-            top5=mean([r["top5"] for r in rows]), nll_delta=mean(nll) if nll else float("nan"),
+            top5=mean([r["top5"] for r in rows]), nll_delta=mean(nll) if nll else None,
             map_seconds=mean([r["map_seconds"] for r in rows]), prefill_seconds=mean([r["prefill_seconds"] for r in rows]),
             greedy_agreement=mean(greedy) if greedy else None, greedy_tokens=greedy_tokens,
         ))
@@ -384,8 +384,8 @@ def plot_layer_curves(report: EvaluationReport, path: str | Path) -> Path:
     axes[1].set_ylabel("mean KL vs re-prefill (nats)")
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle(f"{report.mapping_method}: {report.document.get('name')} prefix {report.prefix_tokens}, "
-                 f"suffix {report.suffix_tokens}")
+    fig.suptitle(f"{report.mapping_method}: {report.document.get('name')}, {report.windows} x (prefix "
+                 f"{report.prefix_tokens} + suffix {report.suffix_tokens})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -3,7 +3,7 @@
 ====================  ===================================================================
 ``anchored_kl``       identity-anchored ridge per layer; per layer, λ from a grid or "pass the
                       source KV through unchanged", chosen by held-out next-token KL (default
-                      when KV heads and head size match). The correction ``W − I`` is limited
+                      when depth, KV heads and head size match). The correction ``W − I`` is limited
                       to rank max(32, width/6) and stored as factors: a third of a dense map's
                       cost, measured as good as full rank (see ``anchored_kl_full``)
 ``anchored_kl_full``  the same with a full-rank correction
@@ -15,7 +15,7 @@
 ``lowrank``           ``anchored_kl`` with rank-8 corrections (smallest artifacts)
 ====================  ===================================================================
 
-``auto`` picks ``anchored_kl`` or ``ridge_kl`` from the pair's shapes.
+``auto`` picks ``anchored_kl`` for identical cache layouts, ``ridge_kl`` otherwise.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ METHODS: dict[str, MethodSpec] = {
                                    bias="regularized", alphas=_KL_GRID, default_alpha=1.0, selection="kl",
                                    passthrough=True),
     "ridge_kl": MethodSpec(name="ridge_kl", prior="ridge", granularity="layer", bias="regularized",
-                           alphas=(0.001, 0.01, 0.1, 1.0), default_alpha=0.01, selection="kl"),
+                           alphas=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 1.0), default_alpha=0.001,
+                           selection="kl"),
     "anchored": MethodSpec(name="anchored", prior="anchored", granularity="layer", bias="regularized",
                            alphas=(1.0,), default_alpha=1.0, selection="none"),
     "perhead_rope": MethodSpec(name="perhead_rope", prior="anchored", granularity="head", bias="regularized",
@@ -95,10 +96,17 @@ def method_names() -> list[str]:
     return ["auto", *METHODS]
 
 
-def resolve_method(name: str, *, same_kv_shape: bool, same_kv_heads: bool) -> MethodSpec:
-    """The spec for ``name`` on a pair; ``auto`` picks by shape. Raises when the pair cannot use it."""
+def resolve_method(
+    name: str, *, same_kv_shape: bool, same_kv_heads: bool, same_depth: bool = True
+) -> MethodSpec:
+    """The spec for ``name`` on a pair; ``auto`` picks by shape. Raises when the pair cannot use it.
+
+    ``auto``: ``anchored_kl`` when the cache layouts are identical (depth, KV heads, head size),
+    else ``ridge_kl`` — measured on SmolLM2 root -> 20-layer distilled member, the identity anchor
+    on the best-matching source layer is worse than plain ridge (KL 0.19 vs 0.10).
+    """
     if name == "auto":
-        return METHODS["anchored_kl" if same_kv_shape else "ridge_kl"]
+        return METHODS["anchored_kl" if same_kv_shape and same_depth else "ridge_kl"]
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(method_names())}")
     spec = METHODS[name]

@@ -44,7 +44,7 @@ def calibrate_cmd(
     window: Annotated[int, typer.Option("--window", min=8, help="Tokens per calibration window.")] = 512,
     stride: Annotated[
         int | None, typer.Option("--stride", min=1, help="Start-to-start distance of fitting windows (default: "
-                                 "--window; smaller gives more, overlapping windows from a small corpus).")
+                                 "disjoint windows, overlapping by 1/2 or 3/4 only when the corpus is too small).")
     ] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device for both models.")] = "cpu",
     no_stats: Annotated[
@@ -130,7 +130,8 @@ def evaluate_cmd(
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for r in report.methods:
         greedy = "-" if r.greedy_agreement is None else f"{r.greedy_agreement:.1f}/{r.greedy_tokens}"
-        table.add_row(r.method, f"{r.kl:.4f}", f"{r.top1:.3f}", f"{r.top5:.3f}", f"{r.nll_delta:+.4f}", greedy,
+        nll = "-" if r.nll_delta is None else f"{r.nll_delta:+.4f}"
+        table.add_row(r.method, f"{r.kl:.4f}", f"{r.top1:.3f}", f"{r.top5:.3f}", nll, greedy,
                       f"{r.map_seconds:.4f}", f"{r.prefill_seconds:.3f}")
     console.print(table)
     console.print(f"source {report.source['fingerprint']['combined'][:12]} -> "

@@ -105,10 +105,10 @@ def test_depth_difference_picks_the_matching_source_layers(llama_family, pruned_
     """Target = parent without layer 2: its layers 0 and 1 are the parent's, and screening finds them."""
     mapping = calibrate(llama_family.parent, pruned_variant, corpus, tokens=TOKENS, window=WINDOW, progress=False)
     plan = mapping.manifest.layer_plan
-    assert mapping.manifest.method.name == "anchored_kl"
+    assert mapping.manifest.method.name == "ridge_kl"  # depths differ: plain ridge by default
     assert plan[0].sources[0] == 0 and plan[1].sources[0] == 1
     assert plan[2].sources[0] in (2, 3)
-    assert mapping.manifest.metrics[0].keys.cosine > 0.9999
+    assert mapping.manifest.metrics[0].keys.cosine > 0.998  # layer 0 is the parent's own (ridge shrinks a little)
     assert mapping.manifest.heldout["kl"] < 0.01
     _check_valid_cache(mapping, llama_family.parent, pruned_variant, document)
     # two concatenated source layers: the complex-pair key path agrees with the generic one

@@ -49,6 +49,7 @@ def test_special_token_difference_is_named(llama_family):
 def test_method_resolution():
     assert resolve_method("auto", same_kv_shape=True, same_kv_heads=True).name == "anchored_kl"
     assert resolve_method("auto", same_kv_shape=False, same_kv_heads=False).name == "ridge_kl"
+    assert resolve_method("auto", same_kv_shape=True, same_kv_heads=True, same_depth=False).name == "ridge_kl"
     assert set(method_names()) == {"auto", *METHODS}
     with pytest.raises(ShapeMismatchError, match="identity"):
         resolve_method("anchored", same_kv_shape=False, same_kv_heads=True)

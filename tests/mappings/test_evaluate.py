@@ -56,6 +56,9 @@ def test_json_and_png_are_written(tiny_report, tmp_path):
     assert set(data["source"]["fingerprint"]) == {"config", "weights", "tokenizer", "combined"}
     assert report.plots and (tmp_path / "eval_layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data["single_layer"]) == len(data["accumulation"]) > 0
+    from mappings.evaluate import EvaluationReport
+
+    assert EvaluationReport.model_validate_json((tmp_path / "eval.json").read_text()) == report
 
 
 def test_identity_pair_has_near_zero_kl(llama_family, corpus, document):
