@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from mappings.apply import LinearKVMap
+    from mappings.repair import RepairPolicy
     from mappings.store import Mapping
 
 __all__ = ["MethodResult", "LayerCurvePoint", "EvaluationReport", "evaluate", "write_report", "plot_layer_curves",
@@ -61,6 +62,14 @@ class MethodResult(_Model):
         default=None, description="greedy tokens generated before the first divergence (mean over windows)"
     )
     greedy_tokens: int = Field(default=0, description="greedy tokens compared")
+    cost_fraction: float | None = Field(
+        default=None,
+        description="target compute spent as a fraction of a full prefill: 1 for reprefill, recomputed "
+        "tokens / prefix + recomputed layers / layers for repairs and tail variants, 0 for pure maps",
+    )
+    repair: dict[str, Any] | None = Field(
+        default=None, description="repair rows: the policy and its plan (tokens, tail, blocks)"
+    )
 
 
 class LayerCurvePoint(_Model):
@@ -169,12 +178,14 @@ def evaluate(
     document_name: str = "document",
     device: str = "cpu",
     progress: bool = False,
+    repairs: Sequence[RepairPolicy] = (),
 ) -> EvaluationReport:
     """Evaluate a mapping (directory or loaded) on one document; see the module docstring.
 
     ``windows`` consecutive spans of ``prefix_tokens + suffix_tokens`` from the start of the
     document are scored and averaged. ``source``/``target`` default to the model folders recorded
     in the manifest; their fingerprints are checked against the mapping (:class:`StaleMappingError`).
+    ``repairs``: map-then-repair policies scored as extra rows ``<method>+repair@<budget>``.
     """
     import torch
     from tqdm.auto import tqdm
@@ -240,7 +251,7 @@ def evaluate(
     for w in range(windows):
         span = torch.tensor(ids_all[w * (n + m) : w * (n + m) + n + m + 1])[None]
         per_window.append(_evaluate_window(src.model, tgt.model, maps, order, tail_rows, own, span, n, m, tail,
-                                           greedy_tokens, layer_curves))
+                                           greedy_tokens, layer_curves, mapping, repairs))
         bar.update(1)
     bar.close()
 
@@ -257,6 +268,8 @@ def evaluate(
             top5=mean([r["top5"] for r in rows]), nll_delta=mean(nll) if nll else None,
             map_seconds=mean([r["map_seconds"] for r in rows]), prefill_seconds=mean([r["prefill_seconds"] for r in rows]),
             greedy_agreement=mean(greedy) if greedy else None, greedy_tokens=greedy_tokens,
+            cost_fraction=mean([r["cost"] for r in rows]) if rows[0].get("cost") is not None else None,
+            repair=rows[0].get("repair"),
         ))
     single = [LayerCurvePoint(layer=i, kl=mean([pw.single[i][0] for pw in per_window]),
                               top1=mean([pw.single[i][1] for pw in per_window]))
@@ -291,6 +304,7 @@ class _Window:
 def _evaluate_window(
     source: Any, target: Any, maps: dict[str, LinearKVMap], order: Sequence[str], tail_rows: Sequence[str],
     own: str, ids: torch.Tensor, n: int, m: int, tail: int, greedy_tokens: int, layer_curves: bool,
+    mapping: Mapping | None = None, repairs: Sequence[RepairPolicy] = (),
 ) -> _Window:
     import torch
 
@@ -319,19 +333,23 @@ def _evaluate_window(
     true_logits = true_logits.float()
     true_greedy = _greedy(target, after, true_logits, greedy_tokens) if greedy_tokens else []
 
+    need_hidden = any(r.budget and (r.layer_share or r.blocks) for r in repairs)
     t0 = time.perf_counter()
-    _, src_cache = prefill(source, prefix)
+    _, src_cache, src_out = forward_with_cache(source, prefix, None, output_hidden_states=need_hidden)
     src_seconds = time.perf_counter() - t0
     src_layers = list(cache_layers(src_cache))
+    src_hidden = dict(enumerate(src_out.hidden_states[:-1])) if need_hidden else None
+    del src_out
 
-    def score(cache: Any, map_s: float, prefill_s: float) -> dict[str, Any]:
+    def score(cache: Any, map_s: float, prefill_s: float, cost: float | None = None,
+              repair: dict[str, Any] | None = None) -> dict[str, Any]:
         logits, after_m, _ = forward_with_cache(target, suffix, cache)
         agree = next_token_agreement(true_logits, logits.float(), labels.to(logits.device))
         greedy = _greedy(target, after_m, logits, greedy_tokens) if greedy_tokens else None
-        return {**agree, "map_seconds": map_s, "prefill_seconds": prefill_s,
+        return {**agree, "map_seconds": map_s, "prefill_seconds": prefill_s, "cost": cost, "repair": repair,
                 "greedy": _first_divergence(true_greedy, greedy) if greedy is not None else None}
 
-    rows = {"reprefill": score(build_cache(true_layers, cfg), 0.0, ref_seconds)}
+    rows = {"reprefill": score(build_cache(true_layers, cfg), 0.0, ref_seconds, 1.0)}
     mapped_own = None
     for name in order:
         t0 = time.perf_counter()
@@ -340,14 +358,32 @@ def _evaluate_window(
         map_s = time.perf_counter() - t0
         if name == own:
             mapped_own = mapped
-        rows[name] = score(cache, map_s, 0.0)
+        rows[name] = score(cache, map_s, 0.0, 0.0)
     for name in tail_rows:
         t0 = time.perf_counter()
         cache = build_cache(maps[name].apply(slice_layers(src_layers, 0, n - tail), device=dev, dtype=dt), cfg)
         map_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         _, cache, _ = forward_with_cache(target, prefix[:, n - tail :], cache)
-        rows[f"{name}+tail{tail}"] = score(cache, map_s, time.perf_counter() - t0)
+        rows[f"{name}+tail{tail}"] = score(cache, map_s, time.perf_counter() - t0, tail / n)
+    if repairs and mapped_own is not None:
+        from mappings.repair import repair_cache
+        from mappings.residual import layer_scores
+
+        scores = layer_scores(mapping.manifest) if mapping is not None else None
+        residual = mapping.residual if mapping is not None else None
+        for policy in repairs:
+            t0 = time.perf_counter()
+            mapped = maps[own].apply(src_layers, device=dev, dtype=dt)
+            map_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            res = repair_cache(target, mapped, prefix, policy, layer_scores=scores, residual=residual,
+                               source_hidden=src_hidden, source=source, source_layers=src_layers)
+            repair_s = time.perf_counter() - t0
+            plan = {"policy": policy.model_dump(), "tokens": len(res.plan.tokens), "tail": res.plan.tail,
+                    "scattered": res.plan.scattered, "blocks": [list(b) for b in res.plan.blocks],
+                    "seconds": res.seconds}
+            rows[f"{own}+{policy.label}"] = score(build_cache(res.layers, cfg), map_s, repair_s, res.plan.cost, plan)
 
     single: list[tuple[float, float]] = []
     accum: list[tuple[float, float]] = []

@@ -25,6 +25,7 @@ __all__ = [
     "LayerMetrics",
     "CalibrationInfo",
     "FileRecord",
+    "RepairInfo",
     "MappingManifest",
 ]
 
@@ -34,6 +35,7 @@ MAPPING_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 TENSORS_FILE = "mapping.safetensors"
 STATS_FILE = "stats.safetensors"
+RESIDUAL_FILE = "residual.safetensors"
 
 
 class _Model(BaseModel):
@@ -111,6 +113,27 @@ class FileRecord(_Model):
     bytes: int
 
 
+class RepairInfo(_Model):
+    """What map-then-repair reads: residual-stream maps and the per-layer scores blocks are chosen by."""
+
+    residual: FileRecord | None = Field(default=None, description="residual-stream maps (safetensors)")
+    layer_scores: list[float] = Field(
+        description="per target layer, 1 - held-out attention-output cosine of the mapped K/V (higher: repair first)"
+    )
+    residual_cosine: list[float] = Field(default_factory=list, description="held-out cosine of mapped hidden states")
+    residual_identity_cosine: list[float | None] = Field(
+        default_factory=list, description="the same with the source hidden state unchanged"
+    )
+    residual_r2: list[float] = Field(default_factory=list, description="held-out R2 of mapped hidden states")
+    residual_alpha: list[float] = Field(default_factory=list, description="chosen ridge strength per layer")
+    residual_tokens: int = Field(default=0, description="calibration tokens the residual maps were fitted on")
+    residual_seconds: float = Field(default=0.0, description="wall time of the residual fit")
+    blocks: dict[str, list[list[int]]] = Field(
+        default_factory=dict,
+        description="layer blocks [start, stop) the planner picks per budget spent on layers (key: layer budget)",
+    )
+
+
 class MappingManifest(_Model):
     """Everything about a saved mapping except its tensors."""
 
@@ -126,6 +149,7 @@ class MappingManifest(_Model):
     pair_differences: list[str] = Field(default_factory=list, description="bridged differences (pair card)")
     tensors: FileRecord
     stats: FileRecord | None = Field(default=None, description="calibration statistics (for refitting baselines)")
+    repair: RepairInfo | None = Field(default=None, description="residual maps and repair planning data, if fitted")
 
     def cache_key(self) -> dict[str, Any]:
         """Fields that must all match before KV mapped with this mapping may be reused (seed §5.3)."""

@@ -20,6 +20,7 @@ from mappings.errors import CorruptMappingError, StaleMappingError
 from mappings.manifest import (
     MANIFEST_FILE,
     MAPPING_VERSION,
+    RESIDUAL_FILE,
     STATS_FILE,
     TENSORS_FILE,
     FileRecord,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from mappings.apply import LinearKVMap
     from mappings.fingerprint import Fingerprint
     from mappings.fit import RegressionStats
+    from mappings.residual import ResidualMap
 
 __all__ = ["Mapping", "LayerStats", "save_mapping", "load_mapping", "read_manifest", "check_fingerprints",
            "map_tensors", "map_from_tensors", "file_sha256"]
@@ -54,6 +56,8 @@ class Mapping:
     manifest: MappingManifest
     stats: list[LayerStats] | None = None
     path: Path | None = None
+    residual: ResidualMap | None = None
+    """Residual-stream maps for layer repair (``mappings.residual``), when fitted."""
 
     def save(self, out_dir: str | Path, *, with_stats: bool = True) -> Path:
         return save_mapping(self, out_dir, with_stats=with_stats)
@@ -122,7 +126,15 @@ def save_mapping(mapping: Mapping, out_dir: str | Path, *, with_stats: bool = Tr
         stats = _write_safetensors(_stats_tensors(mapping.stats), out / STATS_FILE)
     elif (out / STATS_FILE).exists():
         (out / STATS_FILE).unlink()
-    manifest = mapping.manifest.model_copy(update={"tensors": tensors, "stats": stats})
+    update: dict[str, Any] = {"tensors": tensors, "stats": stats}
+    if mapping.manifest.repair is not None:
+        residual = None
+        if mapping.residual is not None:
+            residual = _write_safetensors(mapping.residual.tensors(), out / RESIDUAL_FILE)
+        elif (out / RESIDUAL_FILE).exists():
+            (out / RESIDUAL_FILE).unlink()
+        update["repair"] = mapping.manifest.repair.model_copy(update={"residual": residual})
+    manifest = mapping.manifest.model_copy(update=update)
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{MANIFEST_FILE}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -294,4 +306,15 @@ def load_mapping(
             ]
         except KeyError as exc:
             raise CorruptMappingError(f"tensor {exc.args[0]} is missing from {STATS_FILE}; recalibrate") from exc
-    return Mapping(kv_map, manifest, stats, mapping_dir)
+    residual = None
+    if manifest.repair is not None and manifest.repair.residual is not None:
+        from mappings.residual import ResidualMap
+
+        raw = _load_tensors(mapping_dir / manifest.repair.residual.name, manifest.repair.residual)
+        residual = ResidualMap.from_tensors({k: v.to(device) for k, v in raw.items()})
+        if len(residual.layers) != kv_map.target_shape.num_layers:
+            raise CorruptMappingError(
+                f"{RESIDUAL_FILE} maps {len(residual.layers)} layers, the target has "
+                f"{kv_map.target_shape.num_layers}; recalibrate the repair maps"
+            )
+    return Mapping(kv_map, manifest, stats, mapping_dir, residual)

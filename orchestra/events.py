@@ -55,6 +55,8 @@ class CacheReady(Event):
     path: CachePath
     seconds: float
     store_hit: bool
+    repair: dict[str, Any] | None = None
+    """Mapped caches repaired under the pipeline's repair policy: tokens, tail, blocks and cost."""
 
 
 class AgentStarted(Event):

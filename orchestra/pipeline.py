@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mappings.repair import RepairPolicy
 from orchestra.errors import PipelineFileError
 from orchestra.gates import GatePolicy
 
@@ -29,6 +30,10 @@ class MappingPolicy(BaseModel):
     method: str | None = Field(None, description="Calibration method for on-demand mappings (default: the library's).")
     tokens: int = Field(8192, ge=512, description="Calibration tokens for on-demand mappings.")
     tail_tokens: int = Field(32, ge=0, description="Trailing document tokens recomputed on the target after mapping.")
+    repair: RepairPolicy | None = Field(
+        None, description="Map, then repair: spend this budget of target compute recomputing sink/tail tokens "
+        "(and optionally layer blocks) of every mapped cache; e.g. {budget: 0.1}.",
+    )
 
 
 class AgentNode(BaseModel):

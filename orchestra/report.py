@@ -18,6 +18,9 @@ class ModelCacheReport(BaseModel):
     store_hit: bool = False
     mapping: str | None = Field(None, description="Mapping directory used, for mapped caches.")
     tail_tokens: int = 0
+    repair: dict[str, Any] | None = Field(
+        None, description="Map-then-repair plan for mapped caches: recomputed tokens, tail, layer blocks, cost."
+    )
 
 
 class AgentReport(BaseModel):

@@ -48,6 +48,8 @@ class _DocCache:
     mapping: Any = None
     probe: dict[str, float] = field(default_factory=dict)
     charged: bool = False  # whether some agent has been charged its seconds
+    hidden: Any = None  # source only, when layer repair needs it: hidden states entering each layer
+    repair: dict[str, Any] | None = None
 
 
 @dataclass
@@ -105,13 +107,13 @@ class Orchestra:
         for alias in used:
             self.registry.info(alias)  # missing models are refused here, before any weights load
         self.registry.check_family(self.source_alias)
-        self.store = store or KVStore(pipeline.store_budget_mb << 20)
+        self.store = store if store is not None else KVStore(pipeline.store_budget_mb << 20)
         if mappings is None:
             directory = pipeline.mapping.directory or str(Path(family.home if family else ".") / "mappings")
             mappings = MappingStore(Path(directory), on_missing=pipeline.mapping.on_missing,
                                     method=pipeline.mapping.method, tokens=pipeline.mapping.tokens)
         self.mappings = mappings
-        self.breaker = breaker or CircuitBreaker()
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
         self.share_prefill = share_prefill
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
         self.last_report: RunReport | None = None
@@ -188,7 +190,7 @@ class Orchestra:
         cache_reports = [
             ModelCacheReport(model=c.alias, path=c.path, seconds=c.seconds, store_hit=c.store_hit,
                              mapping=str(c.mapping.path) if c.mapping is not None and c.mapping.path else None,
-                             tail_tokens=c.tail)
+                             tail_tokens=c.tail, repair=c.repair)
             for c in distinct
         ]
         stats = self.store.stats
@@ -223,10 +225,14 @@ class Orchestra:
     def _exact_key(self, model: LoadedModel, run: _Run) -> CacheKey:
         return CacheKey("exact", model.info.fingerprint, model.dtype, model.info.rope, run.token_hash)
 
-    async def _prefill(self, run: _Run, model: LoadedModel, tail: int) -> _DocCache:
-        """A real prefill of the document on `model`, reusing the store's exact cache when present."""
+    async def _prefill(self, run: _Run, model: LoadedModel, tail: int, hidden: bool = False) -> _DocCache:
+        """A real prefill of the document on `model`, reusing the store's exact cache when present.
+
+        ``hidden``: also keep the hidden states entering each layer (for layer repair), which a
+        store hit does not have: the store is skipped then.
+        """
         key = self._exact_key(model, run)
-        hit = self.store.get(key, namespace="exact")
+        hit = None if hidden else self.store.get(key, namespace="exact")
         if hit is not None:
             return _DocCache(model.info.alias, "exact", hit, 0.0, True, self.store.meta(key).get("tail_logits"), tail)
 
@@ -238,18 +244,24 @@ class Orchestra:
             ids = torch.tensor([run.prefix_ids], device=model.device)
             t0 = time.perf_counter()
             with torch.no_grad():
-                logits, cache, _ = forward_with_cache(model.model, ids, None, logits_to_keep=tail)
+                logits, cache, out = forward_with_cache(model.model, ids, None, logits_to_keep=tail,
+                                                        output_hidden_states=hidden)
             _sync(model.device)
-            return cache, logits[0].float(), time.perf_counter() - t0
+            states = dict(enumerate(out.hidden_states[:-1])) if hidden else None
+            return cache, logits[0].float(), time.perf_counter() - t0, states
 
-        cache, logits, seconds = await anyio.to_thread.run_sync(work)
+        cache, logits, seconds, states = await anyio.to_thread.run_sync(work)
         self.store.put(key, cache, tail_logits=logits, seconds=seconds)
-        return _DocCache(model.info.alias, "exact", cache, seconds, False, logits, tail)
+        doc = _DocCache(model.info.alias, "exact", cache, seconds, False, logits, tail)
+        doc.hidden = states
+        return doc
 
     async def _source_cache(self, run: _Run, source: LoadedModel) -> _DocCache:
         async with run.lock(self.source_alias):
             if self.source_alias not in run.caches:
-                cache = await self._prefill(run, source, self._tail_tokens())
+                repair = self.pipeline.mapping.repair
+                layers = repair is not None and repair.budget > 0 and (repair.layer_share > 0 or bool(repair.blocks))
+                cache = await self._prefill(run, source, self._tail_tokens(), hidden=layers)
                 run.caches[self.source_alias] = cache
                 run.exact[self.source_alias] = cache
                 if cache.tail_logits is not None:
@@ -288,11 +300,12 @@ class Orchestra:
             mapping, _calibrated = await anyio.to_thread.run_sync(get_mapping)
             key = CacheKey("mapped", target.info.fingerprint, target.dtype, target.info.rope, run.token_hash,
                            source_fingerprint=source.info.fingerprint, mapping_id=mapping.manifest.tensors.sha256,
-                           mapping_version=mapping.manifest.mapping_version, variant=f"tail={tail}")
+                           mapping_version=mapping.manifest.mapping_version, variant=self._variant(tail))
             hit = self.store.get(key, namespace="mapped")
             if hit is not None:
                 meta = self.store.meta(key)
                 cache = _DocCache(alias, "mapped", hit, 0.0, True, meta.get("tail_logits"), tail, mapping)
+                cache.repair = meta.get("repair")
             else:
                 def work():
                     import torch
@@ -303,13 +316,17 @@ class Orchestra:
                     t0 = time.perf_counter()
                     with torch.no_grad():
                         mapped = map_cache(mapping.kv_map, src.cache, target.model)
+                        plan = self._repair(mapped, ids, source, target, src, mapping, run)
+                        if plan is not None:
+                            mapped, plan = plan
                         logits, full = tail_recompute(target.model, mapped, ids, tail)
                     _sync(target.device)
-                    return full, logits[0].float(), time.perf_counter() - t0
+                    return full, logits[0].float(), time.perf_counter() - t0, plan
 
-                full, logits, seconds = await anyio.to_thread.run_sync(work)
-                self.store.put(key, full, tail_logits=logits)
+                full, logits, seconds, plan = await anyio.to_thread.run_sync(work)
+                self.store.put(key, full, tail_logits=logits, repair=plan)
                 cache = _DocCache(alias, "mapped", full, seconds, False, logits, tail, mapping)
+                cache.repair = plan
             if cache.tail_logits is not None and run.source_tail_nll is not None:
                 import torch
 
@@ -322,8 +339,38 @@ class Orchestra:
                                "calibrated_mapped_excess": ref.mapped_excess_nll}
             run.caches[alias] = cache
             await run.emit(ev.CacheReady(run_id=run.run_id, model=alias, path="mapped", seconds=cache.seconds,
-                                         store_hit=cache.store_hit))
+                                         store_hit=cache.store_hit, repair=cache.repair))
             return cache
+
+    def _variant(self, tail: int) -> str:
+        repair = self.pipeline.mapping.repair
+        if repair is None or repair.budget == 0:
+            return f"tail={tail}"
+        return f"tail={tail};{repair.model_dump_json()}"
+
+    def _repair(self, mapped: Any, ids: Any, source: LoadedModel, target: LoadedModel, src: _DocCache,
+                mapping: Any, run: _Run) -> tuple[Any, dict[str, Any]] | None:
+        """Apply the pipeline's repair policy to a freshly mapped cache (worker thread)."""
+        from mappings import build_cache, cache_layers
+        from mappings.repair import repair_cache
+        from mappings.residual import layer_scores
+
+        policy = self.pipeline.mapping.repair
+        if policy is None or policy.budget == 0:
+            return None
+        wants_layers = policy.layer_share > 0 or bool(policy.blocks)
+        if wants_layers and (src.hidden is None or mapping.residual is None):
+            why = ("the mapping has no residual maps (run `orchestra calibrate-repair`)" if mapping.residual is None
+                   else "the source cache came from the store without hidden states")
+            run.warnings.append(f"{target.info.alias}: layer repair skipped, {why}; repairing tokens only")
+            policy = policy.model_copy(update={"layer_share": 0.0, "blocks": None})
+        res = repair_cache(target.model, list(cache_layers(mapped)), ids, policy,
+                           layer_scores=layer_scores(mapping.manifest), residual=mapping.residual,
+                           source_hidden=src.hidden, source=source.model, source_layers=list(cache_layers(src.cache)))
+        plan = {"budget": policy.budget, "tokens": len(res.plan.tokens), "tail": res.plan.tail,
+                "scattered": res.plan.scattered, "blocks": [list(b) for b in res.plan.blocks],
+                "cost": res.plan.cost, "seconds": res.seconds}
+        return build_cache(res.layers, target.model.config), plan
 
     async def _cache_for(self, run: _Run, name: str, report: AgentReport) -> _DocCache:
         """The document cache this agent runs on, after the gates (re-prefilling on failure)."""

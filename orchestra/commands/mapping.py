@@ -1,4 +1,4 @@
-"""`orchestra calibrate` and `orchestra evaluate`: fit a KV map for a pair, and measure it."""
+"""`orchestra calibrate`, `calibrate-repair` and `evaluate`: fit a KV map for a pair, and measure it."""
 
 from __future__ import annotations
 
@@ -51,6 +51,12 @@ def calibrate_cmd(
         bool, typer.Option("--no-stats", help="Do not store calibration statistics (evaluate cannot refit baselines).")
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bars or pair card.")] = False,
+    repair: Annotated[
+        bool, typer.Option("--repair", help="Also fit residual-stream maps, so layer blocks can be repaired.")
+    ] = False,
+    repair_tokens: Annotated[
+        int, typer.Option("--repair-tokens", min=1, help="Calibration tokens for the residual-stream maps.")
+    ] = 4096,
 ) -> None:
     """Fit a closed-form KV map from SOURCE to TARGET on the corpus and save it to OUT."""
     from mappings.errors import MappingError
@@ -64,6 +70,10 @@ def calibrate_cmd(
             source, target, texts, method=method, tokens=tokens, window=window, stride=stride, progress=not quiet,
             device=device, log=None if quiet else console.print,
         )
+        if repair:
+            from mappings.residual import add_residual_maps
+
+            add_residual_maps(mapping, source, target, texts, tokens=repair_tokens, window=window)
         path = mapping.save(out, with_stats=not no_stats)
     except (MappingError, ValueError, FileNotFoundError) as exc:
         raise _fail(exc) from exc
@@ -72,6 +82,44 @@ def calibrate_cmd(
     if held.get("kl_identity") is not None:
         line += f", source KV unchanged {held['kl_identity']:.4f}"
     console.print(line + ")")
+
+
+@app.command("calibrate-repair")
+def calibrate_repair_cmd(
+    mapping: Annotated[Path, typer.Option("--mapping", help="Mapping directory to add residual-stream maps to.")],
+    corpus: Annotated[list[Path], typer.Option("--corpus", help="Calibration text file; repeat for several.")],
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Calibration tokens to fit on.")] = 4096,
+    window: Annotated[int, typer.Option("--window", min=8, help="Tokens per calibration window.")] = 512,
+    source: Annotated[
+        Path | None, typer.Option("--source", help="Source model folder (default: the one in the manifest).")
+    ] = None,
+    target: Annotated[
+        Path | None, typer.Option("--target", help="Target model folder (default: the one in the manifest).")
+    ] = None,
+) -> None:
+    """Fit residual-stream maps for an existing mapping (layer repair) and save them beside it."""
+    from mappings.errors import MappingError
+    from orchestra.commands._output import console
+
+    try:
+        from mappings.residual import add_residual_maps
+        from mappings.store import load_mapping, read_manifest
+
+        manifest = read_manifest(mapping)
+        src = source or manifest.source.path
+        tgt = target or manifest.target.path
+        if src is None or tgt is None:
+            raise ValueError("the mapping does not record its model folders: pass --source and --target")
+        loaded = load_mapping(mapping, with_stats=True)
+        texts = [(p.name, _read_text(p)) for p in corpus]
+        add_residual_maps(loaded, src, tgt, texts, tokens=tokens, window=window)
+        loaded.save(mapping, with_stats=loaded.stats is not None)
+    except (MappingError, ValueError, FileNotFoundError) as exc:
+        raise _fail(exc) from exc
+    info = loaded.manifest.repair
+    low = min(range(len(info.residual_cosine)), key=lambda i: info.residual_cosine[i])
+    console.print(f"wrote residual maps to {mapping} ({len(info.residual_cosine)} layers, lowest held-out cosine "
+                  f"{info.residual_cosine[low]:.4f} at layer {low}, {info.residual_seconds:.1f} s)")
 
 
 @app.command("evaluate")
@@ -103,6 +151,22 @@ def evaluate_cmd(
         Path | None, typer.Option("--target", help="Target model folder (default: the one in the manifest).")
     ] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device for both models.")] = "cpu",
+    repair: Annotated[
+        list[float] | None,
+        typer.Option("--repair", min=0.0, max=1.0, help="Also score map-then-repair with this budget (fraction of "
+                     "a full prefill); repeat for a curve."),
+    ] = None,
+    repair_layers: Annotated[
+        float, typer.Option("--repair-layers", min=0.0, max=1.0, help="Share of each repair budget spent on layer "
+                            "blocks (needs residual maps: `orchestra calibrate-repair`).")
+    ] = 0.0,
+    repair_scattered: Annotated[
+        float, typer.Option("--repair-scattered", min=0.0, max=1.0, help="Share of the token budget spent on "
+                            "interior tokens the source's last tokens attend to most.")
+    ] = 0.0,
+    no_curves: Annotated[
+        bool, typer.Option("--no-layer-curves", help="Skip single-layer and accumulation curves (faster).")
+    ] = False,
 ) -> None:
     """Compare mapped caches with the target's own prefill on DOCUMENT; print a table, optionally write JSON."""
     from rich.table import Table
@@ -112,12 +176,16 @@ def evaluate_cmd(
 
     try:
         from mappings.evaluate import evaluate, write_report
+        from mappings.repair import RepairPolicy
 
         text = _read_text(document)
+        policies = [RepairPolicy(budget=b, layer_share=repair_layers, scattered_share=repair_scattered)
+                    for b in (repair or [])]
         report = evaluate(
             mapping, text, source=source, target=target, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
             windows=windows,
             tail_tokens=tail_tokens, greedy_tokens=greedy_tokens, document_name=document.name, device=device,
+            repairs=policies, layer_curves=not no_curves,
         )
         if json_out is not None:
             report = write_report(report, json_out)
@@ -126,13 +194,14 @@ def evaluate_cmd(
 
     table = Table(title=f"{report.mapping_method}: {document.name}, {report.windows} x (prefix {report.prefix_tokens} "
                         f"+ suffix {report.suffix_tokens}) tokens")
-    for col in ("method", "KL", "top-1", "top-5", "NLL Δ", "greedy", "map s", "prefill s"):
+    for col in ("method", "KL", "top-1", "top-5", "NLL Δ", "greedy", "map s", "prefill s", "cost"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for r in report.methods:
         greedy = "-" if r.greedy_agreement is None else f"{r.greedy_agreement:.1f}/{r.greedy_tokens}"
         nll = "-" if r.nll_delta is None else f"{r.nll_delta:+.4f}"
         table.add_row(r.method, f"{r.kl:.4f}", f"{r.top1:.3f}", f"{r.top5:.3f}", nll, greedy,
-                      f"{r.map_seconds:.4f}", f"{r.prefill_seconds:.3f}")
+                      f"{r.map_seconds:.4f}", f"{r.prefill_seconds:.3f}",
+                      "-" if r.cost_fraction is None else f"{r.cost_fraction:.1%}")
     console.print(table)
     console.print(f"source {report.source['fingerprint']['combined'][:12]} -> "
                   f"target {report.target['fingerprint']['combined'][:12]}; source prefill "

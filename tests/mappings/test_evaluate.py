@@ -111,3 +111,22 @@ def test_several_windows_average_single_window_results(tiny_mapping, document):
     assert both.single_layer[0].kl == pytest.approx((first.single_layer[0].kl + second.single_layer[0].kl) / 2, rel=1e-5)
     with pytest.raises(DocumentTooShortError, match="3 window"):
         evaluate(tiny_mapping.path, ids[:150], windows=3, **kwargs)
+
+
+def test_repair_rows_trace_the_quality_cost_curve(tiny_mapping, document):
+    """More repair budget, lower KL; a full budget reaches the re-prefill; costs are what the plans spent."""
+    from mappings.repair import RepairPolicy
+
+    budgets = (0.1, 0.5, 1.0)
+    report = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
+                      greedy_tokens=0, layer_curves=False, baselines=("identity",),
+                      repairs=[RepairPolicy(budget=b) for b in budgets])
+    own = report.row("anchored_kl")
+    rows = [report.row(f"anchored_kl+repair@{b * 100:g}%") for b in budgets]
+    assert own.cost_fraction == 0.0 and report.row("reprefill").cost_fraction == 1.0
+    for b, r in zip(budgets, rows, strict=True):
+        assert r.cost_fraction == pytest.approx(b, abs=1.0 / PREFIX)
+        assert r.repair["tokens"] == round(b * PREFIX) and r.prefill_seconds > 0
+    # half the tokens recomputed (the trailing half): clearly below the pure map on every tiny family
+    assert rows[1].kl < own.kl * 0.8
+    assert rows[2].kl == pytest.approx(0.0, abs=1e-6) and rows[2].top1 == 1.0

@@ -198,3 +198,32 @@ def test_run_command_writes_report(fam, tmp_path):
 
     missing = CliRunner().invoke(app, ["run", str(pipeline), "--document", str(tmp_path / "none.txt")])
     assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+async def test_repair_policy_repairs_mapped_caches_and_reports_it(fam, mapstore):
+    """With `mapping.repair`, the mapped cache is repaired (tokens), the plan is reported, and a repaired
+    cache is a different store entry from a pure-mapped one; layer repair without residual maps degrades to
+    token repair with a warning."""
+    from mappings import cache_layers
+
+    agents = [_spec("a", "base"), _spec("b", "child")]
+    gate = {"offline": None, "probe": None}
+    plain = Orchestra(_pipeline(fam, agents, gate=gate), mappings=mapstore, store=KVStore())
+    await plain.run(DOC)
+    store = KVStore()
+    repaired = Orchestra(_pipeline(fam, agents, gate=gate, mapping={"repair": {"budget": 0.25, "layer_share": 0.5}}),
+                         mappings=mapstore, store=store)
+    events = []
+    report = await repaired.run(DOC, on_event=events.append)
+    child = next(c for c in report.caches if c.model == "child")
+    assert child.path == "mapped" and child.repair is not None
+    assert child.repair["tokens"] > 0 and child.repair["blocks"] == []
+    assert any("layer repair skipped" in w for w in report.warnings)
+    ready = [e for e in events if getattr(e, "kind", "") == "cache_ready" and e.model == "child"]
+    assert ready and ready[0].repair == child.repair
+    # the repaired cache differs from the pure map where tokens were recomputed
+    key = next(k for k in store._entries if k.namespace == "mapped")
+    rep_layers = cache_layers(store.get(key, namespace="mapped"))
+    base_key = next(k for k in plain.store._entries if k.namespace == "mapped")
+    map_layers = cache_layers(plain.store.get(base_key, namespace="mapped"))
+    assert not torch.allclose(rep_layers[0][0][..., :4, :], map_layers[0][0][..., :4, :])
