@@ -36,9 +36,9 @@ app.add_typer(family_cmd.app, name="family")
 
 
 def _register_commands() -> None:
-    from orchestra.commands import mapping, run
+    from orchestra.commands import bench, mapping, run
 
-    for sub in (mapping.app, run.app):
+    for sub in (mapping.app, run.app, bench.app):
         for command in sub.registered_commands:
             app.registered_commands.append(command)
 

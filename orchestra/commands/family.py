@@ -63,3 +63,52 @@ def train_delta(
     manifest = build_family(home, log=console.print)
     path = run(name, manifest.member_path("root"), Path(manifest.home), out)
     console.print(f"wrote {path}")
+
+
+@app.command("calibrate")
+def calibrate(
+    home: HomeOpt = None,
+    tokens: Annotated[int, typer.Option("--tokens", min=512, help="Calibration tokens per mapping.")] = 8192,
+    repair: Annotated[
+        bool, typer.Option("--repair/--no-repair", help="Also fit residual-stream maps (layer repair).")
+    ] = True,
+    force: Annotated[bool, typer.Option("--force", help="Recalibrate mappings that already exist.")] = False,
+    members: Annotated[
+        list[str] | None, typer.Option("--member", help="Only this member (name or role); repeat for several.")
+    ] = None,
+) -> None:
+    """Calibrate root -> member mappings into the family's mapping store offline (what pipelines use)."""
+    import shutil
+
+    from orchestra.family import build_family
+    from orchestra.family.corpus import CALIBRATION_TEXTS
+    from orchestra.mapstore import MappingStore
+    from orchestra.registry import ModelRegistry
+
+    manifest = build_family(home, log=console.print)
+    chosen = [m for m in manifest.members.values() if m.role != "root"]
+    if members:
+        chosen = [manifest.member(name) for name in members]
+    aliases = {"root": "root", **{m.name: m.name for m in chosen}}
+    registry = ModelRegistry(aliases, family=manifest, default_device="cpu")
+    store = MappingStore(Path(manifest.home) / "mappings", tokens=tokens)
+    source = registry.load("root")
+    for member in chosen:
+        target = registry.load(member.name)
+        path = store.path_for(source, target)
+        if force and path.exists():
+            shutil.rmtree(path)
+        mapping, made = store.get(source, target, log=console.print)
+        if repair and mapping.residual is None:
+            from mappings.residual import add_residual_maps
+            from mappings.store import load_mapping
+
+            with_stats = load_mapping(path, with_stats=True)
+            add_residual_maps(with_stats, source.info.path, target.info.path, store.corpus, tokens=min(tokens, 4096))
+            with_stats.save(path, with_stats=with_stats.stats is not None)
+            mapping = with_stats
+        held = mapping.manifest.heldout
+        console.print(f"{member.name}: {'calibrated' if made else 'kept'} {path.name} "
+                      f"({mapping.manifest.method.name}, held-out KL {held.get('kl', float('nan')):.4f}"
+                      f"{', residual maps' if mapping.residual is not None else ''}; corpus "
+                      f"{', '.join(CALIBRATION_TEXTS)})")

@@ -1,0 +1,45 @@
+"""``orchestra bench``: mapped caches vs re-prefill on the bundled family, measured in one run.
+
+Sections (each a function taking a typed config and a :class:`BenchFamily`, returning a pydantic
+section; add a section by following the same shape and registering it in ``_run.py``):
+
+- ``quality``: every row of :func:`mappings.evaluate.evaluate` per pair and document length;
+- ``timing``: target prefill vs map + inject, side by side, and growth with length;
+- ``tasks``: built-in agents on a mapped vs a re-prefilled cache (ROUGE-L, exact match);
+- ``pipeline``: N-agent pipelines, prefill once vs per-agent re-prefill;
+- ``calibration``: seconds, tokens and artifact bytes of calibrations;
+- ``crossfamily``: a model with another tokenizer is refused with a typed error.
+
+Importing this package is cheap: torch and transformers load inside the section functions.
+"""
+
+from __future__ import annotations
+
+from orchestra.bench._context import BenchFamily, Pair, parse_pairs
+from orchestra.bench._machine import MachineInfo, machine_info
+from orchestra.bench._run import SECTIONS, BenchConfig, run_bench
+from orchestra.bench.calibration import CalibrationBenchConfig, CalibrationSection, run_calibration
+from orchestra.bench.crossfamily import CrossFamilyConfig, CrossFamilySection, run_crossfamily
+from orchestra.bench.pipeline import (
+    PipelineComparison,
+    PipelineConfig,
+    PipelineSection,
+    compare_pipeline,
+    run_pipeline,
+)
+from orchestra.bench.quality import QualityConfig, QualitySection, run_quality
+from orchestra.bench.report import BenchResults, render_markdown, write_plots, write_results
+from orchestra.bench.tasks import TaskConfig, TaskSection, rouge_l, run_tasks
+from orchestra.bench.timing import TimingConfig, TimingSection, run_timing
+
+__all__ = [
+    "BenchConfig", "BenchFamily", "BenchResults", "Pair", "SECTIONS", "parse_pairs", "run_bench",
+    "MachineInfo", "machine_info",
+    "QualityConfig", "QualitySection", "run_quality",
+    "TimingConfig", "TimingSection", "run_timing",
+    "TaskConfig", "TaskSection", "run_tasks", "rouge_l",
+    "PipelineConfig", "PipelineSection", "PipelineComparison", "compare_pipeline", "run_pipeline",
+    "CalibrationBenchConfig", "CalibrationSection", "run_calibration",
+    "CrossFamilyConfig", "CrossFamilySection", "run_crossfamily",
+    "render_markdown", "write_plots", "write_results",
+]

@@ -1,0 +1,203 @@
+"""What every section shares: the family's models (loaded once), its mapping store and the held-out document."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    from mappings.models import ModelHandle
+    from mappings.store import Mapping
+    from orchestra.mapstore import MappingStore
+    from orchestra.registry import LoadedModel, ModelRegistry
+
+__all__ = ["Pair", "BenchFamily", "parse_pairs", "BUNDLED_ALIASES", "FORWARD_PAIRS", "REVERSE_PAIRS"]
+
+# The bundled family by role: roles are stable across rebuilds, member names may not be.
+BUNDLED_ALIASES = {"root": "root", "finetuned": "finetuned", "quantized": "quantized", "distilled": "distilled"}
+FORWARD_PAIRS = ("root>finetuned", "root>quantized", "root>distilled")
+REVERSE_PAIRS = ("finetuned>root", "quantized>root", "distilled>root")
+
+
+class Pair(BaseModel):
+    """A source → target direction, by alias."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    source: str
+    target: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.source}>{self.target}"
+
+    @classmethod
+    def parse(cls, text: str) -> Pair:
+        parts = [p.strip() for p in text.replace("->", ">").split(">")]
+        if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
+            raise ValueError(f"pair {text!r} is not SOURCE>TARGET with two different aliases (e.g. root>finetuned)")
+        return cls(source=parts[0], target=parts[1])
+
+    @field_validator("source", "target")
+    @classmethod
+    def _nonempty(cls, value: str) -> str:
+        if not value:
+            raise ValueError("empty alias")
+        return value
+
+
+def parse_pairs(items: list[str] | tuple[str, ...]) -> list[Pair]:
+    """Pairs from ``"a>b"`` strings, in order, without duplicates."""
+    out: list[Pair] = []
+    for item in items:
+        for part in str(item).split(","):
+            if part.strip():
+                pair = Pair.parse(part)
+                if pair not in out:
+                    out.append(pair)
+    return out
+
+
+class ReverseCalibration(BaseModel):
+    """A mapping the bench had to calibrate because the store lacked it."""
+
+    model_config = ConfigDict(extra="forbid")
+    pair: str
+    path: str
+    tokens: int
+    seconds: float = Field(description="wall seconds of the on-demand calibration")
+
+
+@dataclass
+class BenchFamily:
+    """Models by alias (loaded lazily, once), the mapping store the scheduler uses, and the held-out document.
+
+    The registry and store are the scheduler's own classes, so a mapping the bench calibrates lands
+    where a later ``orchestra run`` looks for it.
+    """
+
+    aliases: dict[str, str]
+    registry: ModelRegistry
+    store: MappingStore
+    document: str
+    document_name: str
+    family: Any = None
+    device: str = "cpu"
+    calibrated: list[ReverseCalibration] = field(default_factory=list)
+    _handles: dict[str, ModelHandle] = field(default_factory=dict, repr=False)
+    _mappings: dict[str, Mapping] = field(default_factory=dict, repr=False)
+    _ids: list[int] | None = field(default=None, repr=False)
+
+    # -- construction -----------------------------------------------------------------------------
+    @classmethod
+    def bundled(cls, home: str | os.PathLike[str] | None = None, device: str = "cpu",
+                calibration_tokens: int | None = None) -> BenchFamily:
+        """The bundled SmolLM2 family (already built) with its mapping store under ``<home>/mappings``."""
+        from orchestra.family import load_family
+        from orchestra.family.corpus import HELDOUT_TEXT, data_text
+
+        family = load_family(home)
+        return cls.from_models(dict(BUNDLED_ALIASES), Path(family.home) / "mappings", document=data_text(HELDOUT_TEXT),
+                               document_name=HELDOUT_TEXT, family=family, device=device,
+                               calibration_tokens=calibration_tokens)
+
+    @classmethod
+    def from_models(cls, aliases: dict[str, str], mapping_dir: str | Path, *, document: str, document_name: str,
+                    family: Any = None, device: str = "cpu", corpus: list[tuple[str, str]] | None = None,
+                    calibration_tokens: int | None = None) -> BenchFamily:
+        """Any models (family members or folders) by alias; ``corpus`` defaults to the family's calibration texts."""
+        from orchestra.mapstore import MappingStore
+        from orchestra.registry import ModelRegistry
+
+        registry = ModelRegistry(aliases, family=family, default_device=device)
+        kwargs: dict[str, Any] = {"corpus": corpus}
+        if calibration_tokens is not None:
+            kwargs["tokens"] = calibration_tokens
+        store = MappingStore(Path(mapping_dir), **kwargs)  # the store's defaults are the scheduler's
+        return cls(aliases=dict(aliases), registry=registry, store=store, document=document,
+                   document_name=document_name, family=family, device=device)
+
+    # -- models -----------------------------------------------------------------------------------
+    def loaded(self, alias: str) -> LoadedModel:
+        return self.registry.load(alias)
+
+    def handle(self, alias: str) -> ModelHandle:
+        """A mappings ``ModelHandle`` sharing the registry's model (no second load, no re-hashing of weights)."""
+        if alias not in self._handles:
+            from mappings.fingerprint import Fingerprint, fingerprint_dir
+            from mappings.models import ModelHandle
+
+            lm = self.loaded(alias)
+            fp = None
+            if self.family is not None:
+                try:
+                    stored = self.family.member(self.aliases[alias]).fingerprint
+                    fp = Fingerprint(stored["config"], stored["weights"], stored["tokenizer"])
+                except Exception:  # a folder outside the family: hash it below
+                    fp = None
+            if fp is None or fp.combined != lm.info.fingerprint:
+                fp = fingerprint_dir(lm.info.path)
+            self._handles[alias] = ModelHandle(lm.model, lm.tokenizer, fp, lm.info.path)
+        return self._handles[alias]
+
+    def max_positions(self, alias: str) -> int | None:
+        return self.registry.info(alias).max_positions or None
+
+    def model_bytes(self, alias: str) -> int:
+        return self.registry.info(alias).weight_bytes
+
+    # -- mappings ---------------------------------------------------------------------------------
+    def mapping_path(self, pair: Pair) -> Path:
+        return self.store.path_for(self.loaded(pair.source), self.loaded(pair.target))
+
+    def mapping(self, pair: Pair, *, calibrate_missing: bool = True) -> Mapping:
+        """The pair's stored mapping with its calibration statistics; calibrated into the store if missing."""
+        import time
+        import warnings
+
+        if pair.label in self._mappings:
+            return self._mappings[pair.label]
+        from mappings.store import load_mapping
+        from orchestra.errors import MappingUnavailableError
+
+        source, target = self.loaded(pair.source), self.loaded(pair.target)
+        path = self.store.path_for(source, target)
+        if not (path / "manifest.json").is_file():
+            if not calibrate_missing:
+                raise MappingUnavailableError(f"no mapping for {pair.label} in {self.store.directory}")
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the store warns that it calibrates on demand: that is the point here
+                self.store.get(source, target)
+            self.calibrated.append(ReverseCalibration(pair=pair.label, path=str(path), tokens=self.store.tokens,
+                                                      seconds=time.perf_counter() - t0))
+        mapping = load_mapping(path, self.handle(pair.source).fingerprint, self.handle(pair.target).fingerprint,
+                               device=target.device, with_stats=True)
+        self._mappings[pair.label] = mapping
+        return mapping
+
+    # -- the document -----------------------------------------------------------------------------
+    def document_ids(self) -> list[int]:
+        """The held-out document's token ids (every alias shares the tokenizer: the registry checked)."""
+        if self._ids is None:
+            tok = self.loaded(next(iter(self.aliases))).tokenizer
+            self._ids = list(tok(self.document, add_special_tokens=False)["input_ids"])
+        return self._ids
+
+    def tokens(self, n: int) -> tuple[list[int], bool]:
+        """``n`` document tokens; when the document is shorter it wraps around (second value True)."""
+        ids = self.document_ids()
+        if n <= len(ids):
+            return ids[:n], False
+        out: list[int] = []
+        while len(out) < n:
+            out += ids[: n - len(out)]
+        return out, True
+
+    def text(self, n: int) -> str:
+        """The document cut to about ``n`` tokens, as text (for agents, which tokenize it themselves)."""
+        tok = self.loaded(next(iter(self.aliases))).tokenizer
+        return tok.decode(self.document_ids()[:n])

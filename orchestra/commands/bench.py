@@ -1,0 +1,75 @@
+"""`orchestra bench`: mapped caches vs re-prefill on the bundled family (quality, cost, tasks, pipelines)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer()
+
+_DEFAULT_OUT = Path("benchmarks/results")
+
+
+def _split(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def _ints(value: str | None, what: str) -> list[int] | None:
+    items = _split(value)
+    if items is None:
+        return None
+    try:
+        return [int(v.lower().replace("k", "")) * (1024 if v.lower().endswith("k") else 1) for v in items]
+    except ValueError as exc:
+        raise typer.BadParameter(f"{what} must be comma-separated integers (e.g. 512,1k): {value!r}") from exc
+
+
+def _command() -> str:
+    argv0 = Path(sys.argv[0]).name if sys.argv else "orchestra"
+    head = ["python", "-m", "orchestra.bench"] if argv0 == "__main__.py" else ["orchestra", "bench"]
+    args = sys.argv[1:] if argv0 == "__main__.py" else sys.argv[2:]
+    return shlex.join(head + list(args))
+
+
+@app.command("bench")
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="A few minutes: lengths 512/1k, one window, forward pairs + "
+                                        "one reverse, a 2-agent pipeline, short agent outputs.")] = False,
+    out: Annotated[Path, typer.Option("--out", help="Folder for bench.json, bench.md and the PNG plots.")] = _DEFAULT_OUT,
+    pairs: Annotated[str | None, typer.Option("--pairs", help="Comma-separated SOURCE>TARGET aliases (root, finetuned, "
+                                              "quantized, distilled), e.g. 'root>finetuned,finetuned>root'.")] = None,
+    lengths: Annotated[str | None, typer.Option("--lengths", help="Comma-separated document lengths in tokens, e.g. "
+                                                "'512,1k,2k'.")] = None,
+    sections: Annotated[str | None, typer.Option("--sections", help="Comma-separated sections to run: crossfamily, "
+                                                 "quality, timing, tasks, pipeline, calibration (default: all).")] = None,
+    repeats: Annotated[int | None, typer.Option("--repeats", min=1, help="Timing repetitions (median).")] = None,
+    windows: Annotated[int | None, typer.Option("--windows", min=1, help="Quality windows per length.")] = None,
+    agents: Annotated[str | None, typer.Option("--agents", help="Pipeline sizes, e.g. '2,4,8'.")] = None,
+    home: Annotated[Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or "
+                                              "~/.cache/orchestra).")] = None,
+    device: Annotated[str, typer.Option("--device", help="Torch device for every model.")] = "cpu",
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bars.")] = False,
+) -> None:
+    """Benchmark mapped KV caches against re-prefill on the bundled family, writing JSON, Markdown and plots."""
+    from mappings.errors import MappingError
+    from orchestra.bench import BenchConfig, run_bench
+    from orchestra.commands._output import console, err_console
+    from orchestra.errors import OrchestraError
+
+    try:
+        config = BenchConfig(
+            quick=quick, pairs=_split(pairs), lengths=_ints(lengths, "--lengths"),
+            repeats=repeats, windows=windows, pipeline_agents=_ints(agents, "--agents"), device=device,
+            **({"sections": _split(sections)} if sections else {}),
+        )
+        result = run_bench(config, out, home=home, command=_command(), progress=not quiet,
+                           log=None if quiet else console.print)
+    except (OrchestraError, MappingError, ValueError) as exc:
+        err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from exc
+    console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" +
+                  (f" and {', '.join(result.plots)}" if result.plots else "") + f" in {result.seconds:.0f} s")
