@@ -81,6 +81,19 @@ __all__ = [
     "evaluate",
     "write_report",
     "plot_layer_curves",
+    # map, then repair
+    "RepairPolicy",
+    "RepairPlan",
+    "RepairResult",
+    "RepairUnavailableError",
+    "plan_repair",
+    "repair_cache",
+    "attention_importance",
+    "run_layers",
+    "repair_tokens",
+    "ResidualMap",
+    "fit_residual_maps",
+    "add_residual_maps",
 ]
 
 _WHERE = {
@@ -104,6 +117,10 @@ _WHERE = {
     "mappings.store": ["Mapping", "LayerStats", "save_mapping", "load_mapping", "read_manifest"],
     "mappings.calibrate": ["CalibrationConfig", "calibrate"],
     "mappings.evaluate": ["EvaluationReport", "MethodResult", "evaluate", "write_report", "plot_layer_curves"],
+    "mappings.repair": ["RepairPolicy", "RepairPlan", "RepairResult", "RepairUnavailableError", "plan_repair",
+                        "repair_cache", "attention_importance"],
+    "mappings.recompute": ["run_layers", "repair_tokens"],
+    "mappings.residual": ["ResidualMap", "fit_residual_maps", "add_residual_maps"],
 }
 _LAZY = {name: module for module, names in _WHERE.items() for name in names}
 
@@ -140,6 +157,17 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mappings.manifest import MAPPING_VERSION, MappingManifest
     from mappings.methods import METHODS, MethodSpec, resolve_method
     from mappings.models import ModelHandle, load_model
+    from mappings.recompute import repair_tokens, run_layers
+    from mappings.repair import (
+        RepairPlan,
+        RepairPolicy,
+        RepairResult,
+        RepairUnavailableError,
+        attention_importance,
+        plan_repair,
+        repair_cache,
+    )
+    from mappings.residual import ResidualMap, add_residual_maps, fit_residual_maps
     from mappings.rope import RopeSpec
     from mappings.store import LayerStats, Mapping, load_mapping, read_manifest, save_mapping
 

@@ -79,6 +79,7 @@ def calibrate(
 ) -> None:
     """Calibrate root -> member mappings into the family's mapping store offline (what pipelines use)."""
     import shutil
+    import warnings
 
     from orchestra.family import build_family
     from orchestra.family.corpus import CALIBRATION_TEXTS
@@ -98,7 +99,11 @@ def calibrate(
         path = store.path_for(source, target)
         if force and path.exists():
             shutil.rmtree(path)
-        mapping, made = store.get(source, target, log=console.print)
+        if not (path / "manifest.json").is_file():
+            console.print(f"calibrating {source.info.name} -> {member.name} on {tokens} tokens ...")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the store warns about on-demand calibration; here it is the point
+            mapping, made = store.get(source, target)
         if repair and mapping.residual is None:
             from mappings.residual import add_residual_maps
             from mappings.store import load_mapping

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -41,3 +43,21 @@ def test_family_show_prints_each_member(real_family):
     assert result.exit_code == 0, result.output
     for name in real_family.members:
         assert name[:12] in result.output
+
+
+@pytest.mark.real_model
+def test_family_calibrate_keeps_existing_mappings(real_family):
+    """Offline calibration into the family store: an existing mapping is kept (loaded and checked), not refitted."""
+    root, member = real_family.member("root"), real_family.member("finetuned")
+    first = runner.invoke(app, ["family", "calibrate", "--home", real_family.home, "--member", "finetuned",
+                                "--no-repair"])
+    assert first.exit_code == 0, first.output
+    folder = next((Path(real_family.home) / "mappings").glob(f"{root.name}__to__{member.name}__*"))
+    stamp = (folder / "manifest.json").stat().st_mtime_ns
+    again = runner.invoke(app, ["family", "calibrate", "--home", real_family.home, "--member", "finetuned",
+                                "--no-repair"])
+    assert again.exit_code == 0, again.output
+    assert f"{member.name}: kept {folder.name}" in " ".join(again.output.split())
+    assert (folder / "manifest.json").stat().st_mtime_ns == stamp
+    bad = runner.invoke(app, ["family", "calibrate", "--home", real_family.home, "--member", "nope"])
+    assert bad.exit_code == 2 and "nope" in bad.output
