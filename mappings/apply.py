@@ -138,6 +138,11 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t.sum(dtype=torch.float64))) for t in tensors)
 
 
+def _require_finite(layer: int, *tensors: torch.Tensor) -> None:
+    if not _all_finite(*tensors):
+        raise NonFiniteKVError(f"mapped layer {layer} holds NaN/inf: the source cache or the map is broken; recalibrate")
+
+
 def pair_order_index(heads: int, head_dim: int, copies: int = 1) -> torch.Tensor:
     """Feature order that puts each RoPE pair ``(i, i + d/2)`` of every head side by side.
 
@@ -317,10 +322,8 @@ class LinearKVMap:
                 k = self.target_rope.apply(k, tables=tgt_tables, heads_last=True)
             k = k.transpose(1, 2)
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
-            if check_finite and not _all_finite(yk, yv):
-                raise NonFiniteKVError(
-                    f"mapped layer {ti} holds NaN/inf: the source cache or the map is broken; recalibrate"
-                )
+            if check_finite:
+                _require_finite(ti, yk, yv)
             out.append((k.to(dtype), v.to(dtype)))
         return out
 
@@ -367,10 +370,8 @@ class LinearKVMap:
             k = _from_pairs(z.mul_(rotate))
             yv = _linear(inputs(source_values, lm.sources), lm.prepared("v", device), lm.anchored)
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
-            if check_finite and not _all_finite(yk, yv):
-                raise NonFiniteKVError(
-                    f"mapped layer {ti} holds NaN/inf: the source cache or the map is broken; recalibrate"
-                )
+            if check_finite:
+                _require_finite(ti, yk, yv)
             out.append((k.to(dtype), v.to(dtype)))
         return out
 

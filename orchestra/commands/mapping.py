@@ -9,6 +9,13 @@ import typer
 
 app = typer.Typer(help="Fit and evaluate cross-model KV maps.", no_args_is_help=True)
 
+ManifestSourceOpt = Annotated[
+    Path | None, typer.Option("--source", help="Source model folder (default: the one in the manifest).")
+]
+ManifestTargetOpt = Annotated[
+    Path | None, typer.Option("--target", help="Target model folder (default: the one in the manifest).")
+]
+
 
 def _fail(exc: Exception) -> typer.Exit:
     from orchestra.commands._output import err_console
@@ -90,12 +97,8 @@ def calibrate_repair_cmd(
     corpus: Annotated[list[Path], typer.Option("--corpus", help="Calibration text file; repeat for several.")],
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Calibration tokens to fit on.")] = 4096,
     window: Annotated[int, typer.Option("--window", min=8, help="Tokens per calibration window.")] = 512,
-    source: Annotated[
-        Path | None, typer.Option("--source", help="Source model folder (default: the one in the manifest).")
-    ] = None,
-    target: Annotated[
-        Path | None, typer.Option("--target", help="Target model folder (default: the one in the manifest).")
-    ] = None,
+    source: ManifestSourceOpt = None,
+    target: ManifestTargetOpt = None,
 ) -> None:
     """Fit residual-stream maps for an existing mapping (layer repair) and save them beside it."""
     from mappings.errors import MappingError
@@ -144,12 +147,8 @@ def evaluate_cmd(
     greedy_tokens: Annotated[
         int, typer.Option("--greedy-tokens", min=0, help="Greedy tokens compared after the suffix (0: skip).")
     ] = 64,
-    source: Annotated[
-        Path | None, typer.Option("--source", help="Source model folder (default: the one in the manifest).")
-    ] = None,
-    target: Annotated[
-        Path | None, typer.Option("--target", help="Target model folder (default: the one in the manifest).")
-    ] = None,
+    source: ManifestSourceOpt = None,
+    target: ManifestTargetOpt = None,
     device: Annotated[str, typer.Option("--device", help="Torch device for both models.")] = "cpu",
     repair: Annotated[
         list[float] | None,
