@@ -172,7 +172,8 @@ def forward_with_cache(
     """Run ``input_ids`` after ``cache`` (None: from scratch); returns ``(logits, cache, outputs)``.
 
     Positions continue after the cached prefix unless ``position_ids`` is given. An
-    ``attention_mask``, when given, covers prefix plus new tokens (``[batch, past + new]``).
+    ``attention_mask``, when given, covers prefix plus new tokens (``[batch, past + new]``); a 4-D
+    mask (``[batch, 1, new, past + new]``, additive) goes to the model as it is, with ``position_ids``.
     A fresh full-length ``DynamicCache`` is used when ``cache`` is None so every layer keeps all
     positions.
     """

@@ -380,10 +380,8 @@ def _evaluate_window(
             res = repair_cache(target, mapped, prefix, policy, layer_scores=scores, residual=residual,
                                source_hidden=src_hidden, source=source, source_layers=src_layers)
             repair_s = time.perf_counter() - t0
-            plan = {"policy": policy.model_dump(), "tokens": len(res.plan.tokens), "tail": res.plan.tail,
-                    "scattered": res.plan.scattered, "blocks": [list(b) for b in res.plan.blocks],
-                    "seconds": res.seconds}
-            rows[f"{own}+{policy.label}"] = score(build_cache(res.layers, cfg), map_s, repair_s, res.plan.cost, plan)
+            rows[f"{own}+{policy.label}"] = score(build_cache(res.layers, cfg), map_s, repair_s, res.plan.cost,
+                                                  res.summary())
 
     single: list[tuple[float, float]] = []
     accum: list[tuple[float, float]] = []

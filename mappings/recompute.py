@@ -13,11 +13,18 @@ produce back in place. Later positions keep their mapped K/V.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mappings.cache_io import KVLayers, build_cache, forward_with_cache, model_device, slice_layers
+from mappings.cache_io import (
+    KVLayers,
+    build_cache,
+    cache_kwarg,
+    cache_layers,
+    forward_with_cache,
+    model_device,
+    slice_layers,
+)
 from mappings.capture import decoder_layers
 from mappings.errors import ShapeMismatchError, UnsupportedModelError
 
@@ -54,11 +61,6 @@ def _causal_mask(model: Any, n: int, dtype: torch.dtype, device: Any) -> torch.T
     return mask[None, None]
 
 
-def _cache_kw(layer: Any) -> str:
-    params = inspect.signature(layer.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def run_layers(
     model: Any, hidden: torch.Tensor, start: int, stop: int, *, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, KVLayers]:
@@ -68,7 +70,6 @@ def run_layers(
     ``0..n-1`` unless given; every token attends causally to all earlier ones in the block.
     """
     import torch
-    from transformers import DynamicCache
 
     layers = decoder_layers(model)
     if not 0 <= start < stop <= len(layers):
@@ -80,8 +81,8 @@ def run_layers(
     if positions is None:
         positions = torch.arange(n, device=dev)[None].expand(b, -1)
     positions = positions.to(dev)
-    cache = DynamicCache(config=model.config) if _accepts_config() else DynamicCache()
-    kw = _cache_kw(layers[start])
+    cache = build_cache([], config=model.config)  # empty; the block's layers write their K/V into it
+    kw = cache_kwarg(layers[start])
     with torch.no_grad():
         pos_emb = base.rotary_emb(h, positions) if hasattr(base, "rotary_emb") else None
         mask = _causal_mask(model, n, h.dtype, dev)
@@ -91,12 +92,6 @@ def run_layers(
             h = out[0] if isinstance(out, tuple) else out
     kv = _layers_from(cache, start, stop)
     return h, kv
-
-
-def _accepts_config() -> bool:
-    from transformers import DynamicCache
-
-    return "config" in inspect.signature(DynamicCache.__init__).parameters
 
 
 def _layers_from(cache: Any, start: int, stop: int) -> KVLayers:
@@ -143,8 +138,6 @@ def repair_tokens(model: Any, layers: KVLayers, input_ids: torch.Tensor, positio
         raise ShapeMismatchError(f"token positions {pos[0]}..{pos[-1]} are outside the {n}-token prefix")
     if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):
         return _repair_runs(model, layers, input_ids, pos)
-    from mappings.cache_io import cache_kwarg
-
     dev = model_device(model)
     p = torch.tensor(pos, device=dev)
     dtype = layers[0][0].dtype
@@ -156,16 +149,10 @@ def repair_tokens(model: Any, layers: KVLayers, input_ids: torch.Tensor, positio
     allowed = torch.cat([see_old, see_new], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
     b = input_ids.shape[0]
-    kwargs: dict[str, Any] = {
-        "input_ids": input_ids[:, p.cpu()].to(dev), "position_ids": p[None].expand(b, -1),
-        "attention_mask": mask[None, None].expand(b, 1, -1, -1), "use_cache": True, cache_kwarg(model): cache,
-    }
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kwargs["logits_to_keep"] = 1
-    with torch.no_grad():
-        model(**kwargs)
+    _, cache, _ = forward_with_cache(model, input_ids[:, p.cpu()], cache, position_ids=p[None].expand(b, -1),
+                                     attention_mask=mask[None, None].expand(b, 1, -1, -1), logits_to_keep=1)
     out: KVLayers = []
-    for (k, v), (nk, nv) in zip(layers, _kv(cache), strict=True):
+    for (k, v), (nk, nv) in zip(layers, cache_layers(cache), strict=True):
         k, v = k.clone(), v.clone()
         k[:, :, p] = nk[:, :, n:].to(k.dtype)
         v[:, :, p] = nv[:, :, n:].to(v.dtype)
@@ -181,13 +168,7 @@ def _repair_runs(model: Any, layers: KVLayers, input_ids: torch.Tensor, pos: Seq
         prefix = build_cache(slice_layers(out, 0, a), config=model.config) if a else None
         _, cache, _ = forward_with_cache(model, input_ids[:, a:z], prefix, logits_to_keep=1)
         with torch.no_grad():
-            for (k, v), (nk, nv) in zip(out, slice_layers(_kv(cache), a, z), strict=True):
+            for (k, v), (nk, nv) in zip(out, slice_layers(cache_layers(cache), a, z), strict=True):
                 k[..., a:z, :] = nk.to(k.dtype)
                 v[..., a:z, :] = nv.to(v.dtype)
     return out
-
-
-def _kv(cache: Any) -> KVLayers:
-    from mappings.cache_io import cache_layers
-
-    return list(cache_layers(cache))

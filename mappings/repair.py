@@ -116,7 +116,14 @@ class RepairResult:
 
     layers: KVLayers
     plan: RepairPlan
+    policy: RepairPolicy
     seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON form for reports and events: the policy, what was recomputed, its planned cost, seconds."""
+        return {"policy": self.policy.model_dump(mode="json"), "tokens": len(self.plan.tokens), "tail": self.plan.tail,
+                "scattered": self.plan.scattered, "blocks": [list(b) for b in self.plan.blocks],
+                "cost": self.plan.cost, "seconds": dict(self.seconds)}
 
 
 def choose_blocks(layer_scores: Sequence[float], layers: int) -> tuple[tuple[int, int], ...]:
@@ -153,8 +160,6 @@ def plan_repair(
         blocks = choose_blocks(layer_scores or [], count) if count else ()
     block_layers = sum(z - a for a, z in blocks)
     token_budget = max(0, int(math.floor((policy.budget - block_layers / num_layers) * n + 1e-9)))
-    if policy.budget == 0:
-        token_budget = 0
     sink = min(policy.sink_tokens, token_budget, n)
     rest = token_budget - sink
     scattered_n = int(rest * policy.scattered_share) if importance is not None else 0
@@ -180,7 +185,7 @@ def attention_importance(model: Any, layers: KVLayers, input_ids: torch.Tensor, 
     import torch
 
     from mappings.cache_io import build_cache, forward_with_cache, slice_layers
-    from mappings.capture import decoder_layers
+    from mappings.capture import _query_hooks
     from mappings.rope import RopeSpec
 
     if input_ids.dim() == 1:
@@ -188,13 +193,7 @@ def attention_importance(model: Any, layers: KVLayers, input_ids: torch.Tensor, 
     n = input_ids.shape[1]
     t = max(1, min(probe_tokens, n - 1))
     queries: dict[int, torch.Tensor] = {}
-    handles = []
-    for i, layer in enumerate(decoder_layers(model)):
-        attn = getattr(layer, "self_attn", None)
-        hook_on = getattr(attn, "q_norm", None) or getattr(attn, "q_proj", None)
-        if hook_on is None:
-            raise RepairUnavailableError(f"layer {i} has no self_attn.q_proj: attention cannot be probed")
-        handles.append(hook_on.register_forward_hook(lambda _m, _i, out, i=i: queries.__setitem__(i, out.detach())))
+    handles = _query_hooks(model, queries)
     try:
         forward_with_cache(model, input_ids[:, n - t :], build_cache(slice_layers(layers, 0, n - t), model.config),
                            logits_to_keep=1)
@@ -276,4 +275,4 @@ def repair_cache(
         t0 = time.perf_counter()
         layers = repair_tokens(target, layers, input_ids, plan.tokens)
         seconds["tokens"] = time.perf_counter() - t0
-    return RepairResult(layers, plan, seconds)
+    return RepairResult(layers, plan, policy, seconds)

@@ -150,18 +150,6 @@ def _stats(x: torch.Tensor, y: torch.Tensor) -> RegressionStats:
     return RegressionStats.from_data(x.double(), y.double())
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    import torch.nn.functional as F
-
-    return float(F.cosine_similarity(a.float(), b.float(), dim=-1).mean())
-
-
-def _r2(pred: torch.Tensor, true: torch.Tensor) -> float:
-    sse = float(((pred - true) ** 2).sum())
-    sst = float(((true - true.mean(0)) ** 2).sum())
-    return 1.0 - sse / max(sst, 1e-12)
-
-
 def fit_residual_maps(
     source: Any,
     target: Any,
@@ -182,6 +170,7 @@ def fit_residual_maps(
 
     from mappings.assemble import factorize
     from mappings.fit import fit_linear, identity_prior
+    from mappings.metrics import fit_quality, mean_cosine
 
     t0 = time.perf_counter()
     src_h, tgt_h = capture_hidden(source, train, batch_size), capture_hidden(target, train, batch_size)
@@ -208,10 +197,10 @@ def fit_residual_maps(
             entry.down, entry.up = factors
         else:
             entry.weight = w.float()
-        pred = entry.apply(src_v[s])
-        entry.r2, entry.cosine = _r2(pred, tgt_v[i]), _cosine(pred, tgt_v[i])
+        quality = fit_quality(entry.apply(src_v[s]), tgt_v[i])
+        entry.r2, entry.cosine = quality["r2"], quality["cosine"]
         if d_s == d_t:
-            entry.identity_cosine = _cosine(src_v[s], tgt_v[i])
+            entry.identity_cosine = mean_cosine(src_v[s], tgt_v[i])
         layers.append(entry)
     return ResidualMap(layers, d_s, d_t, seconds=time.perf_counter() - t0,
                        tokens=sum(int(w.numel()) for w in train))

@@ -367,10 +367,7 @@ class Orchestra:
         res = repair_cache(target.model, list(cache_layers(mapped)), ids, policy,
                            layer_scores=layer_scores(mapping.manifest), residual=mapping.residual,
                            source_hidden=src.hidden, source=source.model, source_layers=list(cache_layers(src.cache)))
-        plan = {"budget": policy.budget, "tokens": len(res.plan.tokens), "tail": res.plan.tail,
-                "scattered": res.plan.scattered, "blocks": [list(b) for b in res.plan.blocks],
-                "cost": res.plan.cost, "seconds": res.seconds}
-        return build_cache(res.layers, target.model.config), plan
+        return build_cache(res.layers, target.model.config), res.summary()
 
     async def _cache_for(self, run: _Run, name: str, report: AgentReport) -> _DocCache:
         """The document cache this agent runs on, after the gates (re-prefilling on failure)."""

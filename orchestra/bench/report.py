@@ -47,6 +47,11 @@ def _f(v: float | None, digits: int = 4) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _skipped(items: list[str]) -> list[str]:
+    """A blank line, then one bullet per skipped item (and a closing blank line when there are any)."""
+    return [""] + [f"- skipped: {s}" for s in items] + ([""] if items else [])
+
+
 def _bytes(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -99,7 +104,7 @@ def render_markdown(r: BenchResults) -> str:
                 k = len(c.kl)
                 lines.append(f"| {c.pair} | {c.length} | {c.method} | {k} | {_f(c.kl[max(0, k // 4 - 1)])} | "
                              f"{_f(c.kl[max(0, k // 2 - 1)])} | {_f(c.kl[-1])} |")
-        lines += [""] + [f"- skipped: {s}" for s in q.skipped] + ([""] if q.skipped else [])
+        lines += _skipped(q.skipped)
     if r.repair is not None:
         lines += repair_markdown(r.repair)
     t = r.timing
@@ -122,7 +127,7 @@ def render_markdown(r: BenchResults) -> str:
         for g in t.growth:
             lines.append(f"| {g.pair} | {g.quantity} | {_f(g.exponent, 2)} | {_f(g.per_doubling, 2)} | "
                          f"{', '.join(map(str, g.lengths))} |")
-        lines += [""] + [f"- skipped: {s}" for s in t.skipped] + ([""] if t.skipped else [])
+        lines += _skipped(t.skipped)
     k = r.tasks
     if k is not None:
         lines += [
@@ -137,7 +142,7 @@ def render_markdown(r: BenchResults) -> str:
             errs = "; ".join(e.split(":")[0] for e in (x.truth_error, x.mapped_error) if e) or "-"
             lines.append(f"| {x.pair} | {x.agent} | {x.metric} | {_f(x.score, 3)} | {x.token_agreement} | "
                          f"{x.tokens_truth} / {x.tokens_mapped} | {errs} |")
-        lines += [""] + [f"- skipped: {s}" for s in k.skipped] + ([""] if k.skipped else [])
+        lines += _skipped(k.skipped)
     p = r.pipeline
     if p is not None:
         lines += [
@@ -169,7 +174,7 @@ def render_markdown(r: BenchResults) -> str:
             lines.append(f"| {x.pair} | {x.origin} | {x.method} | {x.seconds:.1f} | {x.tokens} | {_f(x.heldout_kl)} | "
                          f"{_bytes(x.map_bytes)} | {_bytes(x.stats_bytes)} | {x.map_fraction_of_model:.2%} | "
                          f"{x.artifact_fraction_of_model:.2%} |")
-        lines += [""] + [f"- skipped: {s}" for s in cal.skipped] + ([""] if cal.skipped else [])
+        lines += _skipped(cal.skipped)
     x = r.crossfamily
     if x is not None:
         lines += ["## Cross-family pair (must be refused)", "", f"Foreign model: {x.foreign_model}.", "",
