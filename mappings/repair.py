@@ -261,7 +261,8 @@ def repair_cache(
                 if residual is None or source_hidden is None:
                     raise RepairUnavailableError(
                         f"layer block [{a}, {z}) starts after layer 0: it needs the mapping's residual maps "
-                        "(calibrate with repair) and the source's hidden states"
+                        "(add them with `orchestra calibrate-repair --mapping DIR --corpus FILE`) and the "
+                        "source's hidden states"
                     )
                 s = residual.layers[a].source
                 if s not in source_hidden:

@@ -69,3 +69,31 @@ def test_every_option_has_help():
         for param in command.params:
             if param.name != "help":
                 assert getattr(param, "help", None), f"{name} --{param.name} has no help text"
+
+
+def test_repair_options_and_calibrate_repair(llama_family, tmp_path):
+    """--repair rows, a layer share without residual maps refused with a typed error, then calibrate-repair
+    adds the residual maps so the same evaluation runs; a missing mapping directory is a one-line error.
+    (The 4-layer llama: half of a 50 % budget is 1 layer, and its worst layer is not layer 0.)"""
+    from mappings.calibrate import calibrate
+
+    path = tmp_path / "map"
+    calibrate(llama_family.parent, llama_family.child, [(p.name, p.read_text()) for p in
+              (DATA / "apache-2.0.txt", DATA / "mpl-2.0.txt")], tokens=TOKENS, window=WINDOW, progress=False).save(path)
+    base = ["evaluate", "--mapping", str(path), "--document", str(DATA / "gpl-3.txt"), "--prefix-tokens", "96",
+            "--suffix-tokens", "16", "--greedy-tokens", "0", "--tail-tokens", "0", "--no-layer-curves"]
+    result = runner.invoke(app, [*base, "--repair", "0.5", "--repair-layers", "0.5"])
+    assert result.exit_code == 2 and "RepairUnavailableError" in result.output and "calibrate-repair" in result.output
+    result = runner.invoke(app, ["calibrate-repair", "--mapping", str(path), "--corpus", str(DATA / "apache-2.0.txt"),
+                                 "--corpus", str(DATA / "mpl-2.0.txt"), "--tokens", str(TOKENS), "--window", str(WINDOW)])
+    assert result.exit_code == 0, result.output
+    assert (path / "residual.safetensors").is_file()
+    report = tmp_path / "r.json"
+    result = runner.invoke(app, [*base, "--repair", "0.5", "--repair-layers", "0.5", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    rows = {r["method"]: r for r in json.loads(report.read_text())["methods"]}
+    row = rows["anchored_kl+repair@50%,L0.5"]
+    assert row["repair"]["blocks"] and row["cost_fraction"] <= 0.5 + 1e-9
+    missing = runner.invoke(app, ["calibrate-repair", "--mapping", str(tmp_path / "nope"), "--corpus",
+                                  str(DATA / "mpl-2.0.txt")])
+    assert missing.exit_code == 2 and "CorruptMappingError" in missing.output
