@@ -1,5 +1,11 @@
 """orchestra: multi-agent pipelines over one long document on a family of LLMs, prefilling it once.
 
+    from orchestra import Pipeline
+    p = Pipeline("brief", source="root")
+    p.agent("summarizer", model="root")
+    p.agent("key_facts", model="finetuned")
+    report = p.run_sync(open("doc.txt").read())
+
 Heavy dependencies (torch, transformers) load only when a name that needs them is used.
 """
 
@@ -9,21 +15,45 @@ from typing import TYPE_CHECKING, Any
 
 from orchestra.errors import (
     CorruptGGUFError,
+    CrossFamilyError,
+    CycleError,
+    DevicePlacementError,
+    DocumentError,
     FamilyBuildError,
     FamilyError,
     FamilyHomeError,
     GGUFUnavailableError,
+    MappingUnavailableError,
     MemberNotFoundError,
     OrchestraError,
+    PipelineError,
+    PipelineFileError,
+    UnknownAgentError,
+    UnknownModelError,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    # the Python API
+    "Pipeline",
+    "PipelineSpec",
+    "AgentNode",
+    "load_pipeline",
+    "Orchestra",
+    "RunReport",
+    "AgentReport",
+    # the core: one cache for the whole family
+    "FamilyCache",
+    "CachePolicy",
+    "CacheLease",
+    "GatePolicy",
+    # the family
     "build_family",
     "load_family",
     "FamilyManifest",
+    # errors
     "OrchestraError",
     "FamilyError",
     "FamilyHomeError",
@@ -31,12 +61,42 @@ __all__ = [
     "GGUFUnavailableError",
     "CorruptGGUFError",
     "MemberNotFoundError",
+    "PipelineError",
+    "PipelineFileError",
+    "CycleError",
+    "UnknownAgentError",
+    "UnknownModelError",
+    "CrossFamilyError",
+    "DocumentError",
+    "DevicePlacementError",
+    "MappingUnavailableError",
 ]
 
 if TYPE_CHECKING:
+    from orchestra.builder import Pipeline
     from orchestra.family import FamilyManifest, build_family, load_family
+    from orchestra.familycache import CacheLease, CachePolicy, FamilyCache
+    from orchestra.gates import GatePolicy
+    from orchestra.pipeline import AgentNode, PipelineSpec, load_pipeline
+    from orchestra.report import AgentReport, RunReport
+    from orchestra.scheduler import Orchestra
 
-_LAZY = {"build_family": "orchestra.family", "load_family": "orchestra.family", "FamilyManifest": "orchestra.family"}
+_LAZY = {
+    "Pipeline": "orchestra.builder",
+    "PipelineSpec": "orchestra.pipeline",
+    "AgentNode": "orchestra.pipeline",
+    "load_pipeline": "orchestra.pipeline",
+    "Orchestra": "orchestra.scheduler",
+    "RunReport": "orchestra.report",
+    "AgentReport": "orchestra.report",
+    "FamilyCache": "orchestra.familycache",
+    "CachePolicy": "orchestra.familycache",
+    "CacheLease": "orchestra.familycache",
+    "GatePolicy": "orchestra.gates",
+    "build_family": "orchestra.family",
+    "load_family": "orchestra.family",
+    "FamilyManifest": "orchestra.family",
+}
 
 
 def __getattr__(name: str) -> Any:
