@@ -84,6 +84,7 @@ async def stream_agent(
     upstream: Mapping[str, Any] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
     use_chat_template: bool | None = None,
+    lock: Any = None,
 ) -> AsyncIterator[AgentStream]:
     """Run `generate` in a worker thread (bounded by ``limiter``, e.g. one per device), streaming tokens.
 
@@ -110,7 +111,7 @@ async def stream_agent(
                 stream._result = await anyio.to_thread.run_sync(
                     partial(generate, model, tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=prefix_cache,
                             upstream=upstream, on_token=emit, cancel=cancel,
-                            use_chat_template=use_chat_template),
+                            use_chat_template=use_chat_template, lock=lock),
                     limiter=limiter,
                 )
             except Exception as exc:  # handed to the consumer unwrapped, not as an ExceptionGroup
@@ -149,10 +150,12 @@ async def run_agent(
     on_token: Callable[[TokenEvent], Awaitable[None] | None] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
     use_chat_template: bool | None = None,
+    lock: Any = None,
 ) -> AgentResult:
     """Run one agent without blocking the event loop; ``on_token`` (sync or async) sees every token."""
     async with stream_agent(model, tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=prefix_cache,
-                            upstream=upstream, limiter=limiter, use_chat_template=use_chat_template) as stream:
+                            upstream=upstream, limiter=limiter, use_chat_template=use_chat_template,
+                            lock=lock) as stream:
         async for event in stream:
             if on_token is not None:
                 maybe = on_token(event)

@@ -12,6 +12,7 @@ __all__ = [
     "RunStarted",
     "DocumentPrefilled",
     "CacheReady",
+    "CacheStepEvent",
     "AgentStarted",
     "TokenEvent",
     "GateResult",
@@ -57,6 +58,25 @@ class CacheReady(Event):
     store_hit: bool
     repair: dict[str, Any] | None = None
     """Mapped caches repaired under the pipeline's repair policy: tokens, tail, blocks and cost."""
+
+
+class CacheStepEvent(Event):
+    """One step FamilyCache took to give an agent (or the run's source prefill) its cache, with its cost."""
+
+    kind: Literal["cache_step"] = "cache_step"
+    agent: str | None = None
+    """The agent the cache was for (None: the run's own document prefill on the source)."""
+    step: str
+    """hit, join, prefill, map, repair, gate, shadow, fallback or evict (see `orchestra.familycache.CacheStep`)."""
+    model: str
+    tokens: int = 0
+    reused_tokens: int = 0
+    seconds: float = 0.0
+    source: str | None = None
+    passed: bool | None = None
+    reason: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    detail: dict[str, Any] = Field(default_factory=dict)
 
 
 class AgentStarted(Event):
@@ -117,7 +137,7 @@ class RunFinished(Event):
 
 
 AnyEvent = Annotated[
-    RunStarted | DocumentPrefilled | CacheReady | AgentStarted | TokenEvent | GateResult | Fallback
+    RunStarted | DocumentPrefilled | CacheReady | CacheStepEvent | AgentStarted | TokenEvent | GateResult | Fallback
     | AgentFinished | AgentFailed | AgentSkipped | RunFinished,
     Field(discriminator="kind"),
 ]

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestra.errors import MappingUnavailableError
-from orchestra.registry import LoadedModel
+from orchestra.registry import LoadedModel, ModelInfo
 
-__all__ = ["ProbeReference", "MappingStore", "tail_nll", "mean_kl", "PROBE_FILE"]
+__all__ = ["ProbeReference", "MappingStore", "PROBE_FILE"]
 
 PROBE_FILE = "probe_reference.json"
 
@@ -37,26 +37,6 @@ class ProbeReference:
     source_kl: float
     """mean KL(source ‖ target) over the trailing positions: how far the pair's predictions differ."""
     windows: int
-
-
-def tail_nll(logits, ids) -> float:
-    """Mean NLL of ids[1:] under logits[:-1] (logits [m, vocab] for the m trailing positions)."""
-    import torch.nn.functional as F
-
-    logits = logits.float().reshape(-1, logits.shape[-1])
-    ids = ids.reshape(-1).to(logits.device)
-    if ids.numel() < 2:
-        raise ValueError("the probe needs at least 2 trailing tokens")
-    return float(F.cross_entropy(logits[:-1], ids[1:]))
-
-
-def mean_kl(p_logits, q_logits) -> float:
-    """Mean over positions of KL(softmax(p) ‖ softmax(q))."""
-    import torch.nn.functional as F
-
-    p = F.log_softmax(p_logits.float(), -1)
-    q = F.log_softmax(q_logits.float().to(p.device), -1)
-    return float((p.exp() * (p - q)).sum(-1).mean())
 
 
 def _calibration_corpus() -> list[tuple[str, str]]:
@@ -85,9 +65,14 @@ class MappingStore:
             self._corpus = _calibration_corpus()
         return self._corpus
 
-    def path_for(self, source: LoadedModel, target: LoadedModel) -> Path:
-        s, t = source.info, target.info
+    def path_for(self, source: LoadedModel | ModelInfo, target: LoadedModel | ModelInfo) -> Path:
+        s, t = getattr(source, "info", source), getattr(target, "info", target)
         return self.directory / f"{s.name}__to__{t.name}__{s.fingerprint[:10]}_{t.fingerprint[:10]}"
+
+    def has(self, source: LoadedModel | ModelInfo, target: LoadedModel | ModelInfo) -> bool:
+        """Whether a mapping for the pair is loaded or on disk (never calibrates)."""
+        s, t = getattr(source, "info", source), getattr(target, "info", target)
+        return (s.fingerprint, t.fingerprint) in self._cache or (self.path_for(s, t) / "manifest.json").is_file()
 
     def get(self, source: LoadedModel, target: LoadedModel, log=None) -> tuple[Any, bool]:
         """The mapping for the pair (loaded and fingerprint-checked) and whether it was calibrated just now."""
@@ -170,6 +155,7 @@ class MappingStore:
         import torch
 
         from mappings import forward_with_cache, map_cache, tail_recompute
+        from mappings.metrics import mean_kl, tail_nll
 
         ids_all: list[int] = []
         for _name, text in self.corpus:

@@ -6,7 +6,6 @@ import torch
 from orchestra.errors import CrossFamilyError, DocumentError, PipelineError, UnknownModelError
 from orchestra.events import AgentFailed, AgentSkipped, Fallback, GateResult, RunFinished, TokenEvent
 from orchestra.family.corpus import data_text
-from orchestra.kvstore import KVStore
 from orchestra.mapstore import MappingStore
 from orchestra.pipeline import PipelineSpec
 from orchestra.scheduler import Orchestra
@@ -43,7 +42,7 @@ async def test_prefill_once_fan_out_and_store_hit(fam, mapstore):
     pipe = _pipeline(fam, [
         _spec("a", "base"), _spec("b", "child"), _spec("c", "base2", upstream=["a"], task="Improve: {a}"),
     ], gate={"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0}})
-    orch = Orchestra(pipe, mappings=mapstore, store=KVStore())
+    orch = Orchestra(pipe, mappings=mapstore)
     events = []
     report = await orch.run(DOC, on_event=events.append)
     assert report.succeeded == ["a", "b", "c"]
@@ -79,7 +78,7 @@ def _bad_mapping(mapping):
 async def test_bad_mapping_falls_back_and_matches_reprefill(fam, mapstore, tmp_path):
     pipe = _pipeline(fam, [_spec("b", "child", max_new_tokens=12)],
                      gate={"offline": None, "probe": {"tokens": 16, "max_excess_nll": 0.5}})
-    good = Orchestra(pipe, mappings=mapstore, store=KVStore())
+    good = Orchestra(pipe, mappings=mapstore)
     source, target = good.registry.load("base"), good.registry.load("child")
     mapping, _ = mapstore.get(source, target)
 
@@ -87,8 +86,7 @@ async def test_bad_mapping_falls_back_and_matches_reprefill(fam, mapstore, tmp_p
     bad_store._cache[(source.info.fingerprint, target.info.fingerprint)] = _bad_mapping(
         type(mapping)(mapping.kv_map.__class__(**{**mapping.kv_map.__dict__}), mapping.manifest, None, None))
     bad_store._probe.update(mapstore._probe)
-    orch = Orchestra(pipe, mappings=bad_store, store=KVStore())
-    orch.registry = good.registry
+    orch = Orchestra(pipe, mappings=bad_store)
     events = []
     report = await orch.run(DOC, on_event=events.append)
     agent = report.agent("b")
@@ -98,7 +96,7 @@ async def test_bad_mapping_falls_back_and_matches_reprefill(fam, mapstore, tmp_p
     metrics = agent.gate[0]["metrics"]
     assert not agent.gate[0]["passed"] and (metrics["excess_nll"] > 0.5 or metrics["excess_kl"] > 0.1)
 
-    baseline = await Orchestra(pipe, mappings=mapstore, store=KVStore(), share_prefill=False).run(DOC)
+    baseline = await Orchestra(pipe, mappings=mapstore, share_prefill=False).run(DOC)
     assert agent.output == baseline.agent("b").output
 
 
@@ -160,11 +158,11 @@ async def test_shadow_failures_trip_the_breaker(fam, mapstore):
             "shadow": {"probability": 1.0, "max_kl": 0.0, "window": 5, "trip_after": 1, "cooldown_s": 3600}}
     pipe = _pipeline(fam, [_spec("b", "child")], gate=gate)
     breaker = CircuitBreaker()
-    first = await Orchestra(pipe, mappings=mapstore, store=KVStore(), breaker=breaker).run(DOC)
+    first = await Orchestra(pipe, mappings=mapstore, breaker=breaker).run(DOC)
     agent = first.agent("b")
     assert agent.cache_path == "reprefilled" and "shadow gate failed" in agent.fallback_reason
     assert agent.gate[0]["gate"] == "shadow" and "breaker opened" in agent.gate[0]["reason"]
-    second = await Orchestra(pipe, mappings=mapstore, store=KVStore(), breaker=breaker).run(DOC)
+    second = await Orchestra(pipe, mappings=mapstore, breaker=breaker).run(DOC)
     assert second.agent("b").fallback_reason == "circuit breaker open for this pair after shadow failures"
     assert second.agent("b").gate == []  # the map was not even tried
 
@@ -208,11 +206,10 @@ async def test_repair_policy_repairs_mapped_caches_and_reports_it(fam, mapstore)
 
     agents = [_spec("a", "base"), _spec("b", "child")]
     gate = {"offline": None, "probe": None}
-    plain = Orchestra(_pipeline(fam, agents, gate=gate), mappings=mapstore, store=KVStore())
+    plain = Orchestra(_pipeline(fam, agents, gate=gate), mappings=mapstore)
     await plain.run(DOC)
-    store = KVStore()
     repaired = Orchestra(_pipeline(fam, agents, gate=gate, mapping={"repair": {"budget": 0.25, "layer_share": 0.5}}),
-                         mappings=mapstore, store=store)
+                         mappings=mapstore)
     events = []
     report = await repaired.run(DOC, on_event=events.append)
     child = next(c for c in report.caches if c.model == "child")
@@ -221,9 +218,9 @@ async def test_repair_policy_repairs_mapped_caches_and_reports_it(fam, mapstore)
     assert any("layer repair skipped" in w for w in report.warnings)
     ready = [e for e in events if getattr(e, "kind", "") == "cache_ready" and e.model == "child"]
     assert ready and ready[0].repair == child.repair
-    # the repaired cache differs from the pure map where tokens were recomputed
-    key = next(k for k in store._entries if k.namespace == "mapped")
-    rep_layers = cache_layers(store.get(key, namespace="mapped"))
-    base_key = next(k for k in plain.store._entries if k.namespace == "mapped")
-    map_layers = cache_layers(plain.store.get(base_key, namespace="mapped"))
+    # the repaired cache is its own entry (another namespace) and differs from the pure map where tokens were recomputed
+    rep = next(e for e in repaired.cache.pool.entries() if e.namespace.kind == "mapped")
+    pure = next(e for e in plain.cache.pool.entries() if e.namespace.kind == "mapped")
+    assert rep.namespace != pure.namespace
+    rep_layers, map_layers = cache_layers(rep.cache), cache_layers(pure.cache)
     assert not torch.allclose(rep_layers[0][0][..., :4, :], map_layers[0][0][..., :4, :])

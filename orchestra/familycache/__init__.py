@@ -1,0 +1,34 @@
+"""FamilyCache: the one component that turns (family member, token ids) into a usable KV cache.
+
+    cache = FamilyCache.for_family(source="root")
+    with cache.acquire_sync("finetuned", ids) as lease:   # exact, mapped from root, or re-prefilled
+        print(lease.path, lease.reused_tokens, lease.gate_dicts())
+
+The pipeline scheduler, the chat example, evaluate and the benchmarks all stand on it; nothing
+else in orchestra maps, repairs, gates or falls back.
+"""
+
+from __future__ import annotations
+
+from orchestra.familycache._core import CacheLease, CachePath, FamilyCache, StepSink
+from orchestra.familycache._events import CacheStep, StepKind
+from orchestra.familycache._executor import Executor, LocalExecutor
+from orchestra.familycache._policy import CachePolicy
+from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats, token_hash
+
+__all__ = [
+    "FamilyCache",
+    "CacheLease",
+    "CachePath",
+    "CachePolicy",
+    "CacheStep",
+    "StepKind",
+    "StepSink",
+    "Executor",
+    "LocalExecutor",
+    "EntryPool",
+    "Entry",
+    "Namespace",
+    "PoolStats",
+    "token_hash",
+]

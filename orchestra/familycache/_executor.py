@@ -1,0 +1,81 @@
+"""Where model work runs: the seam between FamilyCache and the machines that hold the models.
+
+FamilyCache never calls a model itself. It hands a module-level function (an *op*, see `_ops.py`)
+and its arguments to an `Executor`, which runs it with exclusive use of the named members' models.
+`LocalExecutor` runs ops in the calling thread under each model's lock; a remote executor (Ray
+actors, one per member) runs the same picklable ops where the weights live and returns handles.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from orchestra.registry import LoadedModel, ModelInfo, ModelRegistry
+
+__all__ = ["Executor", "LocalExecutor"]
+
+R = TypeVar("R")
+
+
+class Executor(ABC):
+    """Runs model work for a FamilyCache; every forward pass on a model goes through here."""
+
+    @abstractmethod
+    def info(self, member: str) -> ModelInfo:
+        """What is known about `member` without loading weights (fingerprint, RoPE, limits)."""
+
+    @abstractmethod
+    def run(self, members: Sequence[str], op: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """Run ``op(*models, *args, **kwargs)`` with exclusive use of `members`' models, in order; blocking.
+
+        No other op and no generation runs on any of those models meanwhile. Locks are taken in a
+        fixed order, so two ops naming the same members in any order never deadlock.
+        """
+
+    @abstractmethod
+    def lock(self, member: str) -> threading.Lock:
+        """The lock that serialises forward passes on `member` (agents take it per decoding step)."""
+
+    @property
+    @abstractmethod
+    def members(self) -> Sequence[str]:
+        """Every member this executor can run."""
+
+
+class LocalExecutor(Executor):
+    """Models in this process (loaded on first use by a ModelRegistry), ops in the caller's thread."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+
+    @property
+    def members(self) -> Sequence[str]:
+        return list(self.registry.aliases)
+
+    def info(self, member: str) -> ModelInfo:
+        return self.registry.info(member)
+
+    def load(self, member: str) -> LoadedModel:
+        return self.registry.load(member)
+
+    def lock(self, member: str) -> threading.Lock:
+        return self.registry.load(member).lock
+
+    @contextmanager
+    def exclusive(self, members: Sequence[str]) -> Iterator[list[LoadedModel]]:
+        """Hold the locks of `members` (each once, sorted by the lock's model path), yielding their models."""
+        models = [self.registry.load(m) for m in members]
+        distinct = {id(m.lock): m for m in models}
+        with ExitStack() as stack:
+            for model in sorted(distinct.values(), key=lambda m: (str(m.info.path), m.info.alias)):
+                stack.enter_context(model.lock)
+            yield models
+
+    def run(self, members: Sequence[str], op: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        with self.exclusive(members) as models:
+            return op(*models, *args, **kwargs)

@@ -1,0 +1,126 @@
+"""The model work of a FamilyCache, as module-level functions an Executor runs with the models held.
+
+Each op takes the loaded models first (in the order the executor was given their names), then
+plain arguments: token id lists, caches and mappings. Ops never keep state and never modify a
+cache they were given (they build new ones from views), so a remote executor can run them where
+the weights live. Timings include a device sync so they are real on CUDA too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from orchestra.registry import LoadedModel
+
+__all__ = ["Computed", "compute_tokens", "tail_logits", "map_into", "truncate", "nbytes_of"]
+
+
+@dataclass
+class Computed:
+    """A cache after computing some tokens, the logits kept for its trailing positions, the seconds it took."""
+
+    cache: Any
+    logits: Any
+    """[m, vocab] float32 logits of the last m computed positions (m may be 0)."""
+    seconds: float
+    hidden: dict[int, Any] | None = None
+
+
+def _ids(model: LoadedModel, ids: list[int]) -> torch.Tensor:
+    import torch
+
+    return torch.tensor([ids], dtype=torch.long, device=model.device)
+
+
+def truncate(model: LoadedModel, cache: Any, length: int) -> Any:
+    """The first `length` positions of `cache` as a new cache of views (the input is not touched)."""
+    from mappings.cache_io import cache_length, truncate_cache
+
+    if cache_length(cache) == length:
+        return cache
+    return truncate_cache(cache, length, model.model.config)
+
+
+def compute_tokens(model: LoadedModel, ids: list[int], base: Any, start: int, keep_logits: int,
+                   base_hidden: dict[int, Any] | None = None, want_hidden: bool = False) -> Computed:
+    """Compute ids[start:] exactly on `model` over `base` (its first `start` positions; None when start is 0).
+
+    Keeps the logits of the last `keep_logits` positions, and with `want_hidden` the hidden state
+    entering each layer for every position (the base's, when given, joined with the new ones).
+    """
+    import torch
+
+    from mappings.cache_io import forward_with_cache, sync_device
+
+    prefix = truncate(model, base, start) if start > 0 else None
+    new = _ids(model, ids[start:])
+    keep = max(0, min(keep_logits, new.shape[1]))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        logits, cache, out = forward_with_cache(model.model, new, prefix, logits_to_keep=max(keep, 1),
+                                                output_hidden_states=want_hidden)
+    sync_device(model.device)
+    seconds = time.perf_counter() - t0
+    hidden = None
+    if want_hidden:
+        hidden = {}
+        for i, state in enumerate(out.hidden_states[:-1]):
+            if start > 0 and base_hidden is not None:
+                state = torch.cat([base_hidden[i][:, :start], state], dim=1)
+            hidden[i] = state
+    kept = logits[0, -keep:].float() if keep else logits[0, :0].float()
+    return Computed(cache, kept, seconds, hidden)
+
+
+def tail_logits(model: LoadedModel, cache: Any, ids: list[int], end: int, tail: int) -> Computed:
+    """Logits of positions [end - tail, end) of ids, recomputed over the first end - tail positions of `cache`."""
+    return compute_tokens(model, ids[:end], cache, end - tail, tail)
+
+
+def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int],
+             tail: int, repair: Any = None, source_hidden: dict[int, Any] | None = None) -> tuple[Computed, dict | None]:
+    """Map `source_cache` (exactly the positions of `ids`) onto `target`, repair it per policy, recompute the tail.
+
+    Returns the target cache of len(ids) positions with the logits of its last `tail` positions
+    (exact given the mapped prefix: the probe gate reads them), and the repair summary.
+    `source` is needed (and held) only when the repair policy reads the source model.
+    """
+    import torch
+
+    from mappings import build_cache, cache_layers, map_cache, tail_recompute
+    from mappings.cache_io import sync_device
+
+    t0 = time.perf_counter()
+    summary = None
+    with torch.no_grad():
+        mapped = map_cache(mapping.kv_map, truncate(target, source_cache, len(ids)), target.model)
+        if repair is not None and repair.budget > 0:
+            from mappings.repair import layer_scores, repair_cache
+
+            all_ids = _ids(target, ids)
+            res = repair_cache(target.model, list(cache_layers(mapped)), all_ids, repair,
+                               layer_scores=layer_scores(mapping.manifest), residual=mapping.residual,
+                               source_hidden=source_hidden, source=source.model if source is not None else None,
+                               source_layers=list(cache_layers(source_cache)) if source is not None else None)
+            mapped, summary = build_cache(res.layers, target.model.config), res.summary()
+        logits, full = tail_recompute(target.model, mapped, _ids(target, ids), tail)
+    sync_device(target.device)
+    return Computed(full, logits[0].float(), time.perf_counter() - t0), summary
+
+
+def nbytes_of(cache: Any, *extra: Any) -> int:
+    """Bytes held by a cache's K/V plus any tensors (or dicts of tensors) kept beside it."""
+    from mappings import cache_layers
+
+    total = sum(int(t.numel() * t.element_size()) for pair in cache_layers(cache) for t in pair)
+    for item in extra:
+        if item is None:
+            continue
+        values = item.values() if isinstance(item, dict) else [item]
+        total += sum(int(t.numel() * t.element_size()) for t in values if t is not None)
+    return total

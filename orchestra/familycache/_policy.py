@@ -1,0 +1,31 @@
+"""The typed knobs of a FamilyCache: memory, prefix granularity, when mapping pays, probe tail, repair."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mappings.repair import RepairPolicy
+from orchestra.gates import GatePolicy
+
+__all__ = ["CachePolicy"]
+
+
+class CachePolicy(BaseModel):
+    """How a FamilyCache spends memory and compute; per-request arguments override the gate and repair."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget_bytes: int = Field(4 << 30, ge=1)
+    """Bytes the cache may hold: K/V, kept tail logits and hidden states kept for repair, all counted."""
+    block_tokens: int = Field(16, ge=1)
+    """Granularity of the prefix index: prefixes are found block by block, then extended token by token."""
+    min_mapped_tokens: int = Field(64, ge=1)
+    """Map from another member only when that reuses at least this many more tokens than the best exact prefix."""
+    tail_tokens: int = Field(32, ge=2)
+    """Trailing tokens recomputed on the target after a map; their logits feed the probe and shadow gates."""
+    gate: GatePolicy = Field(default_factory=GatePolicy)
+    """Gates applied to a mapped cache when the request names none."""
+    repair: RepairPolicy | None = None
+    """Map, then repair: target compute spent on every fresh map (None or budget 0: pure map)."""
+    store: bool = True
+    """Keep what is built for later requests (False: every lease owns its cache alone)."""

@@ -1,0 +1,249 @@
+"""Entries of a FamilyCache: a block-hash prefix index per namespace, a byte budget, pins and LRU order.
+
+Pure bookkeeping (no torch): the tensors an entry holds are measured by the caller. A namespace is
+everything a cache's tensors depend on besides its tokens (model fingerprint, dtype, RoPE, and for
+mapped caches the source, the mapping and its version, the probe tail and the repair policy), so
+an exact request can never see a mapped cache and a stale mapping never serves a hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Namespace", "Entry", "EntryPool", "PoolStats", "token_hash"]
+
+
+def token_hash(token_ids: Sequence[int]) -> str:
+    """sha256 of the token ids (not the text: the same text under another tokenizer is another key)."""
+    return hashlib.sha256(json.dumps(list(map(int, token_ids))).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything a cache's tensors depend on besides the tokens."""
+
+    kind: Literal["exact", "mapped"]
+    member_fingerprint: str
+    """Combined fingerprint (config + weights + tokenizer) of the model the cache is for."""
+    dtype: str
+    """Runtime dtype of the cache tensors."""
+    rope: str
+    """Canonical JSON of the model's RoPE parameters."""
+    source_fingerprint: str | None = None
+    """Mapped caches: the model whose prefill was mapped."""
+    mapping_id: str | None = None
+    """Mapped caches: content hash of the mapping's tensors."""
+    mapping_version: int | None = None
+    """Mapped caches: the mapping format version."""
+    variant: str = ""
+    """Mapped caches: the probe tail and repair policy that shaped the tensors."""
+
+    def __post_init__(self) -> None:
+        mapped = (self.source_fingerprint, self.mapping_id, self.mapping_version)
+        if self.kind == "mapped" and any(f is None for f in mapped):
+            raise ValueError("a mapped namespace needs source_fingerprint, mapping_id and mapping_version")
+        if self.kind == "exact" and (any(f is not None for f in mapped) or self.variant):
+            raise ValueError("an exact namespace cannot name a mapping")
+
+
+@dataclass
+class Entry:
+    """A cache of `tokens` on one member, with what was measured while building it."""
+
+    namespace: Namespace
+    member: str
+    tokens: tuple[int, ...]
+    cache: Any
+    nbytes: int
+    tail_logits: Any = None
+    """Logits of positions [logits_end - len, logits_end) (probe and shadow gates read them)."""
+    logits_end: int = 0
+    hidden: dict[int, Any] | None = None
+    """Hidden states entering each layer (kept for layer repair of maps from this entry)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Probe metrics, mapping folder, repair summary, build seconds."""
+    id: int = 0
+    pins: int = 0
+    stored: bool = False
+
+
+@dataclass
+class PoolStats:
+    """Counters over the cache's life."""
+
+    hits: int = 0
+    """Requests served entirely from a cached prefix (no compute on the member)."""
+    misses: int = 0
+    """Requests that had to compute or map something."""
+    evictions: int = 0
+    evicted_bytes: int = 0
+    rejected: int = 0
+    """Builds not kept because pinned entries left no room in the budget."""
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class EntryPool:
+    """Entries under a byte budget; finds the longest cached prefix of a token sequence; thread-safe.
+
+    Each stored entry registers the chained hash of every full block of its tokens, so the longest
+    shared prefix is found block by block (as vLLM and SGLang index their per-model caches) and
+    then extended token by token inside the entry. Pinned entries (leased) are never evicted;
+    the budget evicts the least recently used unpinned entries first.
+    """
+
+    def __init__(self, budget_bytes: int, block_tokens: int = 16) -> None:
+        if budget_bytes <= 0:
+            raise ValueError("budget_bytes must be positive")
+        self.budget_bytes = budget_bytes
+        self.block_tokens = block_tokens
+        self._entries: OrderedDict[int, Entry] = OrderedDict()
+        self._blocks: dict[tuple[Namespace, int], set[int]] = {}
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._used = 0
+        self.stats = PoolStats()
+
+    # -- queries ----------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values() if e.pins)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def _chain(self, tokens: Sequence[int]) -> list[int]:
+        out, h, b = [], 0, self.block_tokens
+        for start in range(0, len(tokens) - b + 1, b):
+            h = hash((h, tuple(tokens[start : start + b])))
+            out.append(h)
+        return out
+
+    def longest_prefix(self, namespace: Namespace, tokens: Sequence[int], *, pin: bool = False) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `tokens` in `namespace`, and that length (pinned on request)."""
+        with self._lock:
+            best: Entry | None = None
+            best_len = 0
+            candidates: set[int] = set()
+            for i, h in enumerate(self._chain(tokens)):
+                found = self._blocks.get((namespace, h))
+                if not found:
+                    break
+                candidates = found
+                depth = (i + 1) * self.block_tokens
+                if depth > best_len:
+                    best_len = depth
+            # short sequences and the first partial block: any entry in the namespace may match token-wise
+            pool = candidates or {e.id for e in self._entries.values() if e.namespace == namespace}
+            matched = 0
+            for entry_id in pool:
+                entry = self._entries.get(entry_id)
+                if entry is None:
+                    continue
+                n = _common(entry.tokens, tokens)  # verifies the block hashes too
+                if n > matched or (n == matched and best is not None and entry.id > best.id):
+                    best, matched = entry, n
+            if best is None or matched == 0:
+                return None, 0
+            self._entries.move_to_end(best.id)
+            if pin:
+                best.pins += 1
+            return best, matched
+
+    def namespaces_for(self, member_fingerprint: str) -> set[Namespace]:
+        with self._lock:
+            return {e.namespace for e in self._entries.values() if e.namespace.member_fingerprint == member_fingerprint}
+
+    # -- changes ----------------------------------------------------------------------------
+    def add(self, entry: Entry, *, pin: bool = True) -> list[Entry]:
+        """Store `entry` (pinned by default), evicting LRU unpinned entries; returns what was evicted.
+
+        When the pinned entries leave no room, the entry is not stored (`entry.stored` stays False)
+        and the caller's lease owns it alone.
+        """
+        with self._lock:
+            entry.id = next(self._ids)
+            if pin:
+                entry.pins += 1
+            evicted: list[Entry] = []
+            room = self.budget_bytes - (self._used - sum(e.nbytes for e in self._entries.values() if not e.pins))
+            if entry.nbytes > room:
+                self.stats.rejected += 1
+                return evicted
+            for victim in [e for e in self._entries.values() if not e.pins]:
+                if self._used + entry.nbytes <= self.budget_bytes:
+                    break
+                self._remove(victim)
+                evicted.append(victim)
+                self.stats.evictions += 1
+                self.stats.evicted_bytes += victim.nbytes
+            self._entries[entry.id] = entry
+            self._used += entry.nbytes
+            for h in self._chain(entry.tokens):
+                self._blocks.setdefault((entry.namespace, h), set()).add(entry.id)
+            entry.stored = True
+            return evicted
+
+    def pin(self, entry: Entry) -> None:
+        with self._lock:
+            entry.pins += 1
+
+    def unpin(self, entry: Entry) -> list[Entry]:
+        """Release one pin; an over-budget pool then evicts what it can. Returns what was evicted."""
+        with self._lock:
+            entry.pins = max(0, entry.pins - 1)
+            evicted: list[Entry] = []
+            if self._used > self.budget_bytes:
+                for victim in [e for e in self._entries.values() if not e.pins]:
+                    if self._used <= self.budget_bytes:
+                        break
+                    self._remove(victim)
+                    evicted.append(victim)
+                    self.stats.evictions += 1
+                    self.stats.evicted_bytes += victim.nbytes
+            return evicted
+
+    def _remove(self, entry: Entry) -> None:
+        self._entries.pop(entry.id, None)
+        self._used -= entry.nbytes
+        entry.stored = False
+        for h in self._chain(entry.tokens):
+            ids = self._blocks.get((entry.namespace, h))
+            if ids is not None:
+                ids.discard(entry.id)
+                if not ids:
+                    del self._blocks[(entry.namespace, h)]
+
+    def clear(self) -> None:
+        """Drop every unpinned entry."""
+        with self._lock:
+            for entry in [e for e in self._entries.values() if not e.pins]:
+                self._remove(entry)
+
+
+def _common(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of a and b, known to be at least `start`."""
+    n = min(len(a), len(b))
+    i = start
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,211 @@
+"""FamilyCache on a real tiny family: prefix reuse, cross-member maps, single-flight, budget, model locks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from mappings import cache_layers
+from orchestra.family.corpus import data_text
+from orchestra.familycache import CachePolicy, FamilyCache
+from orchestra.gates import GatePolicy
+from orchestra.mapstore import MappingStore
+from orchestra.registry import ModelRegistry
+from tests.tiny_family import build_tiny_family
+
+PERMISSIVE = GatePolicy.model_validate({"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0,
+                                                                   "max_excess_kl": 100.0}})
+
+
+@pytest.fixture(scope="module")
+def fam(tiny_root):
+    return build_tiny_family(tiny_root, "llama")
+
+
+@pytest.fixture(scope="module")
+def mapstore(tmp_path_factory):
+    corpus = [("mpl", data_text("mpl-2.0.txt")[:6000]), ("apache", data_text("apache-2.0.txt")[:6000])]
+    return MappingStore(tmp_path_factory.mktemp("maps"), tokens=2048, corpus=corpus)
+
+
+@pytest.fixture(scope="module")
+def registry(fam):
+    return ModelRegistry({"base": str(fam.parent), "child": str(fam.child)}, default_device="cpu")
+
+
+def _family_cache(registry, mapstore, **policy) -> FamilyCache:
+    return FamilyCache(registry, mapstore, source="base",
+                       policy=CachePolicy(gate=PERMISSIVE, min_mapped_tokens=16, **policy))
+
+
+def _ids(registry, text: str) -> list[int]:
+    return registry.load("base").tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class TokenCounter:
+    """Counts the positions each forward pass of a real model computes, and how many passes overlap."""
+
+    def __init__(self, model, delay: float = 0.0) -> None:
+        self.tokens: list[int] = []
+        self.active = 0
+        self.most = 0
+        self.delay = delay
+        self._lock = threading.Lock()
+        self._handles = [model.register_forward_pre_hook(self._enter, with_kwargs=True),
+                         model.register_forward_hook(self._exit)]
+
+    def _enter(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        with self._lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+            self.tokens.append(int(ids.shape[-1]) if ids is not None else 0)
+        if self.delay:
+            time.sleep(self.delay)
+
+    def _exit(self, module, args, output):
+        with self._lock:
+            self.active -= 1
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def test_shared_prefix_is_reused_not_recomputed(registry, mapstore):
+    cache = _family_cache(registry, mapstore)
+    doc = _ids(registry, data_text("gpl-3.txt")[:250])
+    first = _ids(registry, " Question one: what is it about?")
+    second = _ids(registry, " Another question, entirely different.")
+    counter = TokenCounter(registry.load("base").model)
+    try:
+        a = cache.acquire_sync("base", doc + first)
+        b = cache.acquire_sync("base", doc + second)
+    finally:
+        counter.remove()
+    assert a.path == b.path == "exact" and a.computed_tokens == len(doc) + len(first)
+    shared = len(doc) + next(i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y)
+    assert b.reused_tokens == shared and b.computed_tokens == len(doc) + len(second) - shared
+    assert counter.tokens == [len(doc) + len(first), len(doc) + len(second) - shared]  # the prefix ran once
+    # what was reused is exact: the same as prefilling the second sequence from scratch
+    fresh = cache.acquire_sync("base", doc + second, reuse=False)
+    for (k1, v1), (k2, v2) in zip(cache_layers(b.cache), cache_layers(fresh.cache), strict=True):
+        assert torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4)
+    again = cache.acquire_sync("base", doc)  # a prefix of a cached entry: a hit, nothing computed
+    assert again.hit and again.computed_tokens == 0 and again.tokens == len(doc)
+    for lease in (a, b, fresh, again):
+        lease.release()
+
+
+def test_prefix_on_one_member_serves_another_through_a_map(registry, mapstore):
+    cache = _family_cache(registry, mapstore)
+    doc = _ids(registry, data_text("gpl-3.txt")[:250])
+    question = _ids(registry, " What does the licence allow?")
+    with cache.acquire_sync("base", doc) as src:
+        assert src.path == "exact"
+        steps = []
+        lease = cache.acquire_sync("child", doc + question, on_step=steps.append)
+    assert lease.path == "mapped" and lease.source == "base" and lease.mapping
+    kinds = [s.step for s in steps]
+    assert "map" in kinds and kinds.index("map") < kinds.index("gate")
+    mapped_step = next(s for s in steps if s.step == "map")
+    assert mapped_step.tokens == len(doc) and mapped_step.source == "base"
+    # the question ran exactly on the target over the mapped document
+    tail = next(s for s in steps if s.step == "prefill")
+    assert tail.tokens == len(question) and tail.reused_tokens == len(doc)
+    assert lease.reused_tokens == len(doc) - lease.tail_tokens and lease.gates and all(g.passed for g in lease.gates)
+    assert lease.tokens == len(doc) + len(question)
+    # asking again reuses the mapped entry: no new map
+    steps.clear()
+    with cache.acquire_sync("child", doc + question, on_step=steps.append) as again:
+        assert again.path == "mapped" and again.hit and "map" not in [s.step for s in steps]
+    lease.release()
+
+
+def test_failed_gate_reprefills_on_the_target(registry, mapstore):
+    strict = GatePolicy.model_validate({"offline": None, "probe": {"tokens": 16, "max_excess_nll": -100.0}})
+    cache = _family_cache(registry, mapstore)
+    doc = _ids(registry, data_text("mpl-2.0.txt")[:250])
+    cache.acquire_sync("base", doc).release()
+    lease = cache.acquire_sync("child", doc, gate=strict)
+    assert lease.path == "reprefilled" and "probe gate failed" in lease.fallback_reason
+    assert lease.gates and not lease.gates[0].passed and lease.source == "base"
+    lease.release()
+
+
+def test_concurrent_requests_for_one_prefix_build_it_once(registry, mapstore):
+    cache = _family_cache(registry, mapstore)
+    doc = _ids(registry, data_text("apache-2.0.txt")[:250])
+    counter = TokenCounter(registry.load("base").model, delay=0.2)  # widen the window where both are in flight
+    barrier = threading.Barrier(2)
+    leases = []
+
+    def ask():
+        barrier.wait()
+        leases.append(cache.acquire_sync("base", doc))
+
+    try:
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        counter.remove()
+    assert counter.tokens == [len(doc)]  # one prefill between the two requests
+    assert len(leases) == 2 and leases[0].entry_id == leases[1].entry_id
+    assert sorted(lease.computed_tokens for lease in leases) == [0, len(doc)]
+    for lease in leases:
+        lease.release()
+
+
+def test_byte_budget_counts_tail_logits(registry, mapstore):
+    from orchestra.familycache._ops import nbytes_of
+
+    doc = _ids(registry, data_text("gpl-3.txt")[:200])
+    probe = FamilyCache(registry, mapstore, source="base")
+    with probe.acquire_sync("base", doc) as lease:
+        kv_only = nbytes_of(lease.cache)
+        entry = probe.pool.entries()[0]
+        assert entry.tail_logits is not None and entry.nbytes == kv_only + entry.tail_logits.numel() * 4
+    budget = int(entry.nbytes * 2.5)  # room for two entries, not three
+    cache = _family_cache(registry, mapstore, budget_bytes=budget)
+    texts = [data_text(name)[:200] for name in ("gpl-3.txt", "mpl-2.0.txt", "apache-2.0.txt", "gfdl-1.3.txt")]
+    for text in texts:
+        with cache.acquire_sync("base", _ids(registry, text)):
+            pass
+        assert cache.used_bytes <= budget
+    assert len(cache.pool) == 2 and cache.stats.evictions == 2
+    held = [cache.acquire_sync("base", _ids(registry, text)) for text in texts[:3]]  # pinned beyond the budget
+    assert all(lease.cache is not None for lease in held) and cache.stats.rejected >= 1
+    for lease in held:
+        lease.release()
+    assert cache.used_bytes <= budget
+
+
+def test_two_agents_on_one_model_never_run_forward_passes_at_once(fam, mapstore):
+    import anyio
+
+    from orchestra.pipeline import PipelineSpec
+    from orchestra.scheduler import Orchestra
+
+    def agent(name):
+        return {"name": name, "model": "base", "spec": {"task": f"Say {name}.",
+                                                       "generation": {"max_new_tokens": 6, "temperature": 0.0}}}
+
+    pipe = PipelineSpec.model_validate({
+        "name": "locks", "models": {"base": str(fam.parent), "child": str(fam.child)}, "source": "base",
+        "default_device": "cpu", "max_concurrency_per_device": 3, "gate": PERMISSIVE.model_dump(),
+        "agents": [agent("a"), agent("b"), {**agent("c"), "model": "child"}],
+    })
+    orch = Orchestra(pipe, mappings=mapstore)
+    counter = TokenCounter(orch.registry.load("base").model, delay=0.005)
+    try:
+        report = anyio.run(orch.run, data_text("gpl-3.txt")[:200])
+    finally:
+        counter.remove()
+    assert report.succeeded == ["a", "b", "c"]
+    assert len(counter.tokens) > 10 and counter.most == 1

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+
+from orchestra.familycache import Entry, EntryPool, Namespace
+
+EXACT = Namespace("exact", "m1", "float32", '{"theta":1e4}')
+MAPPED = Namespace("mapped", "m1", "float32", '{"theta":1e4}', source_fingerprint="m0", mapping_id="w1",
+                   mapping_version=1, variant="tail=32")
+
+
+def _entry(tokens, nbytes=100, ns=EXACT) -> Entry:
+    return Entry(ns, "m", tuple(tokens), cache=object(), nbytes=nbytes)
+
+
+def test_namespaces_validate():
+    with pytest.raises(ValueError, match="needs source_fingerprint"):
+        Namespace("mapped", "m1", "float32", "{}")
+    with pytest.raises(ValueError, match="cannot name a mapping"):
+        Namespace("exact", "m1", "float32", "{}", mapping_id="w")
+
+
+def test_longest_prefix_by_block_then_token():
+    pool = EntryPool(10_000, block_tokens=4)
+    doc = list(range(100, 140))
+    long = _entry(doc + [1, 2, 3])
+    pool.add(long, pin=False)
+    entry, n = pool.longest_prefix(EXACT, doc + [9, 9])
+    assert entry is long and n == 40
+    entry, n = pool.longest_prefix(EXACT, doc[:13] + [7])  # diverges inside a block: token-wise
+    assert entry is long and n == 13
+    entry, n = pool.longest_prefix(EXACT, [100, 101])  # shorter than a block
+    assert entry is long and n == 2
+    assert pool.longest_prefix(EXACT, [5, 6, 7, 8, 9]) == (None, 0)
+
+
+def test_exact_and_mapped_never_mix():
+    pool = EntryPool(10_000, block_tokens=4)
+    pool.add(_entry(range(20), ns=MAPPED), pin=False)
+    assert pool.longest_prefix(EXACT, list(range(20))) == (None, 0)
+    assert pool.longest_prefix(MAPPED, list(range(20)))[1] == 20
+
+
+def test_budget_evicts_lru_but_never_pinned():
+    pool = EntryPool(300, block_tokens=4)
+    a, b, c = _entry(range(0, 8)), _entry(range(10, 18)), _entry(range(20, 28))
+    pool.add(a, pin=True)
+    pool.add(b, pin=False)
+    pool.add(c, pin=False)
+    assert pool.used_bytes == 300
+    d = _entry(range(30, 38))
+    evicted = pool.add(d, pin=False)
+    assert evicted == [b] and a.stored and not b.stored and pool.used_bytes == 300
+    big = _entry(range(40, 48), nbytes=250)
+    pool.add(big, pin=False)  # only a (pinned, 100) may stay: 100 + 250 > 300 -> refused
+    assert not big.stored and pool.stats.rejected == 1
+    pool.unpin(a)
+    pool.add(big, pin=False)
+    assert big.stored and pool.used_bytes <= 300
+    assert pool.stats.evictions >= 2
