@@ -1,22 +1,31 @@
-"""Model and KV-cache plumbing shared by prefill and generation (transformers 4.x and 5.x, CPU and CUDA).
+"""Agent-side KV-cache helpers: context limits, the prefix-cache check, token forwards, document prefill.
 
-transformers 5 renamed the forward keyword ``past_key_values`` to ``cache`` (and the output field
-likewise); `forward_cache_kwarg` picks the one the model's forward accepts. Positions are always
-passed explicitly, so a copied or mapped cache is continued at exactly the right offset.
+The Hugging Face glue itself (cache objects, the forward keyword ``cache`` vs
+``past_key_values``, device and dtype, copying, CUDA sync) lives in :mod:`mappings.cache_io`, the
+project's one glue module, and is re-exported here under the names agents has always exported
+(``forward_cache_kwarg`` is ``cache_kwarg``, ``cache_tensors`` is ``cache_layers``). Positions are
+always passed explicitly, so a copied or mapped cache is continued at exactly the right offset.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
 import time
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import torch
 
 from agents.errors import ContextOverflowError, PrefixCacheMismatchError
+from mappings.cache_io import (
+    cache_kwarg,
+    cache_layers,
+    cache_length,
+    copy_cache,
+    forward_with_cache,
+    model_device,
+    new_cache,
+    sync_device,
+)
 
 __all__ = [
     "Prefill",
@@ -34,97 +43,11 @@ __all__ = [
     "sync_device",
 ]
 
+forward_cache_kwarg = cache_kwarg
+"""'cache' (transformers 5.x) or 'past_key_values' (4.x): :func:`mappings.cache_io.cache_kwarg`."""
 
-@cache
-def _forward_params(cls: type) -> frozenset[str]:
-    return frozenset(inspect.signature(cls.forward).parameters)
-
-
-def forward_cache_kwarg(model: Any) -> str:
-    """'cache' (transformers 5.x) or 'past_key_values' (4.x), whichever the model's forward accepts."""
-    params = _forward_params(type(model))
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _logits_kwargs(model: Any) -> dict[str, int]:
-    params = _forward_params(type(model))
-    if "logits_to_keep" in params:
-        return {"logits_to_keep": 1}
-    if "num_logits_to_keep" in params:
-        return {"num_logits_to_keep": 1}
-    return {}
-
-
-def new_cache(model: Any) -> Any:
-    """An empty DynamicCache configured for ``model``."""
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers: no config argument
-        return DynamicCache()
-
-
-def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer, each [batch, kv_heads, seq, head_dim]."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return [(layer.keys, layer.values) for layer in layers if getattr(layer, "keys", None) is not None]
-    return list(zip(cache.key_cache, cache.value_cache, strict=True))
-
-
-def cache_length(cache: Any) -> int:
-    """Number of token positions held in the cache."""
-    return int(cache.get_seq_length())
-
-
-def model_device(model: Any) -> torch.device:
-    device = getattr(model, "device", None)
-    if isinstance(device, torch.device):
-        return device
-    return next(model.parameters()).device
-
-
-def _model_dtype(model: Any) -> torch.dtype:
-    dtype = getattr(model, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
-
-
-def _clone_cache(cache: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Copy the cache's structure shallowly and its tensors deeply (much faster than copy.deepcopy)."""
-    def clone(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype, copy=True)
-
-    fresh = copy.copy(cache)
-    layers = getattr(cache, "layers", None)
-    if layers is not None:  # transformers 5.x: one layer object per decoder layer
-        fresh.layers = []
-        for layer in layers:
-            twin = copy.copy(layer)
-            for name, value in vars(layer).items():  # keys, values and any other state tensors
-                if isinstance(value, torch.Tensor):
-                    setattr(twin, name, clone(value) if name in ("keys", "values") else value.clone())
-            if hasattr(twin, "device") and isinstance(getattr(layer, "keys", None), torch.Tensor):
-                twin.device = device
-            fresh.layers.append(twin)
-        return fresh
-    if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):  # transformers 4.x
-        fresh.key_cache = [clone(k) for k in cache.key_cache]
-        fresh.value_cache = [clone(v) for v in cache.value_cache]
-        return fresh
-    return None
-
-
-def copy_cache(cache: Any, model: Any) -> Any:
-    """A private copy of ``cache`` on the model's device and dtype; ``cache`` itself is never modified."""
-    device, dtype = model_device(model), _model_dtype(model)
-    fresh = _clone_cache(cache, device, dtype)
-    if fresh is not None:
-        return fresh
-    fresh = copy.deepcopy(cache)  # an unknown cache class: copy everything
-    if any(k.device != device or k.dtype != dtype for k, _ in cache_tensors(fresh)):
-        raise TypeError(f"cannot move a {type(cache).__name__} to {device}/{dtype}; pass a DynamicCache")
-    return fresh
+cache_tensors = cache_layers
+"""(keys, values) per layer, each [batch, kv_heads, seq, head_dim]: :func:`mappings.cache_io.cache_layers`."""
 
 
 def max_positions(model: Any) -> int | None:
@@ -158,14 +81,14 @@ def check_prefix_cache(cache: Any, prefix_tokens: int) -> None:
 def forward_tokens(model: Any, ids: torch.Tensor | list[int], cache: Any, start: int) -> torch.Tensor:
     """Run ``ids`` at positions ``start...`` through the model, extending ``cache`` in place.
 
-    Returns the logits of the last position, shape [vocab], float32.
+    Returns the logits of the last position, shape [vocab], float32 (only that position's logits
+    are computed where the model allows it: decoding needs nothing else).
     """
     device = model_device(model)
     input_ids = torch.as_tensor(ids, dtype=torch.long, device=device).view(1, -1)
     positions = torch.arange(start, start + input_ids.shape[1], device=device).unsqueeze(0)
-    kwargs = {forward_cache_kwarg(model): cache, **_logits_kwargs(model)}
-    out = model(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
-    return out.logits[0, -1].float()
+    logits, _, _ = forward_with_cache(model, input_ids, cache, position_ids=positions, logits_to_keep=1)
+    return logits[0, -1].float()
 
 
 @dataclass
@@ -176,12 +99,6 @@ class Prefill:
     seconds: float
     tokens: int
     last_logits: torch.Tensor
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for queued CUDA work on ``device`` (so timings are real); no-op elsewhere."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def prefill_document(model: Any, prefix_ids: list[int] | torch.Tensor, *, chunk_size: int | None = None) -> Prefill:

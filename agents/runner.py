@@ -10,6 +10,7 @@ JSON agents go through the bounded repair loop of `agents.structured`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,19 +22,12 @@ from pydantic import BaseModel, ConfigDict
 
 from agents.detok import TextAssembler
 from agents.errors import GenerationCancelledError
-from agents.kv import (
-    check_context,
-    check_prefix_cache,
-    copy_cache,
-    forward_tokens,
-    model_device,
-    new_cache,
-    sync_device,
-)
+from agents.kv import check_context, check_prefix_cache, forward_tokens
 from agents.prompt import RepairTurn, Suffix, build_suffix
 from agents.sampling import Sampler
 from agents.spec import AgentSpec
 from agents.structured import JsonObjectTracker, run_with_repairs
+from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
 
 __all__ = ["TokenEvent", "AgentTimings", "AgentResult", "FinishReason", "generate", "eos_token_ids"]
 
@@ -164,6 +158,7 @@ def _decode_once(
     on_token: Callable[[TokenEvent], None] | None,
     cancelled: CancelCheck,
     clock: _Clock,
+    lock: Any = None,
 ) -> _Generation:
     settings = spec.generation
     n_prefix = len(prefix_ids)
@@ -181,16 +176,18 @@ def _decode_once(
     ids: list[int] = []
     finish: FinishReason = "length"
 
+    held = lock if lock is not None else contextlib.nullcontext()
     t0 = time.perf_counter()
-    if prefix_cache is None:
-        cache = new_cache(model)
-        t1 = t0
-        logits = forward_tokens(model, [*prefix_ids, *suffix.ids], cache, 0)
-    else:
-        cache = copy_cache(prefix_cache, model)
-        t1 = time.perf_counter()
-        logits = forward_tokens(model, list(suffix.ids), cache, n_prefix)
-    sync_device(device)
+    with held:
+        if prefix_cache is None:
+            cache = new_cache(model)
+            t1 = t0
+            logits = forward_tokens(model, [*prefix_ids, *suffix.ids], cache, 0)
+        else:
+            cache = copy_cache(prefix_cache, model)
+            t1 = time.perf_counter()
+            logits = forward_tokens(model, list(suffix.ids), cache, n_prefix)
+        sync_device(device)
     t2 = time.perf_counter()
     clock.copy_s += t1 - t0
     clock.prefill_s += t2 - t1
@@ -223,7 +220,8 @@ def _decode_once(
         if cancelled():
             clock.generation_s += time.perf_counter() - t2
             raise GenerationCancelledError(spec.name, len(ids))
-        logits = forward_tokens(model, [token], cache, position)
+        with held:  # per step, so agents sharing a model interleave their tokens
+            logits = forward_tokens(model, [token], cache, position)
         position += 1
     clock.generation_s += time.perf_counter() - t2
     return _Generation(text=assembler.text, finish_reason=finish, token_ids=ids, suffix=suffix)
@@ -240,6 +238,7 @@ def generate(
     on_token: Callable[[TokenEvent], None] | None = None,
     cancel: CancelCheck | threading.Event | None = None,
     use_chat_template: bool | None = None,
+    lock: Any = None,
 ) -> AgentResult:
     """Run ``spec`` on ``model`` after the document prefix ``prefix_ids``; return its result.
 
@@ -247,7 +246,8 @@ def generate(
     copied, never modified. ``None`` re-prefills prefix + suffix from scratch. ``upstream`` maps upstream
     agent names to their outputs (UnknownUpstreamError if the template needs a missing one).
     ``on_token`` is called in this thread for every token; ``cancel`` is polled between tokens
-    (GenerationCancelledError). Raises ContextOverflowError before any compute when the prompt plus
+    (GenerationCancelledError). ``lock`` (e.g. the model's `threading.Lock`) is held around every forward
+    pass, so other work on the same model (other agents, cache builds) never runs at the same time. Raises ContextOverflowError before any compute when the prompt plus
     max_new_tokens does not fit, and OutputValidationError / TruncatedOutputError for JSON agents whose
     output stays invalid after the repairs.
     """
@@ -263,7 +263,7 @@ def generate(
     def attempt(index: int, repairs: Sequence[RepairTurn]) -> _Generation:
         suffix = build_suffix(tokenizer, spec, upstream, repairs=repairs, use_chat_template=use_chat_template)
         return _decode_once(model, tokenizer, spec, prefix, prefix_cache, suffix, attempt=index, eos=eos,
-                            on_token=on_token, cancelled=cancelled, clock=clock)
+                            on_token=on_token, cancelled=cancelled, clock=clock, lock=lock)
 
     with torch.no_grad():
         if spec.output.kind == "json":

@@ -38,7 +38,9 @@ def main() -> None:
     spec = load_pipeline(args.pipeline)
     document = args.document.read_text(encoding="utf-8")
     shared = Orchestra(spec, family=family)
-    baseline = Orchestra(spec, family=family, mappings=shared.mappings, share_prefill=False)
+    # the baseline uses the same loaded models, through a cache of its own that shares nothing
+    baseline = Orchestra(spec, family=family, cache=Orchestra.cache_for(spec, shared.registry, shared.mappings),
+                         share_prefill=False)
     comparison = compare_pipeline(shared, baseline, document, repeats=args.repeats)
 
     machine = machine_info()

@@ -32,20 +32,31 @@ __all__ = [
     "Fingerprint",
     "fingerprint_model",
     "fingerprint_dir",
+    "check_fingerprints",
     "ModelHandle",
     "load_model",
     # caches and capture
     "KVLayers",
     "cache_layers",
     "build_cache",
+    "cache_kwarg",
+    "cache_length",
+    "slice_layers",
+    "truncate_cache",
+    "copy_cache",
+    "new_cache",
     "forward_with_cache",
     "prefill",
+    "model_device",
+    "model_dtype",
+    "sync_device",
     "KVShape",
     "kv_shape",
     "KVCapture",
     "capture_kv",
     "capture_texts",
     "capture_windows",
+    "capture_queries",
     "make_windows",
     # RoPE and pair compatibility
     "RopeSpec",
@@ -54,6 +65,7 @@ __all__ = [
     "check_pair",
     # fitting
     "RegressionStats",
+    "LayerStats",
     "fit_linear",
     "MethodSpec",
     "METHODS",
@@ -69,13 +81,14 @@ __all__ = [
     "MAPPING_VERSION",
     "MappingManifest",
     "Mapping",
-    "LayerStats",
     "save_mapping",
     "load_mapping",
     "read_manifest",
     # calibration and evaluation
     "CalibrationConfig",
     "calibrate",
+    "mean_kl",
+    "tail_nll",
     "EvaluationReport",
     "MethodResult",
     "evaluate",
@@ -87,6 +100,8 @@ __all__ = [
     "RepairResult",
     "RepairUnavailableError",
     "plan_repair",
+    "layer_scores",
+    "choose_blocks",
     "repair_cache",
     "attention_importance",
     "run_layers",
@@ -102,37 +117,58 @@ _WHERE = {
         "DocumentTooLongError", "DocumentTooShortError", "StaleMappingError", "CorruptMappingError",
         "UnsupportedModelError",
     ],
-    "mappings.fingerprint": ["Fingerprint", "fingerprint_model", "fingerprint_dir"],
+    "mappings.fingerprint": ["Fingerprint", "fingerprint_model", "fingerprint_dir", "check_fingerprints"],
     "mappings.models": ["ModelHandle", "load_model"],
-    "mappings.cache_io": ["KVLayers", "cache_layers", "build_cache", "forward_with_cache", "prefill"],
+    "mappings.cache_io": ["KVLayers", "cache_layers", "build_cache", "cache_kwarg", "cache_length", "slice_layers",
+                          "truncate_cache", "copy_cache", "new_cache", "forward_with_cache", "prefill",
+                          "model_device", "model_dtype", "sync_device"],
     "mappings.capture": ["KVShape", "kv_shape", "KVCapture", "capture_kv", "capture_texts", "capture_windows",
-                         "make_windows"],
+                         "capture_queries", "make_windows"],
     "mappings.rope": ["RopeSpec"],
     "mappings.compat": ["PairCard", "ModelCard", "check_pair"],
-    "mappings.fit": ["RegressionStats", "fit_linear"],
+    "mappings.fit": ["RegressionStats", "LayerStats", "fit_linear"],
     "mappings.methods": ["MethodSpec", "METHODS", "resolve_method"],
     "mappings.assemble": ["fit_kv_map"],
     "mappings.apply": ["LayerMap", "LinearKVMap", "map_cache", "tail_recompute", "identity_map"],
     "mappings.manifest": ["MAPPING_VERSION", "MappingManifest"],
-    "mappings.store": ["Mapping", "LayerStats", "save_mapping", "load_mapping", "read_manifest"],
+    "mappings.store": ["Mapping", "save_mapping", "load_mapping", "read_manifest"],
     "mappings.calibrate": ["CalibrationConfig", "calibrate"],
+    "mappings.metrics": ["mean_kl", "tail_nll"],
     "mappings.evaluate": ["EvaluationReport", "MethodResult", "evaluate", "write_report", "plot_layer_curves"],
     "mappings.repair": ["RepairPolicy", "RepairPlan", "RepairResult", "RepairUnavailableError", "plan_repair",
-                        "repair_cache", "attention_importance"],
+                        "layer_scores", "choose_blocks", "repair_cache", "attention_importance"],
     "mappings.recompute": ["run_layers", "repair_tokens"],
-    "mappings.residual": ["ResidualMap", "fit_residual_maps", "add_residual_maps"],
+    "mappings.residual": ["ResidualMap", "fit_residual_maps"],
+    "mappings.calibrate_repair": ["add_residual_maps"],
 }
 _LAZY = {name: module for module, names in _WHERE.items() for name in names}
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mappings.apply import LayerMap, LinearKVMap, identity_map, map_cache, tail_recompute
     from mappings.assemble import fit_kv_map
-    from mappings.cache_io import KVLayers, build_cache, cache_layers, forward_with_cache, prefill
+    from mappings.cache_io import (
+        KVLayers,
+        build_cache,
+        cache_kwarg,
+        cache_layers,
+        cache_length,
+        copy_cache,
+        forward_with_cache,
+        model_device,
+        model_dtype,
+        new_cache,
+        prefill,
+        slice_layers,
+        sync_device,
+        truncate_cache,
+    )
     from mappings.calibrate import CalibrationConfig, calibrate
+    from mappings.calibrate_repair import add_residual_maps
     from mappings.capture import (
         KVCapture,
         KVShape,
         capture_kv,
+        capture_queries,
         capture_texts,
         capture_windows,
         kv_shape,
@@ -152,10 +188,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         UnsupportedModelError,
     )
     from mappings.evaluate import EvaluationReport, MethodResult, evaluate, plot_layer_curves, write_report
-    from mappings.fingerprint import Fingerprint, fingerprint_dir, fingerprint_model
-    from mappings.fit import RegressionStats, fit_linear
+    from mappings.fingerprint import Fingerprint, check_fingerprints, fingerprint_dir, fingerprint_model
+    from mappings.fit import LayerStats, RegressionStats, fit_linear
     from mappings.manifest import MAPPING_VERSION, MappingManifest
     from mappings.methods import METHODS, MethodSpec, resolve_method
+    from mappings.metrics import mean_kl, tail_nll
     from mappings.models import ModelHandle, load_model
     from mappings.recompute import repair_tokens, run_layers
     from mappings.repair import (
@@ -164,12 +201,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         RepairResult,
         RepairUnavailableError,
         attention_importance,
+        choose_blocks,
+        layer_scores,
         plan_repair,
         repair_cache,
     )
-    from mappings.residual import ResidualMap, add_residual_maps, fit_residual_maps
+    from mappings.residual import ResidualMap, fit_residual_maps
     from mappings.rope import RopeSpec
-    from mappings.store import LayerStats, Mapping, load_mapping, read_manifest, save_mapping
+    from mappings.store import Mapping, load_mapping, read_manifest, save_mapping
 
 
 def __getattr__(name: str) -> Any:

@@ -6,17 +6,17 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mappings.apply import LayerMap, LinearKVMap
-from mappings.fit import Block, fit_linear, head_blocks, identity_prior
+from mappings.fit import Block, factorize, fit_linear, head_blocks, identity_prior
 
 if TYPE_CHECKING:
     import torch
 
     from mappings.capture import KVShape
+    from mappings.fit import LayerStats
     from mappings.methods import MethodSpec
     from mappings.rope import RopeSpec
-    from mappings.store import LayerStats
 
-__all__ = ["PASSTHROUGH", "fit_layer", "fit_kv_map", "factorize", "layer_blocks", "layer_prior"]
+__all__ = ["PASSTHROUGH", "fit_layer", "fit_kv_map", "layer_blocks", "layer_prior"]
 
 PASSTHROUGH = None
 """The per-layer choice meaning 'copy the (first) source layer unchanged'."""
@@ -56,18 +56,6 @@ def fit_layer(
             return LayerMap(sources, "map", None, kb, None, vb, float(alpha), kf[0], kf[1], vf[0], vf[1],
                             anchored=prior is not None)
     return LayerMap(sources, "map", kw, kb, vw, vb, float(alpha))
-
-
-def factorize(w: torch.Tensor, prior: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``W − W₀ = down @ up`` with ``rank`` columns, when that stores (and costs) less than ``W``; else None."""
-    import torch
-
-    p, q = w.shape
-    if rank * (p + q) >= p * q:
-        return None
-    delta = w.double() - (prior.double() if prior is not None else 0.0)
-    u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
-    return (u[:, :rank] * sv[:rank]).float().contiguous(), vh[:rank].float().contiguous()
 
 
 def fit_kv_map(

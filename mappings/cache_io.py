@@ -1,4 +1,14 @@
-"""Read per-layer K/V out of any cache form and build caches a target model accepts.
+"""The project's one Hugging Face glue module: caches, forward passes, device and dtype.
+
+Everything that touches a transformers cache object or a model's forward signature goes through
+here, for ``mappings`` and ``agents`` alike (and ``orchestra`` through them), so there is one rule
+for each question instead of one per package:
+
+- reading a cache: :func:`cache_layers`, :func:`cache_length`, :func:`slice_layers`;
+- making one: :func:`new_cache` (empty, for a model), :func:`build_cache` (from per-layer tensors),
+  :func:`truncate_cache` (a prefix, as views), :func:`copy_cache` (a private deep copy for a model);
+- running one: :func:`forward_with_cache`, :func:`prefill`, :func:`cache_kwarg`;
+- where a model lives: :func:`model_device`, :func:`model_dtype`; :func:`sync_device` for timings.
 
 Supported cache forms:
 
@@ -8,11 +18,14 @@ Supported cache forms:
 
 Every tensor is ``[batch, kv_heads, seq, head_dim]``. Models take the cache as ``cache=``
 (transformers 5) or ``past_key_values=`` (transformers 4): :func:`cache_kwarg` finds out which.
+torch and transformers are imported inside the functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+from functools import cache as _memoize
 from typing import TYPE_CHECKING, Any
 
 from mappings.errors import ShapeMismatchError, UnsupportedModelError
@@ -24,13 +37,17 @@ __all__ = [
     "KVLayers",
     "cache_layers",
     "build_cache",
+    "new_cache",
     "cache_kwarg",
     "cache_length",
+    "slice_layers",
+    "truncate_cache",
+    "copy_cache",
     "forward_with_cache",
     "prefill",
-    "slice_layers",
     "model_device",
     "model_dtype",
+    "sync_device",
 ]
 
 KVLayers = list[tuple["torch.Tensor", "torch.Tensor"]]
@@ -89,18 +106,109 @@ def build_cache(
     Plain full-attention layers take the tensors as they are (no copy; caches never modify
     their tensors in place); other layer types are filled through ``update``.
     """
-    from transformers import DynamicCache
-
-    try:
-        cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    except TypeError:  # older transformers without config support
-        cache = DynamicCache()
+    cache = _empty_cache(config)
     for i, (k, v) in enumerate(layers):
         k = k.to(device=device if device is not None else k.device, dtype=dtype if dtype is not None else k.dtype)
         v = v.to(device=device if device is not None else v.device, dtype=dtype if dtype is not None else v.dtype)
         if not _adopt(cache, i, k, v):
             cache.update(k, v, i)
     return cache
+
+
+def _empty_cache(config: Any = None) -> Any:
+    from transformers import DynamicCache
+
+    if config is None:
+        return DynamicCache()
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # older transformers without config support
+        return DynamicCache()
+
+
+def new_cache(model: Any) -> Any:
+    """An empty ``DynamicCache`` configured for ``model`` (its own layer types, e.g. sliding windows).
+
+    What a prefill that the model will later continue should start from. :func:`forward_with_cache`
+    with ``cache=None`` instead starts from a plain full-length cache, because capture and
+    calibration need every position of every layer.
+    """
+    return _empty_cache(model.config)
+
+
+def truncate_cache(cache: Any, length: int, config: Any = None) -> Any:
+    """A cache holding the first ``length`` positions of ``cache``: views, ``cache`` itself untouched.
+
+    Works on every supported cache form and on transformers 4.x and 5.x alike (their
+    ``DynamicCache.crop`` arguments differ, and ``crop`` would modify the cache in place). With
+    ``config`` the result gets the model's layer types. Continuing the result never writes into
+    ``cache``'s tensors (a forward pass concatenates into new ones). Raises
+    :class:`ShapeMismatchError` when ``length`` is negative or beyond the cached positions.
+    """
+    held = cache_length(cache)
+    if not 0 <= length <= held:
+        raise ShapeMismatchError(f"cannot keep {length} positions of a cache holding {held}")
+    return build_cache(slice_layers(cache_layers(cache), 0, length), config)
+
+
+def _clone_cache(cache: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Copy the cache's structure shallowly and its tensors deeply (much faster than ``copy.deepcopy``).
+
+    Keys and values go to ``device``/``dtype``; other state tensors (lengths, window sizes) are
+    cloned where they are. None for a cache form this does not know.
+    """
+    import torch
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype, copy=True)
+
+    layers = getattr(cache, "layers", None)
+    if layers is not None and not isinstance(cache, (tuple, list)):  # transformers 5.x: one object per layer
+        fresh = copy.copy(cache)
+        fresh.layers = []
+        for layer in layers:
+            twin = copy.copy(layer)
+            for name, value in vars(layer).items():  # keys, values and any other state tensors
+                if isinstance(value, torch.Tensor):
+                    setattr(twin, name, clone(value) if name in ("keys", "values") else value.clone())
+            if isinstance(getattr(layer, "keys", None), torch.Tensor):
+                if hasattr(twin, "device"):
+                    twin.device = device
+                if isinstance(getattr(twin, "dtype", None), torch.dtype):
+                    twin.dtype = dtype
+            fresh.layers.append(twin)
+        return fresh
+    if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):  # transformers 4.x
+        fresh = copy.copy(cache)
+        fresh.key_cache = [clone(k) for k in cache.key_cache]
+        fresh.value_cache = [clone(v) for v in cache.value_cache]
+        return fresh
+    return None
+
+
+def copy_cache(cache: Any, model: Any) -> Any:
+    """A private deep copy of ``cache`` on ``model``'s device and dtype; ``cache`` is never modified.
+
+    One document cache serves many agents (and threads) at once, so whoever extends a cache
+    extends a copy. Cache objects keep their class (structure copied shallowly, tensors deeply:
+    much faster than ``copy.deepcopy``); legacy tuples come back as a ``DynamicCache`` for the
+    model, the form current models accept. Raises :class:`UnsupportedModelError` for an unknown
+    cache class that cannot be moved to the model's device/dtype.
+    """
+    device, dtype = model_device(model), model_dtype(model)
+    if isinstance(cache, (tuple, list)):
+        layers = [(k.to(device=device, dtype=dtype, copy=True), v.to(device=device, dtype=dtype, copy=True))
+                  for k, v in cache_layers(cache)]
+        return build_cache(layers, getattr(model, "config", None))
+    fresh = _clone_cache(cache, device, dtype)
+    if fresh is not None:
+        return fresh
+    fresh = copy.deepcopy(cache)  # an unknown cache class: copy everything
+    if any(k.device != device or k.dtype != dtype for k, _ in cache_layers(fresh)):
+        raise UnsupportedModelError(
+            f"cannot move a {type(cache).__name__} to {device}/{dtype}; pass a DynamicCache"
+        )
+    return fresh
 
 
 def _adopt(cache: Any, index: int, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -120,22 +228,30 @@ def _adopt(cache: Any, index: int, k: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
+@_memoize
+def _forward_params(cls: type) -> frozenset[str]:
+    """Parameter names of ``cls.forward``, once per class (signature inspection is slow per token)."""
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
 def cache_kwarg(model: Any) -> str:
-    """``"cache"`` when the model's forward takes ``cache=`` (transformers 5), else ``"past_key_values"``."""
-    cached = getattr(model, "_mappings_cache_kwarg", None)
-    if cached:
-        return cached
-    params = inspect.signature(model.forward).parameters
-    name = "cache" if "cache" in params else "past_key_values"
-    try:
-        model._mappings_cache_kwarg = name
-    except AttributeError:  # pragma: no cover - exotic wrappers
-        pass
-    return name
+    """``"cache"`` when the model's forward takes ``cache=`` (transformers 5), else ``"past_key_values"``.
+
+    Works on whole models and on single decoder layers; looked up once per class.
+    """
+    return "cache" if "cache" in _forward_params(type(model)) else "past_key_values"
 
 
-def _accepts(model: Any, name: str) -> bool:
-    return name in inspect.signature(model.forward).parameters
+def _logits_kwargs(model: Any, keep: int | None) -> dict[str, int]:
+    """The keyword asking for only the last ``keep`` positions' logits, in the spelling the model takes."""
+    if keep is None:
+        return {}
+    params = _forward_params(type(model))
+    if "logits_to_keep" in params:
+        return {"logits_to_keep": keep}
+    if "num_logits_to_keep" in params:  # transformers 4.4x
+        return {"num_logits_to_keep": keep}
+    return {}
 
 
 def _output_cache(out: Any) -> Any:
@@ -147,16 +263,39 @@ def _output_cache(out: Any) -> Any:
 
 
 def model_device(model: Any) -> torch.device:
-    return next(model.parameters()).device
+    """The device of the model's first parameter: where inputs and caches for it must go."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        raise UnsupportedModelError(f"{type(model).__name__} has no parameters: cannot tell its device") from None
 
 
 def model_dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 when it has none).
+
+    The one rule for the whole project: quantized members keep integer weights next to float
+    ones, so "the first parameter" could be an int8 tensor, while caches and hidden states always
+    take the float dtype the model computes in (what ``PreTrainedModel.dtype`` reports too).
+    """
     import torch
 
     for p in model.parameters():
         if p.is_floating_point():
             return p.dtype
     return torch.float32
+
+
+def sync_device(device: str | torch.device) -> None:
+    """Wait for queued CUDA work on ``device`` so a timing covers it; a no-op on any other device.
+
+    Accepts ``"cuda:0"``-style strings and ``torch.device``; does not import torch for a CPU device.
+    """
+    kind = device.type if hasattr(device, "type") else str(device).split(":", 1)[0]
+    if kind != "cuda":
+        return
+    import torch
+
+    torch.cuda.synchronize(device)
 
 
 def forward_with_cache(
@@ -175,16 +314,16 @@ def forward_with_cache(
     ``attention_mask``, when given, covers prefix plus new tokens (``[batch, past + new]``); a 4-D
     mask (``[batch, 1, new, past + new]``, additive) goes to the model as it is, with ``position_ids``.
     A fresh full-length ``DynamicCache`` is used when ``cache`` is None so every layer keeps all
-    positions.
+    positions. A cache object is extended in place (legacy tuples are first rebuilt into a new
+    one). ``logits_to_keep`` asks for the last positions' logits only (when the model supports it).
+    Runs under ``torch.no_grad``.
     """
     import torch
 
     device = model_device(model)
     input_ids = input_ids.to(device)
     if cache is None:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
+        cache = _empty_cache()
     elif isinstance(cache, (tuple, list)):  # legacy tuples: models of transformers 5 want a Cache object
         cache = build_cache(cache_layers(cache))
     past = cache_length(cache)
@@ -205,12 +344,11 @@ def forward_with_cache(
         kwargs["attention_mask"] = attention_mask.to(device)
     if output_hidden_states:
         kwargs["output_hidden_states"] = True
-    if logits_to_keep is not None and _accepts(model, "logits_to_keep"):
-        kwargs["logits_to_keep"] = logits_to_keep
+    kwargs.update(_logits_kwargs(model, logits_to_keep))
     with torch.no_grad():
         out = model(**kwargs)
-    new_cache = _output_cache(out)
-    return out.logits, (new_cache if new_cache is not None else cache), out
+    returned = _output_cache(out)
+    return out.logits, (returned if returned is not None else cache), out
 
 
 def prefill(

@@ -34,10 +34,11 @@ if TYPE_CHECKING:
 
     from mappings.apply import LinearKVMap
     from mappings.capture import KVCapture, KVShape
+    from mappings.fit import LayerStats
     from mappings.methods import MethodSpec
     from mappings.models import ModelHandle
     from mappings.rope import RopeSpec
-    from mappings.store import LayerStats, Mapping
+    from mappings.store import Mapping
 
 __all__ = ["CalibrationConfig", "calibrate", "prepare_windows", "CorpusWindows", "HeldOut", "capture_heldout",
            "accumulate_stats", "screen_sources", "select_layers", "layer_metrics", "KLJudge", "corpus_digest",
@@ -444,8 +445,7 @@ def accumulate_stats(
     from tqdm.auto import tqdm
 
     from mappings.capture import capture_windows
-    from mappings.fit import RegressionStats
-    from mappings.store import LayerStats
+    from mappings.fit import LayerStats, RegressionStats
 
     stats = [
         LayerStats(RegressionStats.zeros(len(plan[i]) * s.width, t.width),

@@ -10,6 +10,7 @@ applied); :mod:`mappings.rope` strips it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "capture_kv",
     "capture_texts",
     "capture_windows",
+    "capture_queries",
     "make_windows",
     "decoder_layers",
     "kv_shape",
@@ -122,21 +124,41 @@ def decoder_layers(model: Any) -> Sequence[Any]:
     raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
-def _query_hooks(model: Any, store: dict[int, Any]) -> list[Any]:
-    handles = []
-    for i, layer in enumerate(decoder_layers(model)):
-        attn = getattr(layer, "self_attn", None)
-        target = getattr(attn, "q_norm", None) or getattr(attn, "q_proj", None)
-        if target is None:
-            raise UnsupportedModelError(
-                f"layer {i} of {type(model).__name__} has no self_attn.q_proj; queries cannot be captured"
-            )
+@contextmanager
+def capture_queries(model: Any) -> Iterator[dict[int, torch.Tensor]]:
+    """Record every decoder layer's queries during the forward passes run inside the block.
 
-        def hook(_module, _inputs, output, i=i):
-            store[i] = output.detach()
+    Yields a dict that forward hooks fill: layer index -> the output of that layer's
+    ``self_attn.q_norm`` (models that normalise queries) or ``self_attn.q_proj``, detached, from the
+    last forward pass; reshape it to ``[batch, seq, q_heads, head_dim]``. RoPE is not applied yet
+    (:class:`~mappings.rope.RopeSpec` does that). Queries are what the attention metrics and the
+    repair planner's token ranking need, and the model does not return them, hence the hooks; they
+    are removed when the block exits, also on error. Raises :class:`UnsupportedModelError` (with no
+    hook left behind) when a layer has no query projection.
 
-        handles.append(target.register_forward_hook(hook))
-    return handles
+        with capture_queries(model) as queries:
+            model(input_ids=ids)
+        q0 = queries[0]
+    """
+    store: dict[int, Any] = {}
+    handles: list[Any] = []
+    try:
+        for i, layer in enumerate(decoder_layers(model)):
+            attn = getattr(layer, "self_attn", None)
+            target = getattr(attn, "q_norm", None) or getattr(attn, "q_proj", None)
+            if target is None:
+                raise UnsupportedModelError(
+                    f"layer {i} of {type(model).__name__} has no self_attn.q_proj; queries cannot be captured"
+                )
+
+            def hook(_module: Any, _inputs: Any, output: Any, i: int = i) -> None:
+                store[i] = output.detach()
+
+            handles.append(target.register_forward_hook(hook))
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _check_finite(name: str, layer: int, t: torch.Tensor) -> None:
@@ -181,16 +203,11 @@ def capture_kv(
     if not bool(valid.any()):
         raise CorpusTooSmallError("nothing to capture: every position of the batch is padding")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    store: dict[int, Any] = {}
-    handles = _query_hooks(model, store) if queries else []
-    try:
+    with capture_queries(model) if queries else nullcontext({}) as store:
         out_logits, cache, out = forward_with_cache(
             model, input_ids, None, attention_mask=attention_mask, position_ids=position_ids,
             output_hidden_states=hidden_states, logits_to_keep=None if logits else 1,
         )
-    finally:
-        for h in handles:
-            h.remove()
     layers = cache_layers(cache)
     seq = input_ids.shape[1]
     keys, values = [], []

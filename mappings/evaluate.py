@@ -191,8 +191,9 @@ def evaluate(
     from tqdm.auto import tqdm
 
     from mappings.capture import kv_shape
+    from mappings.fingerprint import check_fingerprints
     from mappings.models import load_model
-    from mappings.store import check_fingerprints, load_mapping, read_manifest
+    from mappings.store import load_mapping, read_manifest
 
     mapping_dir = None
     if isinstance(mapping, (str, Path)):
@@ -367,8 +368,7 @@ def _evaluate_window(
         _, cache, _ = forward_with_cache(target, prefix[:, n - tail :], cache)
         rows[f"{name}+tail{tail}"] = score(cache, map_s, time.perf_counter() - t0, tail / n)
     if repairs and mapped_own is not None:
-        from mappings.repair import repair_cache
-        from mappings.residual import layer_scores
+        from mappings.repair import layer_scores, repair_cache
 
         scores = layer_scores(mapping.manifest) if mapping is not None else None
         residual = mapping.residual if mapping is not None else None

@@ -12,11 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mappings.errors import StaleMappingError
+
 if TYPE_CHECKING:  # heavy imports stay out of the import path
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["Fingerprint", "fingerprint_model", "fingerprint_dir", "config_digest", "tokenizer_digest"]
+    from mappings.manifest import MappingManifest
+
+__all__ = ["Fingerprint", "fingerprint_model", "fingerprint_dir", "config_digest", "tokenizer_digest",
+           "check_fingerprints"]
 
 # Keys that change with the library or the save location, not with the model.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_commit_hash", "quantization_config"}
@@ -113,3 +118,39 @@ def fingerprint_dir(path: str | Path) -> Fingerprint:
         weights=_weights_digest(digests),
         tokenizer=tokenizer_digest(tokenizer),
     )
+
+
+def _fp_dict(fp: Fingerprint | dict[str, str] | str | None) -> dict[str, str] | None:
+    if fp is None:
+        return None
+    if isinstance(fp, str):
+        return {"combined": fp}
+    if isinstance(fp, dict):
+        return fp
+    return fp.as_dict()
+
+
+def check_fingerprints(
+    manifest: MappingManifest,
+    source_fp: Fingerprint | dict[str, str] | str | None = None,
+    target_fp: Fingerprint | dict[str, str] | str | None = None,
+) -> None:
+    """Raise :class:`StaleMappingError` naming what differs when the mapping was made for other models.
+
+    Each fingerprint may be a :class:`Fingerprint`, its ``as_dict()`` or just the combined hash; a
+    side given as None is not checked. It lives here, not in the store, because the evaluator and
+    the repair calibration check loaded models against a manifest without loading tensors.
+    """
+    for side, given in (("source", _fp_dict(source_fp)), ("target", _fp_dict(target_fp))):
+        if given is None:
+            continue
+        stored = getattr(manifest, side).fingerprint
+        if given.get("combined") == stored.get("combined"):
+            continue
+        parts = [k for k in ("config", "weights", "tokenizer") if k in given and given[k] != stored.get(k)]
+        what = ", ".join(parts) if parts else "combined fingerprint"
+        raise StaleMappingError(
+            f"this mapping was made for another {side} model ({what} differ: mapping has "
+            f"{stored.get('combined', '?')[:12]}, given {given.get('combined', '?')[:12]}); "
+            "recalibrate for this pair with `orchestra calibrate`"
+        )

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RegressionStats",
+    "LayerStats",
     "Block",
     "BiasMode",
     "Prior",
@@ -37,6 +38,7 @@ __all__ = [
     "head_blocks",
     "identity_prior",
     "apply_linear",
+    "factorize",
 ]
 
 BiasMode = Literal["none", "free", "regularized"]
@@ -172,6 +174,18 @@ class RegressionStats:
             int(tensors[f"{prefix}.n"][0]), tensors[f"{prefix}.sum_x"], tensors[f"{prefix}.sum_y"],
             tensors[f"{prefix}.xtx"], tensors[f"{prefix}.xty"], tensors[f"{prefix}.yty"],
         )
+
+
+@dataclass
+class LayerStats:
+    """Calibration statistics of one target layer (keys in content space, values).
+
+    Kept next to :class:`RegressionStats` because it is nothing but a pair of them: calibration
+    accumulates it, the store saves and loads it, assembly fits from it.
+    """
+
+    keys: RegressionStats
+    values: RegressionStats
 
 
 def solve_regularized(
@@ -310,3 +324,18 @@ def apply_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> to
     """``x W + b`` in the dtype of ``w``."""
     y = x.to(w.dtype) @ w
     return y + b if b is not None else y
+
+
+def factorize(w: torch.Tensor, prior: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``W − W₀ = down @ up`` with ``rank`` columns, when that stores (and costs) less than ``W``; else None.
+
+    Lives with the solvers because KV maps and residual maps both store a fitted ``W`` this way.
+    """
+    import torch
+
+    p, q = w.shape
+    if rank * (p + q) >= p * q:
+        return None
+    delta = w.double() - (prior.double() if prior is not None else 0.0)
+    u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
+    return (u[:, :rank] * sv[:rank]).float().contiguous(), vh[:rank].float().contiguous()

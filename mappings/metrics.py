@@ -1,4 +1,10 @@
-"""Metrics shared by calibration and evaluation: fit quality, attention output, next-token agreement."""
+"""Metrics shared by calibration, evaluation and the runtime gates.
+
+Fit quality, attention output and next-token agreement (fp64, for calibration and evaluation
+tables), and :func:`mean_kl` / :func:`tail_nll` (fp32 scalars, for the probe and shadow gates of
+the scheduler and the chat backend): one implementation of each, so offline numbers and gate
+decisions measure the same thing.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ __all__ = [
     "attention_output",
     "mean_cosine",
     "kl_divergence",
+    "mean_kl",
+    "tail_nll",
     "next_token_agreement",
 ]
 
@@ -63,6 +71,36 @@ def kl_divergence(logits_true: torch.Tensor, logits_other: torch.Tensor) -> torc
     lp = torch.log_softmax(logits_true.double(), -1)
     lq = torch.log_softmax(logits_other.double(), -1)
     return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """Mean over positions of ``KL(softmax(p) ‖ softmax(q))`` in nats, computed in fp32.
+
+    ``p_logits``/``q_logits``: ``[..., vocab]`` of the same shape; every leading index is a
+    position. ``q`` is moved to ``p``'s device. fp32 (not :func:`kl_divergence`'s fp64) because
+    the gates compare it with thresholds calibrated in fp32 and run it on the accelerator.
+    """
+    import torch.nn.functional as F
+
+    p = F.log_softmax(p_logits.float(), -1)
+    q = F.log_softmax(q_logits.float().to(p.device), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def tail_nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    """Mean NLL (nats, fp32) of ``ids[1:]`` under ``logits[:-1]``: how well a model predicts a tail.
+
+    ``logits``: ``[m, vocab]`` (any leading shape flattening to ``m`` positions) for the ``m``
+    trailing positions whose ids are ``ids`` (``m`` of them); position ``i``'s logits predict id
+    ``i + 1``. Raises ValueError with fewer than 2 ids (nothing to predict).
+    """
+    import torch.nn.functional as F
+
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    ids = ids.reshape(-1).to(logits.device)
+    if ids.numel() < 2:
+        raise ValueError("the probe needs at least 2 trailing tokens")
+    return float(F.cross_entropy(logits[:-1], ids[1:]))
 
 
 def next_token_agreement(

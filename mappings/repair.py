@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from mappings.cache_io import KVLayers
+    from mappings.manifest import MappingManifest
     from mappings.residual import ResidualMap
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "RepairResult",
     "RepairUnavailableError",
     "plan_repair",
+    "layer_scores",
     "choose_blocks",
     "attention_importance",
     "repair_cache",
@@ -126,6 +128,26 @@ class RepairResult:
                 "cost": self.plan.cost, "seconds": dict(self.seconds)}
 
 
+def layer_scores(manifest: MappingManifest) -> list[float]:
+    """Per target layer, how much repairing it should help: 1 − held-out attention-output cosine.
+
+    Falls back to 1 − key cosine for mappings calibrated without attention metrics, and to 0 for a
+    layer without metrics. These are the scores :func:`choose_blocks` and :func:`plan_repair` rank
+    layer blocks by.
+    """
+    scores = []
+    by_layer = {m.layer: m for m in manifest.metrics}
+    for e in sorted(manifest.layer_plan, key=lambda e: e.target_layer):
+        m = by_layer.get(e.target_layer)
+        if m is None:
+            scores.append(0.0)
+        elif m.attn_cosine is not None:
+            scores.append(max(0.0, 1.0 - m.attn_cosine))
+        else:
+            scores.append(max(0.0, 1.0 - m.keys.cosine))
+    return scores
+
+
 def choose_blocks(layer_scores: Sequence[float], layers: int) -> tuple[tuple[int, int], ...]:
     """The contiguous block of ``layers`` layers with the largest total score (earliest on ties)."""
     n = len(layer_scores)
@@ -185,21 +207,16 @@ def attention_importance(model: Any, layers: KVLayers, input_ids: torch.Tensor, 
     import torch
 
     from mappings.cache_io import build_cache, forward_with_cache, slice_layers
-    from mappings.capture import _query_hooks
+    from mappings.capture import capture_queries
     from mappings.rope import RopeSpec
 
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     n = input_ids.shape[1]
     t = max(1, min(probe_tokens, n - 1))
-    queries: dict[int, torch.Tensor] = {}
-    handles = _query_hooks(model, queries)
-    try:
+    with capture_queries(model) as queries:
         forward_with_cache(model, input_ids[:, n - t :], build_cache(slice_layers(layers, 0, n - t), model.config),
                            logits_to_keep=1)
-    finally:
-        for h in handles:
-            h.remove()
     rope = RopeSpec.from_config(model.config)
     positions = torch.arange(n - t, n)
     total = torch.zeros(n)

@@ -9,6 +9,11 @@ target's embedding of the tokens, so a block starting at layer 0 is exact.
 
 Target layer ``i`` is fed from source hidden state ``sources[i]`` (the KV map's layer plan:
 the same index for same-depth pairs, the matched source layer when depths differ).
+
+This module is the maps only (data, fit, apply, tensors); adding them to a calibrated mapping
+(loading the models, cutting the corpus, recording the planner's blocks) is
+:mod:`mappings.calibrate_repair`, so the store can load a :class:`ResidualMap` without pulling in
+calibration.
 """
 
 from __future__ import annotations
@@ -25,11 +30,8 @@ if TYPE_CHECKING:
     import torch
 
     from mappings.fit import RegressionStats
-    from mappings.manifest import MappingManifest
-    from mappings.store import Mapping
 
-__all__ = ["ResidualMap", "ResidualLayer", "capture_hidden", "fit_residual_maps", "add_residual_maps",
-           "layer_scores", "RESIDUAL_FILE"]
+__all__ = ["ResidualMap", "ResidualLayer", "capture_hidden", "fit_residual_maps", "RESIDUAL_FILE"]
 
 _ALPHAS = (0.01, 0.03, 0.1, 0.3, 1.0)
 _RANK = 64
@@ -167,9 +169,7 @@ def fit_residual_maps(
     of each layer is chosen by held-out relative error on ``heldout`` windows; equal widths store
     the correction ``W − I`` at rank ``rank`` (the anchor keeps what the ranks drop).
     """
-
-    from mappings.assemble import factorize
-    from mappings.fit import fit_linear, identity_prior
+    from mappings.fit import factorize, fit_linear, identity_prior
     from mappings.metrics import fit_quality, mean_cosine
 
     t0 = time.perf_counter()
@@ -204,62 +204,3 @@ def fit_residual_maps(
         layers.append(entry)
     return ResidualMap(layers, d_s, d_t, seconds=time.perf_counter() - t0,
                        tokens=sum(int(w.numel()) for w in train))
-
-
-def layer_scores(manifest: MappingManifest) -> list[float]:
-    """Per target layer, how much repairing it should help: 1 − held-out attention-output cosine.
-
-    Falls back to 1 − key cosine for mappings calibrated without attention metrics.
-    """
-    scores = []
-    by_layer = {m.layer: m for m in manifest.metrics}
-    for e in sorted(manifest.layer_plan, key=lambda e: e.target_layer):
-        m = by_layer.get(e.target_layer)
-        if m is None:
-            scores.append(0.0)
-        elif m.attn_cosine is not None:
-            scores.append(max(0.0, 1.0 - m.attn_cosine))
-        else:
-            scores.append(max(0.0, 1.0 - m.keys.cosine))
-    return scores
-
-
-def add_residual_maps(
-    mapping: Mapping,
-    source: Any,
-    target: Any,
-    corpus: Any,
-    *,
-    tokens: int = 4096,
-    window: int = 512,
-    progress: bool = False,
-) -> Mapping:
-    """Fit residual-stream maps for ``mapping``'s pair on ``corpus`` and record them in its manifest.
-
-    ``source``/``target``: model folders, handles or loaded models (checked against the mapping's
-    fingerprints). The planner's per-layer blocks for layer budgets of 1..5 layers are recorded too.
-    Save the mapping afterwards (``mapping.save(dir)``) to keep them.
-    """
-    from mappings.calibrate import CalibrationConfig, prepare_windows
-    from mappings.manifest import RepairInfo
-    from mappings.models import load_model
-    from mappings.repair import choose_blocks
-    from mappings.store import check_fingerprints
-
-    src, tgt = load_model(source), load_model(target)
-    check_fingerprints(mapping.manifest, src.fingerprint, tgt.fingerprint)
-    windows = prepare_windows(corpus, tgt.tokenizer, CalibrationConfig(tokens=tokens, window=window))
-    plan = [lm.sources[0] for lm in mapping.kv_map.layers]
-    residual = fit_residual_maps(src.model, tgt.model, windows.train, windows.heldout, plan)
-    scores = layer_scores(mapping.manifest)
-    blocks = {str(k): [list(b) for b in choose_blocks(scores, k)] for k in range(1, min(5, len(scores)) + 1)}
-    mapping.residual = residual
-    mapping.manifest = mapping.manifest.model_copy(update={"repair": RepairInfo(
-        layer_scores=scores,
-        residual_cosine=[lm.cosine for lm in residual.layers],
-        residual_identity_cosine=[lm.identity_cosine for lm in residual.layers],
-        residual_r2=[lm.r2 for lm in residual.layers],
-        residual_alpha=[lm.alpha for lm in residual.layers],
-        residual_tokens=residual.tokens, residual_seconds=residual.seconds, blocks=blocks,
-    )})
-    return mapping

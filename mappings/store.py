@@ -33,19 +33,11 @@ if TYPE_CHECKING:
 
     from mappings.apply import LinearKVMap
     from mappings.fingerprint import Fingerprint
-    from mappings.fit import RegressionStats
+    from mappings.fit import LayerStats
     from mappings.residual import ResidualMap
 
-__all__ = ["Mapping", "LayerStats", "save_mapping", "load_mapping", "read_manifest", "check_fingerprints",
-           "map_tensors", "map_from_tensors", "file_sha256"]
-
-
-@dataclass
-class LayerStats:
-    """Calibration statistics of one target layer (keys in content space, values)."""
-
-    keys: RegressionStats
-    values: RegressionStats
+__all__ = ["Mapping", "save_mapping", "load_mapping", "read_manifest", "map_tensors", "map_from_tensors",
+           "file_sha256"]
 
 
 @dataclass
@@ -175,37 +167,6 @@ def read_manifest(mapping_dir: str | Path) -> MappingManifest:
         ) from exc
 
 
-def _fp_dict(fp: Fingerprint | dict[str, str] | str | None) -> dict[str, str] | None:
-    if fp is None:
-        return None
-    if isinstance(fp, str):
-        return {"combined": fp}
-    if isinstance(fp, dict):
-        return fp
-    return fp.as_dict()
-
-
-def check_fingerprints(
-    manifest: MappingManifest,
-    source_fp: Fingerprint | dict[str, str] | str | None = None,
-    target_fp: Fingerprint | dict[str, str] | str | None = None,
-) -> None:
-    """Raise :class:`StaleMappingError` naming what differs when the mapping was made for other models."""
-    for side, given in (("source", _fp_dict(source_fp)), ("target", _fp_dict(target_fp))):
-        if given is None:
-            continue
-        stored = getattr(manifest, side).fingerprint
-        if given.get("combined") == stored.get("combined"):
-            continue
-        parts = [k for k in ("config", "weights", "tokenizer") if k in given and given[k] != stored.get(k)]
-        what = ", ".join(parts) if parts else "combined fingerprint"
-        raise StaleMappingError(
-            f"this mapping was made for another {side} model ({what} differ: mapping has "
-            f"{stored.get('combined', '?')[:12]}, given {given.get('combined', '?')[:12]}); "
-            "recalibrate for this pair with `orchestra calibrate`"
-        )
-
-
 def _load_tensors(path: Path, record: FileRecord) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -288,7 +249,8 @@ def load_mapping(
     Pass the fingerprints of the models you will use: a mapping made for other models is refused.
     ``with_stats`` also loads the calibration statistics (needed to refit baselines).
     """
-    from mappings.fit import RegressionStats
+    from mappings.fingerprint import check_fingerprints
+    from mappings.fit import LayerStats, RegressionStats
 
     mapping_dir = Path(mapping_dir)
     manifest = read_manifest(mapping_dir)

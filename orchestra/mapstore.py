@@ -74,9 +74,18 @@ class MappingStore:
         s, t = getattr(source, "info", source), getattr(target, "info", target)
         return (s.fingerprint, t.fingerprint) in self._cache or (self.path_for(s, t) / "manifest.json").is_file()
 
+    def add(self, path: Path, source: LoadedModel, target: LoadedModel) -> Any:
+        """Use the mapping in `path` for this pair (whatever its folder is called); checked against both fingerprints."""
+        from mappings.store import load_mapping
+
+        mapping = load_mapping(path, source.info.fingerprint, target.info.fingerprint, device=target.device)
+        with self._lock:
+            self._cache[(source.info.fingerprint, target.info.fingerprint)] = mapping
+        return mapping
+
     def get(self, source: LoadedModel, target: LoadedModel, log=None) -> tuple[Any, bool]:
         """The mapping for the pair (loaded and fingerprint-checked) and whether it was calibrated just now."""
-        from mappings import load_mapping
+        from mappings.store import load_mapping
 
         key = (source.info.fingerprint, target.info.fingerprint)
         with self._lock:
@@ -154,7 +163,8 @@ class MappingStore:
                            window: int, windows: int) -> ProbeReference:
         import torch
 
-        from mappings import forward_with_cache, map_cache, tail_recompute
+        from mappings.apply import map_cache, tail_recompute
+        from mappings.cache_io import forward_with_cache
         from mappings.metrics import mean_kl, tail_nll
 
         ids_all: list[int] = []

@@ -89,9 +89,7 @@ class Orchestra:
                 directory = pipeline.mapping.directory or str(Path(family.home if family else ".") / "mappings")
                 mappings = MappingStore(Path(directory), on_missing=pipeline.mapping.on_missing,
                                         method=pipeline.mapping.method, tokens=pipeline.mapping.tokens)
-            policy = CachePolicy(budget_bytes=pipeline.store_budget_mb << 20, tail_tokens=max(2, pipeline.mapping.tail_tokens),
-                                 gate=pipeline.gate, repair=pipeline.mapping.repair)
-            cache = FamilyCache(registry, mappings, source=self.source_alias, policy=policy, breaker=breaker)
+            cache = self.cache_for(pipeline, registry, mappings, breaker=breaker)
         else:
             for alias in {a.model for a in pipeline.agents} | {self.source_alias}:
                 cache.info(alias)
@@ -99,6 +97,14 @@ class Orchestra:
         self.share_prefill = share_prefill
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
         self.last_report: RunReport | None = None
+
+    @staticmethod
+    def cache_for(pipeline: PipelineSpec, registry: ModelRegistry, mappings: MappingStore, *,
+                  breaker: CircuitBreaker | None = None) -> FamilyCache:
+        """A FamilyCache with the pipeline's budget, probe tail, gates and repair (to share models across pipelines)."""
+        policy = CachePolicy(budget_bytes=pipeline.store_budget_mb << 20, tail_tokens=max(2, pipeline.mapping.tail_tokens),
+                             gate=pipeline.gate, repair=pipeline.mapping.repair)
+        return FamilyCache(registry, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker)
 
     @property
     def registry(self) -> ModelRegistry:
@@ -326,7 +332,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _default_family():
-    from orchestra.family import load_family
+    from orchestra.family.manifest import load_family
 
     try:
         return load_family()

@@ -143,6 +143,18 @@ class BenchFamily:
             self._handles[alias] = ModelHandle(lm.model, lm.tokenizer, fp, lm.info.path)
         return self._handles[alias]
 
+    def family_cache(self, source: str, **policy: Any) -> Any:
+        """A fresh FamilyCache over the bench's loaded models and mapping store (nothing cached yet).
+
+        Gates are open by default: a bench section measures the map itself; the gates have their own tests.
+        """
+        from orchestra.familycache import CachePolicy, FamilyCache
+        from orchestra.gates import GatePolicy
+
+        policy.setdefault("gate", GatePolicy(offline=None, probe=None))
+        policy.setdefault("min_mapped_tokens", 1)  # map even short prefixes: the map is what is measured
+        return FamilyCache(self.registry, self.store, source=source, policy=CachePolicy(**policy))
+
     def max_positions(self, alias: str) -> int | None:
         return self.registry.info(alias).max_positions or None
 

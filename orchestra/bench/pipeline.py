@@ -71,15 +71,12 @@ def compare_pipeline(shared: Orchestra, baseline: Orchestra, document: str, *, r
     """Run ``shared`` and ``baseline`` (same spec, ``share_prefill=False``) ``repeats`` times each."""
     import anyio
 
-    from orchestra.kvstore import KVStore
-
     spec = shared.pipeline
-    baseline.registry = shared.registry  # the same loaded models for both
     if warmup:
         anyio.run(shared.run, document)  # loads models, calibrates missing mappings, measures probe references
     runs = []
     for _ in range(repeats):
-        shared.store = KVStore(spec.store_budget_mb << 20)
+        shared.cache.clear()  # every repeat prefills the document again: the warm-up's caches do not count
         a = anyio.run(shared.run, document)
         b = anyio.run(baseline.run, document)
         runs.append((a, b))
@@ -178,8 +175,9 @@ def run_pipeline(config: PipelineConfig, fam: BenchFamily, *, progress: bool = T
         members = config.members[: min(n, len(config.members))]
         spec = build_pipeline(n, fam.aliases, members, max_new_tokens=config.max_new_tokens, gate=config.gate)
         spec = spec.model_copy(update={"default_device": fam.device})
-        shared = Orchestra(spec, family=fam.family, mappings=fam.store)
-        shared.registry = fam.registry  # models stay loaded across sections
-        baseline = Orchestra(spec, family=fam.family, mappings=fam.store, share_prefill=False)
+        # models stay loaded across sections: both runs use the bench's registry
+        shared = Orchestra(spec, family=fam.family, cache=Orchestra.cache_for(spec, fam.registry, fam.store))
+        baseline = Orchestra(spec, family=fam.family, cache=Orchestra.cache_for(spec, fam.registry, fam.store),
+                             share_prefill=False)
         section.runs.append(compare_pipeline(shared, baseline, document, repeats=config.repeats))
     return section

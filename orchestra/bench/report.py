@@ -133,7 +133,7 @@ def render_markdown(r: BenchResults) -> str:
         lines += [
             "## Task level: built-in agents on a mapped vs a re-prefilled cache", "",
             f"{k.document_tokens}-token prompt prefix, greedy, up to {k.config.max_new_tokens} new tokens; mapped = the "
-            f"mapping's own method + {k.config.tail_tokens}-token tail recompute (what the scheduler runs). "
+            f"FamilyCache's mapped lease, gates open ({k.config.tail_tokens}-token tail recomputed: what every agent runs on). "
             "1.0 = identical output.", "",
             "| pair | agent | metric | score | tokens agreeing | tokens (truth / mapped) | errors |",
             "|---|---|---|---|---|---|---|",

@@ -132,12 +132,9 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
 
 
 def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) -> TaskSection:
-    import torch
     from tqdm.auto import tqdm
 
     from agents import DocumentPrompt, suffix_ids
-    from mappings.apply import map_cache, tail_recompute
-    from mappings.cache_io import forward_with_cache
 
     text = fam.text(config.document_tokens)
     section = TaskSection(config=config, document_tokens=0)
@@ -148,13 +145,15 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
         prefix = DocumentPrompt(text).token_ids(target.tokenizer)
         section.document_tokens = len(prefix)
         limit = fam.max_positions(pair.target)
-        mapping = fam.mapping(pair)
-        ids = torch.tensor([prefix], device=target.device)
-        with torch.no_grad():
-            _, truth_cache, _ = forward_with_cache(target.model, ids, None, logits_to_keep=1)
-            _, src_cache, _ = forward_with_cache(source.model, ids.to(source.device), None, logits_to_keep=1)
-            mapped = map_cache(mapping.kv_map, src_cache, target.model)
-            _, mapped_cache = tail_recompute(target.model, mapped, ids, min(config.tail_tokens, len(prefix) - 1))
+        fam.mapping(pair)  # calibrated into the store first when missing
+        cache = fam.family_cache(pair.source, tail_tokens=max(2, min(config.tail_tokens, len(prefix) - 1)))
+        truth_lease = cache.acquire_sync(pair.target, prefix, allow_mapped=False, reuse=False)
+        cache.acquire_sync(pair.source, prefix).release()
+        mapped_lease = cache.acquire_sync(pair.target, prefix)
+        if mapped_lease.path != "mapped":
+            section.skipped.append(f"{pair.label}: no mapped cache ({mapped_lease.fallback_reason})")
+            continue
+        truth_cache, mapped_cache = truth_lease.cache, mapped_lease.cache
         for agent in config.agents:
             spec = _spec(agent, config.max_new_tokens)
             need = len(prefix) + len(suffix_ids(target.tokenizer, spec)) + config.max_new_tokens

@@ -105,7 +105,7 @@ def calibrate(
             warnings.simplefilter("ignore")  # the store warns about on-demand calibration; here it is the point
             mapping, made = store.get(source, target)
         if repair and mapping.residual is None:
-            from mappings.residual import add_residual_maps
+            from mappings.calibrate_repair import add_residual_maps
             from mappings.store import load_mapping
 
             with_stats = load_mapping(path, with_stats=True)

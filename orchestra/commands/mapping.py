@@ -33,6 +33,22 @@ def _read_text(path: Path) -> str:
         raise CorpusTooSmallError(f"cannot read {path}: {exc.strerror or exc}; pass a readable text file") from exc
 
 
+def _tokenize(model_dir: str | Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(str(model_dir))(text, add_special_tokens=False)["input_ids"])
+
+
+def _write_json(path: Path, data: object) -> None:
+    """Written to a temporary sibling, then renamed into place."""
+    import json
+    import os
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     source: Annotated[Path, typer.Option("--source", help="Model folder whose KV cache is carried over.")],
@@ -78,7 +94,7 @@ def calibrate_cmd(
             device=device, log=None if quiet else console.print,
         )
         if repair:
-            from mappings.residual import add_residual_maps
+            from mappings.calibrate_repair import add_residual_maps
 
             add_residual_maps(mapping, source, target, texts, tokens=repair_tokens, window=window)
         path = mapping.save(out, with_stats=not no_stats)
@@ -105,7 +121,7 @@ def calibrate_repair_cmd(
     from orchestra.commands._output import console
 
     try:
-        from mappings.residual import add_residual_maps
+        from mappings.calibrate_repair import add_residual_maps
         from mappings.store import load_mapping, read_manifest
 
         manifest = read_manifest(mapping)
@@ -166,12 +182,17 @@ def evaluate_cmd(
     no_curves: Annotated[
         bool, typer.Option("--no-layer-curves", help="Skip single-layer and accumulation curves (faster).")
     ] = False,
+    served: Annotated[
+        bool, typer.Option("--served/--no-served", help="Also score what an agent gets: the FamilyCache's cache of "
+                           "the target under the default gates (mapped, or re-prefilled when a gate refuses).")
+    ] = True,
 ) -> None:
     """Compare mapped caches with the target's own prefill on DOCUMENT; print a table, optionally write JSON."""
     from rich.table import Table
 
     from mappings.errors import MappingError
     from orchestra.commands._output import console
+    from orchestra.errors import OrchestraError
 
     try:
         from mappings.evaluate import evaluate, write_report
@@ -186,9 +207,19 @@ def evaluate_cmd(
             tail_tokens=tail_tokens, greedy_tokens=greedy_tokens, document_name=document.name, device=device,
             repairs=policies, layer_curves=not no_curves,
         )
+        served_report = None
+        if served:
+            from orchestra.served import evaluate_served
+
+            ids = _tokenize(report.target["path"] or target, text)
+            served_report = evaluate_served(mapping, ids, source=report.source["path"] or source,
+                                            target=report.target["path"] or target, prefix_tokens=prefix_tokens,
+                                            suffix_tokens=suffix_tokens, windows=windows, device=device)
         if json_out is not None:
             report = write_report(report, json_out)
-    except (MappingError, ValueError, FileNotFoundError) as exc:
+            if served_report is not None:
+                _write_json(json_out.with_name(json_out.stem + "_served.json"), served_report.model_dump(mode="json"))
+    except (MappingError, OrchestraError, ValueError, FileNotFoundError) as exc:
         raise _fail(exc) from exc
 
     table = Table(title=f"{report.mapping_method}: {document.name}, {report.windows} x (prefix {report.prefix_tokens} "
@@ -202,6 +233,11 @@ def evaluate_cmd(
                       f"{r.map_seconds:.4f}", f"{r.prefill_seconds:.3f}",
                       "-" if r.cost_fraction is None else f"{r.cost_fraction:.1%}")
     console.print(table)
+    if served_report is not None:
+        paths = ", ".join(f"{w.path}" + (f" ({w.fallback_reason})" if w.fallback_reason else "")
+                          for w in served_report.windows)
+        console.print(f"served by FamilyCache (default gates): KL {served_report.kl:.4f}, top-1 "
+                      f"{served_report.top1:.3f}; {paths}")
     console.print(f"source {report.source['fingerprint']['combined'][:12]} -> "
                   f"target {report.target['fingerprint']['combined'][:12]}; source prefill "
                   f"{report.source_prefill_seconds:.3f}s, target prefill {report.reference_prefill_seconds:.3f}s")

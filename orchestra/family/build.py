@@ -15,14 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestra.errors import FamilyBuildError, FamilyError
-from orchestra.family.manifest import (
+from orchestra.errors import FamilyBuildError
+from orchestra.family.manifest import (  # family_dir/load_family: re-exported, they live with the manifest
     MANIFEST_NAME,
     MEMBER_MARKER,
     Divergence,
     FamilyManifest,
     MemberRecord,
     Role,
+    _read_valid_record,
+    family_dir,
+    load_family,
     write_json_atomic,
 )
 from orchestra.paths import resolve_home
@@ -53,43 +56,6 @@ MEMBERS: tuple[MemberSpec, ...] = (
 )
 
 Log = Callable[[str], None]
-
-
-def family_dir(home: Path) -> Path:
-    return home / "family"
-
-
-def _read_valid_record(member_dir: Path) -> MemberRecord | None:
-    marker = member_dir / MEMBER_MARKER
-    if not marker.is_file():
-        return None
-    try:
-        record = MemberRecord.model_validate_json(marker.read_text(encoding="utf-8"))
-    except ValueError:
-        return None
-    weights = sorted(member_dir.glob("*.safetensors"))
-    if not weights or sum(p.stat().st_size for p in weights) != record.bytes:
-        return None
-    return record
-
-
-def load_family(home: str | os.PathLike[str] | None = None) -> FamilyManifest:
-    """Read an already-built family; raise a typed error saying how to build it otherwise."""
-    home_path = resolve_home(home)
-    manifest_path = family_dir(home_path) / MANIFEST_NAME
-    if not manifest_path.is_file():
-        raise FamilyError(f"no family at {family_dir(home_path)}; run `orchestra family build --home {home_path}`")
-    try:
-        manifest = FamilyManifest.load(manifest_path)
-    except ValueError as exc:
-        raise FamilyError(f"{manifest_path} is corrupt ({exc}); run `orchestra family build --force`") from exc
-    for record in manifest.members.values():
-        if _read_valid_record(Path(record.path)) is None:
-            raise FamilyError(
-                f"family member {record.name} at {record.path} is missing or incomplete; "
-                f"run `orchestra family build --home {home_path}`"
-            )
-    return manifest
 
 
 def _save_member(model, tokenizer, spec: MemberSpec, dest: Path, divergence: Divergence | None) -> MemberRecord:

@@ -10,9 +10,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestra.errors import MemberNotFoundError
+from orchestra.errors import FamilyError, MemberNotFoundError
+from orchestra.paths import resolve_home
 
-__all__ = ["Divergence", "MemberRecord", "FamilyManifest", "Role", "MANIFEST_NAME", "MEMBER_MARKER"]
+__all__ = ["Divergence", "MemberRecord", "FamilyManifest", "Role", "MANIFEST_NAME", "MEMBER_MARKER", "family_dir",
+           "load_family"]
 
 MANIFEST_NAME = "family.json"
 MEMBER_MARKER = "member.json"
@@ -88,3 +90,45 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def family_dir(home: Path) -> Path:
+    """Where the family lives under an orchestra home."""
+    return home / "family"
+
+
+def _read_valid_record(member_dir: Path) -> MemberRecord | None:
+    marker = member_dir / MEMBER_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        record = MemberRecord.model_validate_json(marker.read_text(encoding="utf-8"))
+    except ValueError:
+        return None
+    weights = sorted(member_dir.glob("*.safetensors"))
+    if not weights or sum(p.stat().st_size for p in weights) != record.bytes:
+        return None
+    return record
+
+
+def load_family(home: str | os.PathLike[str] | None = None) -> FamilyManifest:
+    """Read an already-built family; raise a typed error saying how to build it otherwise.
+
+    Lives here, not in :mod:`orchestra.family.build`, so that running pipelines on a built family
+    never imports the build and training code (or gguf and peft behind it).
+    """
+    home_path = resolve_home(home)
+    manifest_path = family_dir(home_path) / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise FamilyError(f"no family at {family_dir(home_path)}; run `orchestra family build --home {home_path}`")
+    try:
+        manifest = FamilyManifest.load(manifest_path)
+    except ValueError as exc:
+        raise FamilyError(f"{manifest_path} is corrupt ({exc}); run `orchestra family build --force`") from exc
+    for record in manifest.members.values():
+        if _read_valid_record(Path(record.path)) is None:
+            raise FamilyError(
+                f"family member {record.name} at {record.path} is missing or incomplete; "
+                f"run `orchestra family build --home {home_path}`"
+            )
+    return manifest

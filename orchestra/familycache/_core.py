@@ -172,7 +172,7 @@ class FamilyCache:
         from orchestra.registry import ModelRegistry
 
         if family is None:
-            from orchestra.family import load_family
+            from orchestra.family.manifest import load_family
 
             family = load_family(home)
         aliases = members or {record.role: name for name, record in family.members.items()}

@@ -38,11 +38,13 @@ def _ids(model: LoadedModel, ids: list[int]) -> torch.Tensor:
 
 
 def truncate(model: LoadedModel, cache: Any, length: int) -> Any:
-    """The first `length` positions of `cache` as a new cache of views (the input is not touched)."""
-    from mappings.cache_io import cache_length, truncate_cache
+    """The first `length` positions of `cache` as a new cache of views (the input is not touched).
 
-    if cache_length(cache) == length:
-        return cache
+    Always a new cache object, even at full length: `compute_tokens` extends what this returns,
+    and extending `cache` itself would grow a stored entry in place.
+    """
+    from mappings.cache_io import truncate_cache
+
     return truncate_cache(cache, length, model.model.config)
 
 
@@ -92,8 +94,8 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
     """
     import torch
 
-    from mappings import build_cache, cache_layers, map_cache, tail_recompute
-    from mappings.cache_io import sync_device
+    from mappings.apply import map_cache, tail_recompute
+    from mappings.cache_io import build_cache, cache_layers, sync_device
 
     t0 = time.perf_counter()
     summary = None
@@ -115,7 +117,7 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
 
 def nbytes_of(cache: Any, *extra: Any) -> int:
     """Bytes held by a cache's K/V plus any tensors (or dicts of tensors) kept beside it."""
-    from mappings import cache_layers
+    from mappings.cache_io import cache_layers
 
     total = sum(int(t.numel() * t.element_size()) for pair in cache_layers(cache) for t in pair)
     for item in extra:

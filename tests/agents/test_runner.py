@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -176,7 +174,7 @@ def test_chunked_prefill_and_dtype_copy(llama_tiny):
         torch.testing.assert_close(k0, k1, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v0, v1, atol=1e-4, rtol=1e-4)
     # a cache in another dtype is converted on copy; the original keeps its dtype
-    f64 = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float64, config=model.config)
+    f64 = torch.nn.Linear(2, 2).double()  # a model whose first floating-point parameter is float64
     converted = copy_cache(whole.cache, f64)
     assert cache_length(converted) == len(ids)
     assert all(k.dtype == v.dtype == torch.float64 for k, v in cache_tensors(converted))
@@ -208,7 +206,7 @@ def test_copy_cache_of_a_legacy_list_cache():
             return self.key_cache[0].shape[-2]
 
     original = Legacy()
-    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+    model = torch.nn.Linear(2, 2)  # device and dtype come from the first floating-point parameter
     twin = copy_cache(original, model)
     twin.key_cache[0].add_(1)
     assert torch.equal(original.key_cache[0], torch.ones(1, 2, 3, 4)) and twin.get_seq_length() == 3

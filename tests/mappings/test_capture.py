@@ -5,13 +5,14 @@ import torch
 
 from mappings.capture import (
     capture_kv,
+    capture_queries,
     capture_texts,
     capture_windows,
     decoder_layers,
     kv_shape,
     make_windows,
 )
-from mappings.errors import CorpusTooSmallError, NonFiniteKVError
+from mappings.errors import CorpusTooSmallError, NonFiniteKVError, UnsupportedModelError
 from mappings.fit import RegressionStats
 from mappings.metrics import attention_output
 from tests.mappings.conftest import load, load_tokenizer
@@ -118,3 +119,30 @@ def test_windows_and_streaming(llama_family):
     assert [len(c.lengths) for c in caps] == [4, 2]
     whole = capture_kv(model, torch.stack(windows[:4]))
     torch.testing.assert_close(caps[0].keys[1], whole.keys[1])
+
+
+def test_capture_queries_records_every_layer_and_removes_its_hooks(tiny_family):
+    model = load(tiny_family.parent)
+    layers = decoder_layers(model)
+    ids = torch.randint(3, 300, (2, 7))
+    with capture_queries(model) as queries:
+        model(input_ids=ids)
+        assert all(layer.self_attn.q_proj._forward_hooks for layer in layers)
+    assert sorted(queries) == list(range(len(layers)))
+    heads, head_dim = model.config.num_attention_heads, kv_shape(model.config).head_dim
+    assert queries[0].reshape(2, 7, heads, head_dim).shape == (2, 7, heads, head_dim)
+    assert not any(layer.self_attn.q_proj._forward_hooks for layer in layers)
+
+
+def test_capture_queries_without_a_query_projection_leaves_no_hook(tiny_family):
+    model = load(tiny_family.parent)
+    layers = decoder_layers(model)
+    last = layers[-1].self_attn
+    q_proj = last.q_proj
+    del last.q_proj
+    try:
+        with pytest.raises(UnsupportedModelError, match="no self_attn.q_proj"), capture_queries(model):
+            pass
+        assert not any(layer.self_attn.q_proj._forward_hooks for layer in layers[:-1])
+    finally:
+        last.q_proj = q_proj

@@ -41,6 +41,15 @@ def test_calibrate_then_evaluate(llama_family, tmp_path):
     assert data["source"]["fingerprint"]["combined"] == manifest["source"]["fingerprint"]["combined"]
     assert data["target"]["fingerprint"]["combined"] == manifest["target"]["fingerprint"]["combined"]
     assert (tmp_path / "report_layers.png").exists()
+    # the product path: what the FamilyCache serves an agent on the target, gated
+    assert "served by FamilyCache" in result.output
+    served = json.loads((tmp_path / "report_served.json").read_text())
+    assert [w["path"] for w in served["windows"]] in (["mapped"], ["reprefilled"])
+    window = served["windows"][0]
+    assert {g["gate"] for g in window["gates"]} == {"offline", "probe"}
+    assert (window["path"] == "reprefilled") == any(not g["passed"] for g in window["gates"])
+    if window["path"] == "reprefilled":  # a re-prefilled cache is the truth itself
+        assert window["kl"] < 1e-6 and window["top1"] == 1.0
 
 
 def test_typed_errors_become_one_line_and_exit_code_2(llama_family, tmp_path):

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from mappings.metrics import attention_output, fit_quality, kl_divergence, next_token_agreement
+from mappings.metrics import (
+    attention_output,
+    fit_quality,
+    kl_divergence,
+    mean_kl,
+    next_token_agreement,
+    tail_nll,
+)
 
 
 def test_kl_is_zero_for_equal_logits_and_matches_definition():
@@ -45,3 +52,17 @@ def test_attention_output_handles_gqa_and_causality():
     # the first position attends only to itself: its output is its own value vector (per group)
     torch.testing.assert_close(out[0, 0, :8], v[0, 0, 0])
     torch.testing.assert_close(out[0, 0, 16:24], v[0, 1, 0])
+
+
+def test_mean_kl_and_tail_nll_match_their_definitions():
+    g = torch.Generator().manual_seed(1)
+    p, q = torch.randn(6, 13, generator=g), torch.randn(6, 13, generator=g)
+    assert mean_kl(p, p) == pytest.approx(0.0, abs=1e-6)
+    assert mean_kl(p, q) == pytest.approx(float(kl_divergence(p, q).mean()), rel=1e-5)
+    assert mean_kl(p[None], q[None]) == pytest.approx(mean_kl(p, q), rel=1e-6)  # every leading index is a position
+    ids = torch.randint(0, 13, (6,), generator=g)
+    expected = -float(torch.log_softmax(p.double(), -1)[torch.arange(5), ids[1:]].mean())
+    assert tail_nll(p, ids) == pytest.approx(expected, rel=1e-5)
+    assert tail_nll(p[None], ids[None]) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(ValueError, match="at least 2"):
+        tail_nll(p[:1], ids[:1])

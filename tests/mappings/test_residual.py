@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mappings.cache_io import cache_layers, forward_with_cache
+from mappings.calibrate_repair import add_residual_maps
 from mappings.errors import CorruptMappingError
-from mappings.repair import RepairPolicy, repair_cache
-from mappings.residual import add_residual_maps, layer_scores
+from mappings.repair import RepairPolicy, layer_scores, repair_cache
 from mappings.store import load_mapping
 from tests.mappings.conftest import TOKENS, WINDOW, load
 

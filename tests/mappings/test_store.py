@@ -8,7 +8,7 @@ import torch
 
 from mappings.cache_io import cache_layers, prefill
 from mappings.errors import CorruptMappingError, StaleMappingError
-from mappings.fingerprint import fingerprint_dir
+from mappings.fingerprint import check_fingerprints, fingerprint_dir
 from mappings.manifest import MANIFEST_FILE, MAPPING_VERSION, STATS_FILE, TENSORS_FILE
 from mappings.store import Mapping, load_mapping, read_manifest
 from tests.mappings.conftest import load
@@ -72,6 +72,10 @@ def test_stale_fingerprint_is_refused(tiny_mapping, llama_family, qwen2_family):
         load_mapping(tiny_mapping.path, source_fp=fingerprint_dir(fam.child))
     with pytest.raises(StaleMappingError):
         load_mapping(tiny_mapping.path, source_fp="0" * 64)
+    manifest = read_manifest(tiny_mapping.path)  # the check itself, without loading tensors
+    check_fingerprints(manifest, fingerprint_dir(fam.parent), manifest.target.fingerprint)
+    with pytest.raises(StaleMappingError, match="another source model"):
+        check_fingerprints(manifest, manifest.target.fingerprint)
 
 
 def test_truncated_tensors_are_refused(mapping_copy):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from orchestra.family.corpus import data_text
-from orchestra.kvstore import KVStore
 from orchestra.mapstore import MappingStore
 from orchestra.pipeline import PipelineSpec
 from orchestra.scheduler import Orchestra
@@ -35,7 +34,7 @@ async def test_prefill_once_map_to_members_and_match_exact_baseline(real_family,
     })
     corpus = [(name, data_text(name)[:12000]) for name in ("mpl-2.0.txt", "apache-2.0.txt")]
     maps = MappingStore(tmp_path_factory.mktemp("real_maps"), tokens=1024, corpus=corpus)
-    orch = Orchestra(pipe, family=real_family, mappings=maps, store=KVStore())
+    orch = Orchestra(pipe, family=real_family, mappings=maps)
     report = await orch.run(DOC)
 
     assert report.succeeded == ["what", "who", "join"], [(a.name, a.error) for a in report.agents]
@@ -49,7 +48,7 @@ async def test_prefill_once_map_to_members_and_match_exact_baseline(real_family,
     mapped = [c for c in report.caches if c.path == "mapped"]
     assert all(c.mapping and c.tail_tokens == 16 for c in mapped)
 
-    baseline = await Orchestra(pipe, family=real_family, mappings=maps, store=KVStore(), share_prefill=False).run(DOC)
+    baseline = await Orchestra(pipe, family=real_family, mappings=maps, share_prefill=False).run(DOC)
     # exact caches give exactly the re-prefill outputs under greedy decoding
     assert report.agent("what").output == baseline.agent("what").output
     for name in ("who",):
