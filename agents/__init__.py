@@ -3,7 +3,8 @@
 Layout: the document prefix (`DocumentPrompt`) is identical for every agent and family member, so its
 KV cache is computed once (`prefill_document`) and shared; each agent adds its own suffix
 (`build_suffix`) and decodes over a private copy of that cache (`generate`, or async `run_agent` /
-`stream_agent`). Only the errors are imported eagerly: torch and transformers load when a name
+`stream_agent`). Servers continue any cached prefix with their own token ids (`continue_ids`:
+chat turns, completions). Only the errors are imported eagerly: torch and transformers load when a name
 that needs them is first used.
 """
 
@@ -68,6 +69,9 @@ __all__ = [
     "AgentStream",
     "stream_agent",
     "run_agent",
+    # continuing a cached prefix (servers)
+    "Continuation",
+    "continue_ids",
     # structured output
     "extract_json_object",
     "parse_output",
@@ -110,6 +114,8 @@ _LAZY = {
     "AgentStream": "agents.streaming",
     "stream_agent": "agents.streaming",
     "run_agent": "agents.streaming",
+    "Continuation": "agents.continuation",
+    "continue_ids": "agents.continuation",
     "extract_json_object": "agents.structured",
     "parse_output": "agents.structured",
     "run_with_repairs": "agents.structured",
@@ -132,6 +138,7 @@ if TYPE_CHECKING:
         report_writer,
         summarizer,
     )
+    from agents.continuation import Continuation, continue_ids
     from agents.kv import (
         Prefill,
         cache_length,

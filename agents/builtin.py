@@ -1,14 +1,35 @@
-"""Built-in agents for long documents, with prompts short and explicit enough for small instruct models."""
+"""Built-in agents for long documents, with prompts short and explicit enough for small instruct models.
+
+Each built-in is a factory that returns an `AgentSpec`. Pipelines (YAML ``builtin: key_facts`` or
+``Pipeline.agent("key_facts")``) find them only through the explicit `BUILTINS` registry, never by
+attribute lookup on this module, so helpers that live here (`KeyFacts`, pydantic's `Field`, private
+functions) can never be mistaken for an agent. The factories validate their arguments
+(`pydantic.validate_call`): an unknown keyword, a missing argument or a wrong type is a
+`pydantic.ValidationError` naming the argument, which the pipeline layer turns into a message naming
+the agent and the field.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StringConstraints, validate_call
 
-from agents.spec import AgentSpec, GenerationSettings, OutputSpec, escape_template
+from agents.spec import (
+    AGENT_NAME_PATTERN,
+    AgentSpec,
+    GenerationSettings,
+    MaxNewTokens,
+    OutputSpec,
+    escape_template,
+)
 
 __all__ = ["KeyFacts", "summarizer", "key_facts", "question_answerer", "critic", "report_writer", "BUILTINS"]
+
+AgentName = Annotated[str, Field(pattern=AGENT_NAME_PATTERN)]
+"""An agent name as a template can reference it (letters, digits, _ or -; not starting with a digit)."""
 
 _GROUNDED = "Use only information from the document. Do not invent facts."
 
@@ -20,7 +41,9 @@ class KeyFacts(BaseModel):
     """Short, self-contained factual statements taken from the document."""
 
 
-def summarizer(name: str = "summarizer", *, max_words: int = 150, max_new_tokens: int = 256) -> AgentSpec:
+@validate_call
+def summarizer(name: AgentName = "summarizer", *, max_words: Annotated[int, Field(ge=1)] = 150,
+               max_new_tokens: MaxNewTokens = 256) -> AgentSpec:
     """Summarizes the whole document in at most ``max_words`` words."""
     return AgentSpec(
         name=name,
@@ -33,8 +56,9 @@ def summarizer(name: str = "summarizer", *, max_words: int = 150, max_new_tokens
     )
 
 
-def key_facts(name: str = "key_facts", *, max_facts: int = 8, max_new_tokens: int = 320,
-              max_repairs: int = 2) -> AgentSpec:
+@validate_call
+def key_facts(name: AgentName = "key_facts", *, max_facts: Annotated[int, Field(ge=1)] = 8,
+              max_new_tokens: MaxNewTokens = 320, max_repairs: Annotated[int, Field(ge=0, le=5)] = 2) -> AgentSpec:
     """Extracts the document's key facts as a validated JSON object ``{"facts": [...]}`` (`KeyFacts`)."""
     return AgentSpec(
         name=name,
@@ -53,10 +77,10 @@ def key_facts(name: str = "key_facts", *, max_facts: int = 8, max_new_tokens: in
     )
 
 
-def question_answerer(question: str, name: str = "answer", *, max_new_tokens: int = 160) -> AgentSpec:
+@validate_call
+def question_answerer(question: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)],
+                      name: AgentName = "answer", *, max_new_tokens: MaxNewTokens = 160) -> AgentSpec:
     """Answers ``question`` from the document, or says that the document does not answer it."""
-    if not question.strip():
-        raise ValueError("question_answerer needs a non-empty question")
     return AgentSpec(
         name=name,
         role=f"You answer questions about documents accurately and briefly. {_GROUNDED}",
@@ -69,7 +93,8 @@ def question_answerer(question: str, name: str = "answer", *, max_new_tokens: in
     )
 
 
-def critic(target_agent: str, name: str | None = None, *, max_new_tokens: int = 256) -> AgentSpec:
+@validate_call
+def critic(target_agent: AgentName, name: AgentName | None = None, *, max_new_tokens: MaxNewTokens = 256) -> AgentSpec:
     """Checks ``target_agent``'s output against the document and lists unsupported or wrong statements."""
     return AgentSpec(
         name=name or f"{target_agent}_critic",
@@ -85,11 +110,11 @@ def critic(target_agent: str, name: str | None = None, *, max_new_tokens: int = 
     )
 
 
-def report_writer(upstream: Sequence[str], name: str = "report", *, max_new_tokens: int = 400) -> AgentSpec:
+@validate_call
+def report_writer(upstream: Annotated[Sequence[AgentName], Field(min_length=1)], name: AgentName = "report", *,
+                  max_new_tokens: MaxNewTokens = 400) -> AgentSpec:
     """Merges the outputs of the ``upstream`` agents into one final report about the document."""
     names = list(dict.fromkeys(upstream))
-    if not names:
-        raise ValueError("report_writer needs at least one upstream agent name")
     notes = "\n\n".join(f"### Notes from {escape_template(n)}\n{{{n}}}" for n in names)
     return AgentSpec(
         name=name,
@@ -104,11 +129,12 @@ def report_writer(upstream: Sequence[str], name: str = "report", *, max_new_toke
     )
 
 
-BUILTINS = {
+BUILTINS: Mapping[str, Callable[..., AgentSpec]] = MappingProxyType({
     "summarizer": summarizer,
     "key_facts": key_facts,
     "question_answerer": question_answerer,
     "critic": critic,
     "report_writer": report_writer,
-}
-"""Built-in spec factories by name (for pipeline files that ask for a built-in agent)."""
+})
+"""The built-in agents by name: the only place a pipeline's ``builtin:`` is looked up (read-only, so
+importing a module cannot add to it behind the pipeline's back)."""

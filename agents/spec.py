@@ -14,13 +14,15 @@ import json
 import re
 import string
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
+    WithJsonSchema,
     field_serializer,
     field_validator,
     model_validator,
@@ -31,6 +33,8 @@ from agents.schema import check_schema, schema_errors
 
 __all__ = [
     "AGENT_NAME_PATTERN",
+    "MAX_NEW_TOKENS",
+    "MaxNewTokens",
     "GenerationSettings",
     "OutputSpec",
     "AgentSpec",
@@ -43,6 +47,28 @@ AGENT_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]*$"
 _NAME_RE = re.compile(AGENT_NAME_PATTERN)
 
 TemplateSyntax = Literal["format", "dollar"]
+
+MAX_NEW_TOKENS = 32768
+"""The most tokens one agent may generate. Far above what a small family member writes usefully, and
+low enough that a typo (an extra zero, 1e8) is refused when the spec is built instead of decoding for
+hours or overflowing every context check."""
+
+
+def _check_max_new_tokens(value: int) -> int:
+    if not 1 <= value <= MAX_NEW_TOKENS:
+        raise ValueError(
+            f"max_new_tokens must be a whole number from 1 to {MAX_NEW_TOKENS} (the most tokens one agent may "
+            f"generate); got {value}"
+        )
+    return value
+
+
+MaxNewTokens = Annotated[
+    int,
+    AfterValidator(_check_max_new_tokens),
+    WithJsonSchema({"type": "integer", "minimum": 1, "maximum": MAX_NEW_TOKENS}),
+]
+"""A generation budget: an int from 1 to MAX_NEW_TOKENS, refused with a message that says the bound."""
 
 
 class _DollarTemplate(string.Template):
@@ -124,8 +150,8 @@ class GenerationSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_new_tokens: int = Field(256, ge=1, le=65536)
-    """Upper bound on generated tokens (the context check counts this in full)."""
+    max_new_tokens: MaxNewTokens = 256
+    """Upper bound on generated tokens, 1 to MAX_NEW_TOKENS (the context check counts this in full)."""
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     """0 means greedy decoding; above 0, logits are divided by it before sampling."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)

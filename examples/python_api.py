@@ -12,33 +12,28 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import anyio
+from orchestra import Pipeline
 
-from orchestra.pipeline import AgentNode, PipelineSpec
-from orchestra.report import RunReport
-from orchestra.scheduler import Orchestra
+if TYPE_CHECKING:
+    from orchestra import RunReport
 
 DOCUMENT = Path(__file__).resolve().parent / "long_document_analysis" / "document.txt"
 
 
-def build(max_new_tokens: int = 64) -> PipelineSpec:
-    return PipelineSpec(
-        name="python-api",
-        models={"root": "root", "tuned": "finetuned"},  # alias -> family member (role or name)
-        source="root",  # prefills the document; the other member gets a mapped cache
-        agents=[
-            AgentNode(name="summary", model="root", builtin="summarizer",
-                      args={"max_words": 60, "max_new_tokens": max_new_tokens}),
-            AgentNode(name="review", model="tuned", builtin="critic", upstream=["summary"],
-                      args={"target_agent": "summary", "max_new_tokens": max_new_tokens}),
-        ],
+def build(max_new_tokens: int = 64) -> Pipeline:
+    # Every family role (root, finetuned, quantized, distilled) is already a model alias; `models` adds one.
+    return (
+        Pipeline("python-api", source="root", models={"tuned": "finetuned"})
+        .agent("summarizer", model="root", name="summary", max_words=60, max_new_tokens=max_new_tokens)
+        # the critic's template reads {summary}, so `summary` is its upstream without saying so
+        .agent("critic", model="tuned", name="review", target_agent="summary", max_new_tokens=max_new_tokens)
     )
 
 
 def run(document: str, max_new_tokens: int = 64) -> RunReport:
-    orchestra = Orchestra(build(max_new_tokens))  # the family comes from $ORCHESTRA_HOME
-    return anyio.run(orchestra.run, document)
+    return build(max_new_tokens).run_sync(document)  # in async code: `await pipeline.run(document)`
 
 
 def main(argv: list[str] | None = None) -> RunReport:

@@ -22,7 +22,7 @@ class _Group(TyperGroup):
         try:
             return super().invoke(ctx)
         except (OrchestraError, MappingError) as exc:
-            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from exc
 
 
@@ -36,9 +36,10 @@ app.add_typer(family_cmd.app, name="family")
 
 
 def _register_commands() -> None:
-    from orchestra.commands import bench, mapping, run
+    from orchestra.bench import _cli as bench
+    from orchestra.commands import mapping, run, serve
 
-    for sub in (mapping.app, run.app, bench.app):
+    for sub in (mapping.app, run.app, bench.app, serve.app):
         for command in sub.registered_commands:
             app.registered_commands.append(command)
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
 __all__ = [
     "OrchestraError",
     "FamilyError",
@@ -11,6 +15,8 @@ __all__ = [
     "FamilyBuildError",
     "MemberNotFoundError",
     "PipelineError",
+    "PipelineProblem",
+    "PipelineValidationError",
     "PipelineFileError",
     "CycleError",
     "UnknownAgentError",
@@ -19,6 +25,7 @@ __all__ = [
     "DocumentError",
     "DevicePlacementError",
     "MappingUnavailableError",
+    "EventLoopRunningError",
 ]
 
 
@@ -54,8 +61,71 @@ class PipelineError(OrchestraError):
     """A pipeline definition is invalid; raised before any model loads."""
 
 
-class PipelineFileError(PipelineError):
-    """A pipeline file cannot be read or does not validate; names the file, the field and the fix."""
+@dataclass(frozen=True)
+class PipelineProblem:
+    """One thing wrong with a pipeline definition, located well enough to fix it without a traceback."""
+
+    message: str
+    """What is wrong and what to do about it."""
+    field: str | None = None
+    """The field, relative to the agent when there is one (``args.max_words``, ``spec.task``, ``upstream``),
+    else relative to the pipeline (``models``, ``gate.probe.tokens``)."""
+    agent: str | None = None
+    """The agent's name, when the problem is inside one agent."""
+    location: str | None = None
+    """The full dotted path in the pipeline document (``agents.1.args.max_words``), when it says more than
+    the field does (it locates the agent in a file by position)."""
+
+    def describe(self) -> str:
+        where = []
+        if self.agent is not None:
+            where.append(f"agent {self.agent!r}")
+        if self.field:
+            shown = f"field {self.field}"
+            if self.location and self.location != self.field:
+                shown += f" ({self.location})"
+            where.append(shown)
+        elif self.location:
+            where.append(self.location)
+        return (", ".join(where) + ": " if where else "") + self.message
+
+
+class PipelineValidationError(PipelineError, ValueError):
+    """A pipeline definition does not validate; raised when the PipelineSpec (or an agent) is built.
+
+    ``problems`` lists every problem found (agent, field, message); ``path`` is the pipeline file, if any.
+    One problem reads as one line, so a command line prints it as one line. It is also a ValueError,
+    so code written against the pydantic models' ValidationError keeps catching it.
+    """
+
+    def __init__(self, message: str | None = None, *, problems: Iterable[PipelineProblem] = (),
+                 path: str | Path | None = None) -> None:
+        self.problems: tuple[PipelineProblem, ...] = tuple(problems)
+        self.path: Path | None = Path(path) if path is not None else None
+        if message is None:
+            message = _describe(self.problems)
+        if self.path is not None and not message.startswith(str(self.path)):
+            message = f"{self.path}: {message}"
+        super().__init__(message)
+
+    def with_path(self, path: str | Path) -> PipelineFileError:
+        """The same problems, attributed to a pipeline file."""
+        return PipelineFileError(problems=self.problems, path=path) if self.problems else PipelineFileError(
+            str(self), path=path)
+
+
+def _describe(problems: tuple[PipelineProblem, ...]) -> str:
+    if not problems:
+        return "the pipeline does not validate"
+    if len(problems) == 1:
+        return problems[0].describe()
+    lines = [f"the pipeline does not validate ({len(problems)} problems):"]
+    lines += [f"  - {p.describe()}" for p in problems]
+    return "\n".join(lines)
+
+
+class PipelineFileError(PipelineValidationError):
+    """A pipeline file cannot be read, parsed or validated; names the file, the agent, the field and the fix."""
 
 
 class CycleError(PipelineError):
@@ -84,3 +154,11 @@ class DevicePlacementError(OrchestraError):
 
 class MappingUnavailableError(OrchestraError):
     """No mapping exists for a (source, target) pair and the pipeline forbids calibrating one."""
+
+
+class EventLoopRunningError(OrchestraError, RuntimeError):
+    """A synchronous entry point (``Pipeline.run_sync``) was called where an event loop is already running.
+
+    Blocking there would stall every other task on that loop (a web server's requests, for one), and
+    a second loop cannot start inside the first; the async API is the way in from async code.
+    """

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping, Sequence
 
 import networkx as nx
 
 from orchestra.errors import CycleError, UnknownAgentError
+
 
 __all__ = ["build_graph", "levels", "to_mermaid", "descendants"]
 
@@ -19,8 +21,10 @@ def build_graph(upstreams: Mapping[str, Sequence[str]], models: Mapping[str, str
     for name, ups in upstreams.items():
         for up in ups:
             if up not in upstreams:
+                close = difflib.get_close_matches(up, list(upstreams), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise UnknownAgentError(
-                    f"agent {name!r} reads upstream {up!r}, which is not an agent of this pipeline; "
+                    f"agent {name!r} reads upstream {up!r}, which is not an agent of this pipeline{hint}; "
                     f"known agents: {', '.join(sorted(upstreams))}"
                 )
             if up == name:
@@ -61,3 +65,4 @@ def to_mermaid(graph: nx.DiGraph, source_model: str | None = None) -> str:
     for up, down in graph.edges:
         lines.append(f"    {node_id(up)} --> {node_id(down)}")
     return "\n".join(lines) + "\n"
+

@@ -1,22 +1,116 @@
-"""Pipeline definitions: a typed model loadable from YAML/JSON or built in Python.
+"""Pipeline definitions: a typed model loadable from YAML/JSON or built in Python (see `orchestra.Pipeline`).
 
-Validation happens before any model loads; errors name the file, the field and the fix.
+Everything is validated when the `PipelineSpec` is built, before any model loads, and as deeply as a
+run would: every agent's `AgentSpec` is built (built-in looked up in `agents.builtin.BUILTINS`, its
+arguments checked, templates parsed, generation bounds checked), upstreams resolved and the DAG
+checked. So `orchestra graph FILE` refuses exactly what `orchestra run FILE` refuses. Mistakes are
+typed `PipelineError`s whose message names the file (when there is one), the agent and the field;
+validation problems are `PipelineValidationError` (`PipelineFileError` for files), with the list of
+problems in ``.problems``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
+from agents.builtin import BUILTINS
+from agents.spec import AGENT_NAME_PATTERN, AgentSpec
 from mappings.repair import RepairPolicy
-from orchestra.errors import PipelineFileError
+from orchestra.errors import (
+    CycleError,
+    PipelineError,
+    PipelineFileError,
+    PipelineProblem,
+    PipelineValidationError,
+    UnknownAgentError,
+)
 from orchestra.gates import GatePolicy
 
-__all__ = ["AgentNode", "MappingPolicy", "PipelineSpec", "load_pipeline"]
+__all__ = [
+    "pipeline_mermaid","AgentNode", "MappingPolicy", "PipelineSettings", "PipelineSpec", "load_pipeline", "suggest"]
+
+# Custom pydantic error types: they carry (agent, field, message) through pydantic's error list, so the
+# final message can name the agent and the field instead of a list index.
+_AGENT_ERROR = "agent_definition"
+_PIPELINE_ERROR = "pipeline_definition"
+
+
+def suggest(value: str, choices: Sequence[str]) -> str | None:
+    """The choice closest to ``value`` (case, ``_`` and ``-`` ignored: ``KeyFacts`` -> ``key_facts``), or None."""
+    def norm(text: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", text.lower())
+
+    by_norm = {norm(c): c for c in choices}
+    if norm(value) in by_norm:
+        return by_norm[norm(value)]
+    close = difflib.get_close_matches(norm(value), list(by_norm), n=1, cutoff=0.6)
+    return by_norm[close[0]] if close else None
+
+
+def _did_you_mean(value: str, choices: Sequence[str]) -> str:
+    close = suggest(value, choices)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def _agent_error(agent: str | None, problems: list[tuple[str, str]]) -> PydanticCustomError:
+    """One pydantic error carrying an agent's problems as (field, message) pairs."""
+    detail = "; ".join(f"{field}: {message}" for field, message in problems)
+    return PydanticCustomError(_AGENT_ERROR, "{detail}", {"detail": detail, "agent": agent,
+                                                          "problems": tuple(problems)})
+
+
+def _pipeline_error(field: str, message: str, agent: str | None = None) -> PydanticCustomError:
+    return PydanticCustomError(_PIPELINE_ERROR, "{detail}", {"detail": message, "field": field, "agent": agent})
+
+
+class _Validated(BaseModel):
+    """Pipeline models raise `PipelineValidationError` (naming agent and field) instead of a raw ValidationError.
+
+    Construction is wrapped (``Model(...)``, ``model_validate``, ``model_validate_json``). Pydantic calls a
+    custom ``__init__`` for nested models too (an agent given as a mapping inside a pipeline): the nested
+    PipelineValidationError is a ValueError, so pydantic records it as that field's error, and the outer
+    conversion takes its problems over, prefixing their location.
+    """
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise PipelineValidationError(problems=_problems(exc, type(self), data)) from exc
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise PipelineValidationError(problems=_problems(exc, cls, obj)) from exc
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Any:
+        try:
+            data = json.loads(json_data)
+        except ValueError as exc:
+            raise PipelineValidationError(f"not valid JSON: {exc}") from exc
+        return cls.model_validate(data, **kwargs)
 
 
 class MappingPolicy(BaseModel):
@@ -36,43 +130,159 @@ class MappingPolicy(BaseModel):
     )
 
 
-class AgentNode(BaseModel):
-    """One agent in the pipeline: what it does (a spec or a built-in), on which model, reading which upstreams."""
+class AgentNode(_Validated):
+    """One agent in the pipeline: what it does (a built-in or a spec), on which model, reading which upstreams.
+
+    Building a node builds its `AgentSpec` (so every mistake in it is found here, before any model
+    loads) and completes `upstream` with the agents its task template reads, so they are never
+    written twice. `agent_spec()` returns the built spec.
+    """
 
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(description="Unique agent name; upstream references and task templates use it.")
+    name: str = Field(
+        pattern=AGENT_NAME_PATTERN,
+        description="Unique agent name; upstream references and task templates use it. Optional when it can be "
+        "derived: the built-in's own default name (e.g. 'summarizer', '<target>_critic') or the spec's name.",
+    )
     model: str = Field(description="Alias of a model declared in the pipeline's `models`.")
-    builtin: str | None = Field(None, description="Name of a built-in agent from `agents.builtin` (e.g. summarizer).")
-    args: dict[str, Any] = Field(default_factory=dict, description="Arguments of the built-in agent.")
-    spec: dict[str, Any] | None = Field(None, description="Inline AgentSpec fields (role, task, generation, output).")
-    upstream: list[str] = Field(default_factory=list, description="Agents whose outputs this agent reads.")
+    builtin: str | None = Field(
+        None, description="Name of a built-in agent in `agents.builtin.BUILTINS` (summarizer, key_facts, "
+        "question_answerer, critic, report_writer).",
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the built-in agent.")
+    spec: AgentSpec | dict[str, Any] | None = Field(
+        None, description="The agent's spec: a typed `agents.AgentSpec`, or a mapping of its fields (role, task, "
+        "template_syntax, generation, output), validated into one when the node is built. The node's `name` "
+        "wins over the spec's.",
+    )
+    upstream: list[str] = Field(
+        default_factory=list,
+        description="Agents whose outputs this agent reads. Defaults to (and always includes) the agents its "
+        "task template reads; list more to make this agent wait for them too.",
+    )
     gate: GatePolicy | None = Field(None, description="Gate policy for this agent (default: the pipeline's).")
     timeout_s: float | None = Field(None, gt=0, description="Give up on this agent after this many seconds.")
 
+    _agent_spec: AgentSpec | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        """Fill a missing name from the spec or the built-in, so Python users need not repeat it."""
+        if not isinstance(data, Mapping) or data.get("name") is not None:
+            return data
+        data = dict(data)
+        spec, builtin = data.get("spec"), data.get("builtin")
+        if isinstance(spec, AgentSpec):
+            data["name"] = spec.name
+        elif isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+            data["name"] = spec["name"]
+        elif isinstance(builtin, str) and builtin in BUILTINS and isinstance(data.get("args", {}), Mapping):
+            try:
+                data["name"] = BUILTINS[builtin](**data.get("args", {})).name
+            except Exception:  # the arguments are wrong: name it after the built-in, `_build` reports why
+                data["name"] = builtin
+        elif isinstance(builtin, str) and re.match(AGENT_NAME_PATTERN, builtin):
+            data["name"] = builtin  # an unknown built-in: `_build` says so, under this name
+        return data
+
+    @field_validator("spec", mode="plain")
+    @classmethod
+    def _spec_kind(cls, value: Any) -> AgentSpec | dict[str, Any] | None:
+        if value is None or isinstance(value, AgentSpec):
+            return value
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise PydanticCustomError(
+            "spec_type", "must be an agents.AgentSpec or a mapping of its fields (role, task, generation, output), "
+            "not {kind}", {"kind": type(value).__name__},
+        )
+
     @model_validator(mode="after")
-    def _one_definition(self) -> AgentNode:
+    def _build(self) -> AgentNode:
         if (self.builtin is None) == (self.spec is None):
-            raise ValueError(f"agent {self.name!r}: give exactly one of `builtin` or `spec`")
+            raise _agent_error(self.name, [("builtin", "give exactly one of `builtin` or `spec` (a built-in "
+                                                       "agent's name, or an AgentSpec or its fields)")])
+        if self.builtin is not None:
+            spec = _call_builtin(self.name, self.builtin, self.args)
+        elif self.args:
+            raise _agent_error(self.name, [("args", "`args` are a built-in agent's arguments, and this agent has "
+                                                    "a `spec`: put its settings in the spec")])
+        elif isinstance(self.spec, AgentSpec):
+            spec = self.spec
+        else:
+            spec = _spec_from_mapping(self.name, self.spec or {})
+        if spec.name != self.name:
+            spec = spec.model_copy(update={"name": self.name})
+        self._agent_spec = spec
+        self.upstream = list(dict.fromkeys([*spec.required_inputs(), *self.upstream]))
         return self
 
-    def agent_spec(self):
-        """Build the `agents.AgentSpec` (imports the agents package)."""
-        from agents import AgentSpec, builtin
+    def agent_spec(self) -> AgentSpec:
+        """The agent's `agents.AgentSpec`, built (and checked) when the node was."""
+        if self._agent_spec is None:  # only for nodes made with model_construct, which skips validation
+            self._agent_spec = type(self).model_validate(self.model_dump())._agent_spec
+        assert self._agent_spec is not None
+        return self._agent_spec
 
-        if self.builtin is not None:
-            factory = getattr(builtin, self.builtin, None)
-            if factory is None or self.builtin.startswith("_") or not callable(factory):
-                known = [n for n in getattr(builtin, "__all__", []) if n]
-                raise PipelineFileError(
-                    f"agent {self.name!r}: unknown builtin {self.builtin!r}; known: {', '.join(known)}"
-                )
-            spec = factory(**self.args)
-            return spec.model_copy(update={"name": self.name})
-        return AgentSpec.model_validate({**self.spec, "name": self.name})
+    def template_inputs(self) -> tuple[str, ...]:
+        """The upstream agents the task template reads (the rest of `upstream` was listed explicitly)."""
+        return self.agent_spec().required_inputs()
 
 
-class PipelineSpec(BaseModel):
-    """A whole pipeline: the family's models by alias, the agents, the source, gates and mapping policy."""
+def _call_builtin(agent: str, builtin: str, args: Mapping[str, Any]) -> AgentSpec:
+    factory = BUILTINS.get(builtin)
+    if factory is None:
+        raise _agent_error(agent, [("builtin", f"unknown built-in {builtin!r}{_did_you_mean(builtin, list(BUILTINS))}; "
+                                               f"built-ins: {', '.join(BUILTINS)}")])
+    import inspect
+
+    params = [p for p in inspect.signature(factory).parameters]
+    try:
+        return factory(**args)
+    except ValidationError as exc:
+        if exc.title != factory.__name__:  # raised inside the factory: the spec it builds refuses a value
+            raise _agent_error(agent, [("args", f"built-in {builtin!r} cannot build its spec: " + "; ".join(
+                _strip(err["msg"]) for err in exc.errors()))]) from exc
+        problems = []
+        for err in exc.errors():
+            param = str(err["loc"][0]) if err["loc"] else ""
+            field = "args." + ".".join(str(p) for p in err["loc"]) if err["loc"] else "args"
+            if err["type"] == "unexpected_keyword_argument":
+                message = (f"unknown argument {param!r} of built-in {builtin!r}{_did_you_mean(param, params)}; "
+                           f"it takes: {', '.join(params)}")
+            elif err["type"] == "missing_argument":
+                message = f"built-in {builtin!r} needs the argument {param!r}; add it"
+            else:
+                message = _strip(err["msg"])
+                if "got " not in message:
+                    message += f" (got {_shown(err.get('input'))})"
+            problems.append((field, message))
+        raise _agent_error(agent, problems) from exc
+    except (TypeError, ValueError) as exc:
+        raise _agent_error(agent, [("args", f"built-in {builtin!r} refused its arguments: {exc}")]) from exc
+
+
+def _spec_from_mapping(agent: str, fields: Mapping[str, Any]) -> AgentSpec:
+    try:
+        return AgentSpec.model_validate({**fields, "name": agent})
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field, message = _describe(err, AgentSpec)
+            message = message.removeprefix(f"agent {agent!r}: ")
+            if not field and "task template" in message:
+                field = "task"  # the template is parsed by a model validator, which has no field of its own
+            problems.append(("spec" + (f".{field}" if field else ""), message))
+        raise _agent_error(agent, problems) from exc
+
+
+class PipelineSettings(_Validated):
+    """Everything about a pipeline but its agents: models, source, devices, gates, mapping and store policy.
+
+    `orchestra.Pipeline` validates its constructor arguments with it, so a bad setting is refused as
+    soon as it is given, not when the first agent is added.
+    """
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field("pipeline", description="A name for reports and logs.")
@@ -81,11 +291,29 @@ class PipelineSpec(BaseModel):
     devices: dict[str, str] = Field(default_factory=dict, description="Alias -> 'cpu', 'cuda:N' or 'auto'.")
     default_device: str = Field("auto", description="Device for models not listed in `devices`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Runtime dtype of every model.")
-    agents: list[AgentNode] = Field(min_length=1, description="The agents; order does not matter, upstreams do.")
     gate: GatePolicy = Field(default_factory=GatePolicy, description="Default gate policy for agents on mapped caches.")
     mapping: MappingPolicy = Field(default_factory=MappingPolicy, description="Mapping store and on-demand calibration.")
     store_budget_mb: int = Field(4096, ge=1, description="Byte budget of the document KV store, MiB.")
     max_concurrency_per_device: int = Field(1, ge=1, description="Agents running at once on one device.")
+
+    @model_validator(mode="after")
+    def _aliases_declared(self) -> PipelineSettings:
+        if self.source is not None and self.source not in self.models:
+            raise _pipeline_error("source", _unknown("source", self.source, self.models))
+        for alias in self.devices:
+            if alias not in self.models:
+                raise _pipeline_error("devices", _unknown("devices names model", alias, self.models))
+        return self
+
+
+class PipelineSpec(PipelineSettings):
+    """A whole pipeline: the family's models by alias, the agents, the source, gates and mapping policy.
+
+    Building one checks every agent (its AgentSpec is built), that agents use declared models, that
+    names are unique, that every upstream is an agent of the pipeline and that there is no cycle.
+    """
+
+    agents: list[AgentNode] = Field(min_length=1, description="The agents; order does not matter, upstreams do.")
 
     @field_validator("agents")
     @classmethod
@@ -93,20 +321,17 @@ class PipelineSpec(BaseModel):
         seen: set[str] = set()
         for agent in agents:
             if agent.name in seen:
-                raise ValueError(f"two agents are named {agent.name!r}; agent names must be unique")
+                raise _pipeline_error("name", f"two agents are named {agent.name!r}; agent names must be unique",
+                                      agent=agent.name)
             seen.add(agent.name)
         return agents
 
     @model_validator(mode="after")
-    def _models_declared(self) -> PipelineSpec:
+    def _agents_consistent(self) -> PipelineSpec:
         for agent in self.agents:
             if agent.model not in self.models:
-                raise ValueError(_unknown("agent " + repr(agent.name) + " uses model", agent.model, self.models))
-        if self.source is not None and self.source not in self.models:
-            raise ValueError(_unknown("source", self.source, self.models))
-        for alias in self.devices:
-            if alias not in self.models:
-                raise ValueError(_unknown("devices names model", alias, self.models))
+                raise _pipeline_error("model", _unknown("uses model", agent.model, self.models), agent=agent.name)
+        check_upstreams(self.agents)
         return self
 
     @property
@@ -121,40 +346,167 @@ class PipelineSpec(BaseModel):
         return max(counts, key=lambda alias: (counts[alias], -order.index(alias)))
 
     def upstreams(self) -> dict[str, list[str]]:
+        """Agent -> the agents it reads or waits for (the template's reads included)."""
         return {agent.name: list(agent.upstream) for agent in self.agents}
 
     def agent(self, name: str) -> AgentNode:
-        return next(a for a in self.agents if a.name == name)
+        for agent in self.agents:
+            if agent.name == name:
+                return agent
+        raise UnknownAgentError(f"no agent named {name!r}{_did_you_mean(name, [a.name for a in self.agents])}; "
+                                f"agents: {', '.join(a.name for a in self.agents)}")
 
 
-def _unknown(what: str, value: str, known) -> str:
-    close = difflib.get_close_matches(value, list(known), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{what} {value!r}, which is not declared in `models`{hint}; declared: {', '.join(known)}"
+def check_upstreams(agents: Sequence[AgentNode]) -> None:
+    """Every upstream is an agent of the pipeline and there is no cycle; else UnknownAgentError / CycleError.
+
+    These are raised as themselves (not collected as problems) because they are about the graph, not
+    about one field: the message still names the agent and the field that holds the reference.
+    """
+    from orchestra.graph import build_graph
+
+    names = [a.name for a in agents]
+    for agent in agents:
+        for up in agent.upstream:
+            if up == agent.name:
+                raise CycleError(f"agent {agent.name!r}, field {_reference_field(agent, up)}: the agent reads its "
+                                 f"own output; remove the reference")
+            if up not in names:
+                raise UnknownAgentError(
+                    f"agent {agent.name!r}, field {_reference_field(agent, up)}: reads {up!r}, which is not an agent "
+                    f"of this pipeline{_did_you_mean(up, names)}; agents: {', '.join(names)}"
+                )
+    build_graph({a.name: a.upstream for a in agents})  # cycles
 
 
-def _format_validation(path: Path, exc: ValidationError) -> str:
-    lines = [f"{path}: the pipeline does not validate:"]
+def _reference_field(agent: AgentNode, up: str) -> str:
+    if up not in agent.template_inputs():
+        return "upstream"
+    return "args" if agent.builtin is not None else "spec.task"
+
+
+def _unknown(what: str, value: str, known: Mapping[str, str]) -> str:
+    return (f"{what} {value!r}, which is not declared in `models`{_did_you_mean(value, list(known))}; "
+            f"declared: {', '.join(known)}")
+
+
+# -- turning pydantic's errors into problems that name the agent and the field -----------------------------------
+
+def _strip(message: str) -> str:
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if message.startswith(prefix):
+            return message[len(prefix):]
+    return message
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _unwrap(annotation: Any) -> Any:
+    """The model class inside Optional[...], list[...], dict[..., ...] or Annotated[...], else the annotation."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            inner = _unwrap(arg)
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+        return annotation
+    if origin in (list, tuple, dict, set, frozenset) or origin in (Sequence, Mapping):
+        args = typing.get_args(annotation)
+        return _unwrap(args[-1]) if args else annotation
+    return annotation
+
+
+def _model_at(root: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
+    current: Any = root
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+            current = _unwrap(current.model_fields[part].annotation)
+        # anything else is an index or a key into a container, already unwrapped to its items
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _describe(err: Mapping[str, Any], root: type[BaseModel]) -> tuple[str, str]:
+    """(field, message) of one pydantic error, relative to ``root``."""
+    loc = tuple(err["loc"])
+    field = ".".join(str(p) for p in loc)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        name = str(loc[-1])
+        parent = _model_at(root, loc[:-1])
+        candidates = list(parent.model_fields) if parent is not None else []
+        close = suggest(name, candidates) if candidates else None
+        return field, f"unknown field {name!r}" + (f"; did you mean {close!r}?" if close else "; remove it")
+    if kind == "missing":
+        return field, "required field is missing; add it"
+    if kind == "too_short" and loc == ("agents",):
+        return field, "a pipeline needs at least one agent"
+    message = _strip(err["msg"])
+    if kind not in {"value_error", "assertion_error"} and "got " not in message and "input" in err:
+        message += f" (got {_shown(err['input'])})"
+    return field, message
+
+
+def _agent_name_at(data: Any, index: Any) -> str | None:
+    agents = data.get("agents") if isinstance(data, Mapping) else getattr(data, "agents", None)
+    if not isinstance(agents, Sequence) or not isinstance(index, int) or not 0 <= index < len(agents):
+        return None
+    entry = agents[index]
+    name = entry.get("name") if isinstance(entry, Mapping) else getattr(entry, "name", None)
+    if name is None and isinstance(entry, Mapping):
+        name = entry.get("builtin")
+    return name if isinstance(name, str) else None
+
+
+def _problems(exc: ValidationError, root: type[BaseModel], data: Any) -> list[PipelineProblem]:
+    problems: list[PipelineProblem] = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            field = str(err["loc"][-1])
-            parent = PipelineSpec
-            candidates = list(parent.model_fields) + list(AgentNode.model_fields) + list(GatePolicy.model_fields)
-            close = difflib.get_close_matches(field, candidates, n=1)
-            msg = f"unknown field {field!r}" + (f"; did you mean {close[0]!r}?" if close else "; remove it")
-        elif err["type"] == "missing":
-            msg = "required field is missing; add it"
-        lines.append(f"  - {loc}: {msg}")
-    return "\n".join(lines)
+        loc = tuple(err["loc"])
+        base = ".".join(str(p) for p in loc)
+        ctx = err.get("ctx") or {}
+        # where in the input the agent is: a pipeline's agents.N, or the node itself
+        agent_loc: tuple[Any, ...] | None = None
+        if issubclass(root, PipelineSpec) and len(loc) >= 2 and loc[0] == "agents":
+            agent_loc = loc[:2]
+        elif issubclass(root, AgentNode):
+            agent_loc = ()
+        agent: str | None = ctx.get("agent")
+        if agent is None and agent_loc is not None:
+            agent = (_agent_name_at(data, loc[1]) if agent_loc else
+                     (data.get("name") or data.get("builtin") if isinstance(data, Mapping) else None))
+        nested = ctx.get("error")
+        if err["type"] == "value_error" and isinstance(nested, PipelineValidationError) and nested.problems:
+            # a nested pipeline model (an agent given as a mapping) already described its problems
+            for problem in nested.problems:
+                location = ".".join(filter(None, (base, problem.location or problem.field)))
+                problems.append(dataclasses.replace(problem, location=location or None))
+            continue
+        if err["type"] == _AGENT_ERROR:
+            for field, message in ctx["problems"]:
+                problems.append(PipelineProblem(message, field=field, agent=agent,
+                                                location=".".join(filter(None, (base, field)))))
+            continue
+        if err["type"] == _PIPELINE_ERROR:
+            problems.append(PipelineProblem(ctx["detail"], field=ctx["field"], agent=agent))
+            continue
+        field, message = _describe(err, root)
+        if agent_loc is not None:
+            field = ".".join(str(p) for p in loc[len(agent_loc):])
+        problems.append(PipelineProblem(message, field=field or None, agent=agent, location=base or None))
+    return problems
 
+
+# -- files ------------------------------------------------------------------------------------------------------
 
 def load_pipeline(path: str | Path) -> PipelineSpec:
-    """Read a pipeline from a .yaml/.yml/.json file."""
+    """Read a pipeline from a .yaml/.yml/.json file; any mistake is a PipelineError naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise PipelineFileError(f"pipeline file {path} does not exist")
+        raise PipelineFileError(f"pipeline file {path} does not exist", path=path)
     text = path.read_text(encoding="utf-8")
     try:
         if path.suffix.lower() == ".json":
@@ -164,12 +516,25 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
 
             data = yaml.safe_load(text)
     except (json.JSONDecodeError, ValueError) as exc:
-        raise PipelineFileError(f"{path}: not valid JSON: {exc}") from exc
+        raise PipelineFileError(f"not valid JSON: {exc}", path=path) from exc
     except Exception as exc:  # yaml.YAMLError carries line/column in its message
-        raise PipelineFileError(f"{path}: not valid YAML: {exc}") from exc
+        raise PipelineFileError(f"not valid YAML: {exc}", path=path) from exc
     if not isinstance(data, dict):
-        raise PipelineFileError(f"{path}: expected a mapping with `models` and `agents` at the top level")
+        raise PipelineFileError("expected a mapping with `models` and `agents` at the top level", path=path)
     try:
         return PipelineSpec.model_validate(data)
-    except ValidationError as exc:
-        raise PipelineFileError(_format_validation(path, exc)) from exc
+    except PipelineValidationError as exc:
+        raise exc.with_path(path) from exc
+    except PipelineError as exc:  # graph errors (unknown upstream, cycle) keep their type, gain the file
+        raise type(exc)(f"{path}: {exc}") from exc
+
+
+def pipeline_mermaid(spec: PipelineSpec) -> str:
+    """The mermaid flowchart of a validated pipeline, each agent labelled ``alias: member``.
+
+    One function for `orchestra graph` and `Pipeline.graph()`, so both draw the same picture.
+    """
+    from orchestra.graph import build_graph, to_mermaid
+
+    labels = {a.name: f"{a.model}: {spec.models[a.model]}" for a in spec.agents}
+    return to_mermaid(build_graph(spec.upstreams(), labels), spec.source_alias)

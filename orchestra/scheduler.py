@@ -22,7 +22,7 @@ import anyio.from_thread
 import structlog
 
 from orchestra import events as ev
-from orchestra.errors import DocumentError, PipelineError
+from orchestra.errors import DocumentError
 from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache
 from orchestra.gates import CircuitBreaker
 from orchestra.graph import build_graph
@@ -65,14 +65,6 @@ class Orchestra:
         self.pipeline = pipeline
         self.graph = build_graph(pipeline.upstreams(), {a.name: a.model for a in pipeline.agents})
         self.specs = {a.name: a.agent_spec() for a in pipeline.agents}
-        for agent in pipeline.agents:
-            missing = [n for n in self.specs[agent.name].required_inputs() if n not in agent.upstream]
-            if missing:
-                raise PipelineError(
-                    f"agent {agent.name!r}: its task template reads {', '.join(map(repr, missing))}, which "
-                    f"{'is' if len(missing) == 1 else 'are'} not in its upstream list {agent.upstream}; add "
-                    f"{'it' if len(missing) == 1 else 'them'} to `upstream`"
-                )
         if family is None and cache is None:
             family = _default_family()
         self.family = family

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from orchestra.commands.bench import bench
+from orchestra.bench._cli import bench
 
 
 def main() -> None:

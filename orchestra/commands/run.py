@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -14,6 +16,23 @@ app = typer.Typer()
 HomeOpt = Annotated[
     Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or ~/.cache/orchestra).")
 ]
+
+
+@contextlib.contextmanager
+def pipeline_errors() -> Iterator[None]:
+    """Print a pipeline mistake as ``error: Type: message`` on one line per problem, then exit 2.
+
+    The CLI's group does the same for every command, but through a console that wraps at its width;
+    a pipeline error names the file, the agent and the field, and is more useful unbroken (grep-able,
+    one line per problem).
+    """
+    from orchestra.errors import PipelineError
+
+    try:
+        yield
+    except PipelineError as exc:
+        typer.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(2) from exc
 
 
 def report_table(report):
@@ -52,34 +71,28 @@ def print_report(report) -> None:
 
 def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, report_out: Path | None,
                       stream: bool = False):
+    """Validate the file (as deeply as `orchestra graph`), then run it through the Python API's `Pipeline`."""
     import anyio
 
+    from orchestra.builder import Pipeline
     from orchestra.errors import DocumentError
-    from orchestra.family import load_family
-    from orchestra.pipeline import load_pipeline
-    from orchestra.scheduler import Orchestra
 
-    spec = load_pipeline(pipeline_file)
+    pipeline = Pipeline.from_file(pipeline_file, home=home)
     if not document.is_file():
         raise DocumentError(f"document {document} does not exist")
     text = document.read_text(encoding="utf-8")
-    family = None
-    try:
-        family = load_family(home)
-    except Exception:
-        family = None  # pipelines may name model folders directly
-    orch = Orchestra(spec, family=family)
+    pipeline.orchestra()  # family, models and devices are checked here, before the event loop starts
 
     async def main():
         if not stream:
-            return await orch.run(text)
-        async for event in orch.stream(text):
+            return await pipeline.run(text)
+        async for event in pipeline.stream(text):
             if event.kind == "token":
                 continue
             console.print(f"[dim]{event.kind}[/] " + ", ".join(
                 f"{k}={v}" for k, v in event.model_dump(exclude={"kind", "run_id", "at", "output", "parsed"}).items()
             ), highlight=False)
-        return orch.last_report
+        return pipeline.last_report
 
     report = anyio.run(main)
     print_report(report)
@@ -99,20 +112,25 @@ def run(
     events: Annotated[bool, typer.Option("--events", help="Print events (gates, fallbacks, caches) as they happen.")] = False,
 ) -> None:
     """Run a pipeline over a document: prefill once, map to every member, run the agents, print the report."""
-    run_pipeline_file(pipeline, document, home, report, stream=events)
+    with pipeline_errors():
+        run_pipeline_file(pipeline, document, home, report, stream=events)
 
 
 @app.command("graph")
 def graph(
     pipeline: Annotated[Path, typer.Argument(help="Pipeline file (.yaml/.yml/.json).")],
 ) -> None:
-    """Print the pipeline's agent DAG as a mermaid flowchart (validates it, loads no model)."""
-    from orchestra.graph import build_graph, to_mermaid
+    """Print the pipeline's agent DAG as a mermaid flowchart.
+
+    It validates the file exactly as `orchestra run` does before loading anything (every agent's spec is
+    built: built-in names and arguments, templates, generation bounds; upstreams, cycles), and loads no model.
+    """
+    from orchestra.pipeline import pipeline_mermaid
     from orchestra.pipeline import load_pipeline
 
-    spec = load_pipeline(pipeline)
-    g = build_graph(spec.upstreams(), {a.name: f"{a.model}: {spec.models[a.model]}" for a in spec.agents})
-    typer.echo(to_mermaid(g, spec.source_alias))
+    with pipeline_errors():
+        text = pipeline_mermaid(load_pipeline(pipeline))
+    typer.echo(text, nl=False)
 
 
 def _demo_paths() -> tuple[Path, Path]:

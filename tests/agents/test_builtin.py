@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import inspect
+
 import pytest
+from pydantic import ValidationError
 
 from agents import BUILTINS, UnknownUpstreamError
 from agents.builtin import KeyFacts, critic, key_facts, question_answerer, report_writer, summarizer
@@ -33,3 +36,36 @@ def test_builtin_arguments_are_checked():
     with pytest.raises(ValueError):
         critic("not a name")
     assert set(BUILTINS) == {"summarizer", "key_facts", "question_answerer", "critic", "report_writer"}
+
+
+def test_registry_is_explicit_and_read_only():
+    import agents
+    import agents.builtin as module
+
+    assert "BUILTINS" in agents.__all__ and agents.BUILTINS is BUILTINS
+    assert list(BUILTINS) == ["summarizer", "key_facts", "question_answerer", "critic", "report_writer"]
+    assert all(BUILTINS[name].__name__ == name for name in BUILTINS)
+    # helpers of the module are not built-ins, whatever getattr would find
+    assert hasattr(module, "KeyFacts") and "KeyFacts" not in BUILTINS and "Field" not in BUILTINS
+    with pytest.raises(TypeError):
+        BUILTINS["mine"] = summarizer  # type: ignore[index]
+
+
+def test_factories_validate_their_arguments_by_name():
+    with pytest.raises(ValidationError) as err:
+        summarizer(max_wordz=80)
+    assert err.value.errors()[0]["type"] == "unexpected_keyword_argument" and err.value.errors()[0]["loc"] == ("max_wordz",)
+    with pytest.raises(ValidationError) as err:
+        question_answerer()
+    assert err.value.errors()[0]["type"] == "missing_argument" and err.value.errors()[0]["loc"] == ("question",)
+    for bad in (-5, 0, 10**8):
+        with pytest.raises(ValidationError, match="from 1 to 32768"):
+            key_facts(max_new_tokens=bad)
+    with pytest.raises(ValidationError):
+        summarizer(max_words="many")
+    with pytest.raises(ValidationError):
+        report_writer("summary")  # a string is not a list of names
+    with pytest.raises(ValidationError):
+        key_facts(max_repairs=9)
+    assert list(inspect.signature(critic).parameters) == ["target_agent", "name", "max_new_tokens"]
+    assert critic("summary", max_new_tokens=24).generation.max_new_tokens == 24

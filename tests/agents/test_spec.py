@@ -4,6 +4,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from agents import AgentSpec, GenerationSettings, OutputSpec, UnknownUpstreamError, escape_template
+from agents.spec import MAX_NEW_TOKENS
 
 
 class Verdict(BaseModel):
@@ -113,3 +114,19 @@ def test_with_generation_and_escape():
     assert spec.generation.max_new_tokens == 7
     assert AgentSpec(name="a", task=f"Q: {escape_template('use {x}')}").render_task({}) == "Q: use {x}"
     assert escape_template("$5", "dollar") == "$$5"
+
+
+@pytest.mark.parametrize("value", [-5, 0, MAX_NEW_TOKENS + 1, 10**8, 1e8])
+def test_max_new_tokens_is_bounded_and_says_so(value):
+    with pytest.raises(ValidationError) as info:
+        GenerationSettings(max_new_tokens=value)
+    assert f"max_new_tokens must be a whole number from 1 to {MAX_NEW_TOKENS}" in str(info.value)
+    assert f"got {int(value)}" in str(info.value)
+
+
+def test_max_new_tokens_bounds_are_in_the_schema():
+    assert GenerationSettings(max_new_tokens=MAX_NEW_TOKENS).max_new_tokens == MAX_NEW_TOKENS == 32768
+    schema = GenerationSettings.model_json_schema()["properties"]["max_new_tokens"]
+    assert (schema["minimum"], schema["maximum"]) == (1, MAX_NEW_TOKENS)
+    with pytest.raises(ValidationError, match="valid integer"):
+        GenerationSettings(max_new_tokens=1.5)

@@ -4,6 +4,7 @@ import pytest
 
 from orchestra.errors import CycleError, UnknownAgentError
 from orchestra.graph import build_graph, descendants, levels, to_mermaid
+from orchestra.pipeline import pipeline_mermaid
 
 
 def test_levels_respect_dependencies():
@@ -20,7 +21,7 @@ def test_cycle_is_named():
 
 
 def test_unknown_upstream_lists_known_agents():
-    with pytest.raises(UnknownAgentError, match="'summarizr'.*known agents: critic, summarizer"):
+    with pytest.raises(UnknownAgentError, match="'summarizr'.*did you mean 'summarizer'.*known agents: critic, summarizer"):
         build_graph({"summarizer": [], "critic": ["summarizr"]})
 
 
@@ -29,3 +30,15 @@ def test_mermaid_has_every_agent_and_edge():
     text = to_mermaid(g, "root")
     assert text.startswith("flowchart TD")
     assert "doc --> a_sum" in text and "a_sum --> a_critic" in text and "tuned" in text
+
+
+def test_pipeline_mermaid_labels_alias_and_member_and_uses_template_reads():
+    from orchestra.pipeline import PipelineSpec
+
+    spec = PipelineSpec(models={"root": "root", "small": "distilled"}, agents=[
+        {"name": "sum", "model": "root", "builtin": "summarizer"},
+        {"name": "check", "model": "small", "builtin": "critic", "args": {"target_agent": "sum"}},  # no `upstream`
+    ])
+    text = pipeline_mermaid(spec)
+    assert text.startswith("flowchart TD") and 'document prefill on root' in text
+    assert "small: distilled" in text and "a_sum --> a_check" in text and "doc --> a_check" not in text

@@ -1,0 +1,345 @@
+"""`Pipeline`: build, check, draw and run a pipeline from Python, as fully as a YAML file can.
+
+    from orchestra import Pipeline
+
+    p = Pipeline("brief")                                   # the bundled family, source: root
+    p.agent("summarizer", model="root", max_words=80)       # a built-in and its arguments
+    p.agent("key_facts", model="finetuned", max_facts=4)
+    p.agent("critic", model="distilled", target_agent="summarizer")   # reads {summarizer}: upstream implied
+    report = p.run_sync(document)                           # or: await p.run(document); async for e in p.stream(document)
+
+The builder is a thin layer over `PipelineSpec`, in the manner of LangGraph's StateGraph: every
+`agent(...)` call validates that agent at once (a `PipelineError` naming the agent and the field),
+`spec` / `to_spec()` assembles and checks the whole `PipelineSpec` (upstreams, cycles), and a YAML
+file loads into the same object (`Pipeline.from_file`), so the two ways of writing a pipeline cannot
+drift apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agents.spec import AgentSpec
+from orchestra.errors import EventLoopRunningError, FamilyError, PipelineProblem, PipelineValidationError
+from orchestra.gates import GatePolicy
+from orchestra.pipeline import (
+    AgentNode,
+    MappingPolicy,
+    PipelineSettings,
+    PipelineSpec,
+    load_pipeline,
+    suggest,
+)
+
+if TYPE_CHECKING:
+    from orchestra.events import Event
+    from orchestra.family.manifest import FamilyManifest
+    from orchestra.report import RunReport
+    from orchestra.scheduler import Orchestra
+
+    EventSink = Callable[[Event], Awaitable[None] | None]
+    """Called with every event of a run; may be a coroutine function."""
+
+__all__ = ["Pipeline", "BUNDLED_ROLES"]
+
+BUNDLED_ROLES: tuple[str, ...] = ("root", "finetuned", "quantized", "distilled")
+"""The roles of the bundled family's members; without a loaded family, a Pipeline's default aliases."""
+
+
+class Pipeline:
+    """A pipeline under construction, and the way to run it.
+
+    ``Pipeline(name, source="root", *, family=None, home=None, models=None, gate=None, mapping=None,
+    devices=None, default_device="auto", dtype="float32", store_budget_mb=4096,
+    max_concurrency_per_device=1)``:
+
+    - ``family``: a loaded `FamilyManifest`; default: the family under ``home`` (else
+      ``$ORCHESTRA_HOME``, else ``~/.cache/orchestra``), loaded lazily at the first run, so building and
+      validating a pipeline never needs it.
+    - ``models``: alias -> family member (role or name) or a local Hugging Face model folder. By default
+      every member role is an alias of itself (``root``, ``finetuned``, ``quantized``, ``distilled``; a
+      given family's roles), so ``model="finetuned"`` just works; ``models`` adds aliases or overrides
+      these. The built spec keeps the aliases that agents, the source or ``devices`` use, plus every
+      alias given in ``models``.
+    - ``source``: the alias that prefills the document (None: the model most agents use).
+    - the rest are `PipelineSpec`'s fields of the same names (gate policy, mapping policy, devices,
+      dtype, KV store budget, per-device concurrency).
+
+    A bad setting raises `PipelineValidationError` here. One `Orchestra` (models, KV store, mappings)
+    is made at the first run and reused by later runs, until an agent is added.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        source: str | None = "root",
+        *,
+        family: FamilyManifest | None = None,
+        home: str | os.PathLike[str] | None = None,
+        models: Mapping[str, str | os.PathLike[str]] | None = None,
+        gate: GatePolicy | Mapping[str, Any] | None = None,
+        mapping: MappingPolicy | Mapping[str, Any] | None = None,
+        devices: Mapping[str, str] | None = None,
+        default_device: str = "auto",
+        dtype: str = "float32",
+        store_budget_mb: int = 4096,
+        max_concurrency_per_device: int = 1,
+    ) -> None:
+        self._family = family
+        self._home = home
+        declared = {alias: os.fspath(target) for alias, target in (models or {}).items()}
+        self._declared = set(declared)  # aliases the user asked for: always kept in the spec
+        self._models: dict[str, str] = {**_role_aliases(family), **declared}
+        settings: dict[str, Any] = {
+            "name": name, "models": self._models, "source": source, "devices": dict(devices or {}),
+            "default_device": default_device, "dtype": dtype, "store_budget_mb": store_budget_mb,
+            "max_concurrency_per_device": max_concurrency_per_device,
+        }
+        if gate is not None:
+            settings["gate"] = gate
+        if mapping is not None:
+            settings["mapping"] = mapping
+        self._settings = PipelineSettings(**settings)
+        self._nodes: list[AgentNode] = []
+        self._spec: PipelineSpec | None = None
+        self._orch: Orchestra | None = None
+        self._orch_lock = threading.Lock()  # run_sync from several threads makes one Orchestra, not several
+
+    # -- construction ------------------------------------------------------------------------------------
+    @classmethod
+    def from_spec(cls, spec: PipelineSpec, *, family: FamilyManifest | None = None,
+                  home: str | os.PathLike[str] | None = None) -> Pipeline:
+        """The builder for an existing spec: its models exactly (no default aliases added), its agents."""
+        settings = {field: getattr(spec, field) for field in PipelineSettings.model_fields}
+        name, source = settings.pop("name"), settings.pop("source")
+        pipeline = cls(name, source, family=family, home=home, **settings)
+        pipeline._models = dict(spec.models)
+        pipeline._declared = set(spec.models)
+        pipeline._settings = PipelineSettings(**{field: getattr(spec, field) for field in PipelineSettings.model_fields})
+        pipeline._nodes = list(spec.agents)
+        pipeline._spec = spec
+        return pipeline
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, family: FamilyManifest | None = None,
+                  home: str | os.PathLike[str] | None = None) -> Pipeline:
+        """Load a .yaml/.yml/.json pipeline file (`load_pipeline`): the same object the Python API builds."""
+        return cls.from_spec(load_pipeline(path), family=family, home=home)
+
+    def agent(
+        self,
+        agent: str | AgentSpec | Mapping[str, Any],
+        model: str = "root",
+        name: str | None = None,
+        after: str | Sequence[str] | None = None,
+        gate: GatePolicy | Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+        **builtin_args: Any,
+    ) -> Pipeline:
+        """Add an agent and return the pipeline, so calls chain: ``p.agent(...).agent(...)``.
+
+        - ``agent``: a built-in's name (``agents.builtin.BUILTINS``: summarizer, key_facts,
+          question_answerer, critic, report_writer), whose arguments are the keyword arguments
+          (``max_words=80``, ``target_agent="summarizer"``); or an `agents.AgentSpec`; or a mapping of
+          its fields (``{"task": "Check {summarizer}", "generation": {"max_new_tokens": 64}}``).
+        - ``model``: an alias of ``models`` (by default a member role).
+        - ``name``: default: the spec's name, or the built-in's own default name (``summarizer``,
+          ``key_facts``, ``answer``, ``<target_agent>_critic``, ``report``).
+        - ``after``: agents to wait for besides those the task template reads, which are always
+          upstreams (so a critic of ``summarizer`` needs no ``after``). Upstream names are checked when
+          the whole spec is built (`spec`, `graph`, `run`), so agents may be added in any order.
+        - ``gate``: this agent's gate policy (default: the pipeline's); ``timeout_s``: give up after.
+
+        Raises `PipelineValidationError` at once, naming the agent and the field, for an unknown
+        built-in (with a did-you-mean), a bad or missing built-in argument, an out-of-range
+        ``max_new_tokens``, a bad template, an undeclared model alias or a duplicate name.
+        """
+        data: dict[str, Any] = {"model": model}
+        if name is not None:
+            data["name"] = name
+        if isinstance(agent, str):
+            data["builtin"] = agent
+            data["args"] = builtin_args
+        elif isinstance(agent, (AgentSpec, Mapping)):
+            if builtin_args:
+                shown = name or (agent.name if isinstance(agent, AgentSpec) else agent.get("name"))
+                raise PipelineValidationError(problems=[PipelineProblem(
+                    f"keyword arguments ({', '.join(builtin_args)}) are a built-in agent's arguments, and this "
+                    f"agent is a spec: put its settings in the spec", field="args", agent=shown)])
+            data["spec"] = agent
+        else:
+            raise PipelineValidationError(problems=[PipelineProblem(
+                f"expected a built-in agent's name, an agents.AgentSpec or a mapping of its fields, not "
+                f"{type(agent).__name__}", field="spec", agent=name)])
+        if after is not None:
+            data["upstream"] = [after] if isinstance(after, str) else list(after)
+        if gate is not None:
+            data["gate"] = gate
+        if timeout_s is not None:
+            data["timeout_s"] = timeout_s
+        node = AgentNode.model_validate(data)
+        problems = []
+        if node.model not in self._models:
+            close = suggest(node.model, list(self._models))
+            problems.append(PipelineProblem(
+                f"model alias {node.model!r} is not one of this pipeline's models"
+                + (f" (did you mean {close!r}?)" if close else "")
+                + f"; models: {', '.join(self._models)}; add it with Pipeline(..., models={{{node.model!r}: ...}})",
+                field="model", agent=node.name))
+        if any(existing.name == node.name for existing in self._nodes):
+            problems.append(PipelineProblem(
+                f"the pipeline already has an agent named {node.name!r}; give this one another `name=`",
+                field="name", agent=node.name))
+        if problems:
+            raise PipelineValidationError(problems=problems)
+        self._nodes.append(node)
+        self._changed()
+        return self
+
+    def _changed(self) -> None:
+        self._spec = None
+        self._orch = None  # a new pipeline needs a new Orchestra (its specs and graph are fixed at creation)
+
+    # -- what was built ----------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._settings.name
+
+    @property
+    def source(self) -> str | None:
+        return self._settings.source
+
+    @property
+    def models(self) -> dict[str, str]:
+        """Every alias available to agents (a copy): the default role aliases and ``models``."""
+        return dict(self._models)
+
+    @property
+    def agents(self) -> tuple[AgentNode, ...]:
+        return tuple(self._nodes)
+
+    @property
+    def spec(self) -> PipelineSpec:
+        """The validated `PipelineSpec` (built once per change; see `to_spec`)."""
+        return self.to_spec()
+
+    def to_spec(self) -> PipelineSpec:
+        """Assemble and validate the whole `PipelineSpec`: what `orchestra run` would run for a file.
+
+        Raises `UnknownAgentError` / `CycleError` for upstream mistakes, `PipelineValidationError` for
+        an empty pipeline.
+        """
+        if self._spec is not None:
+            return self._spec
+        if not self._nodes:
+            raise PipelineValidationError(problems=[PipelineProblem(
+                "a pipeline needs at least one agent; add one with Pipeline.agent(...)", field="agents")])
+        settings = {field: getattr(self._settings, field) for field in PipelineSettings.model_fields}
+        keep = self._declared | {n.model for n in self._nodes} | set(settings["devices"])
+        if settings["source"] is not None:
+            keep.add(settings["source"])
+        settings["models"] = {alias: target for alias, target in self._models.items() if alias in keep}
+        self._spec = PipelineSpec(**settings, agents=list(self._nodes))
+        return self._spec
+
+    def graph(self) -> str:
+        """The agent DAG as a mermaid flowchart (what `orchestra graph` prints for a file)."""
+        from orchestra.pipeline import pipeline_mermaid
+
+        return pipeline_mermaid(self.spec)
+
+    def __repr__(self) -> str:
+        agents = ", ".join(f"{n.name}@{n.model}" for n in self._nodes)
+        return f"Pipeline({self.name!r}, source={self.source!r}, agents=[{agents}])"
+
+    # -- running -----------------------------------------------------------------------------------------
+    def orchestra(self) -> Orchestra:
+        """The `Orchestra` that runs this pipeline, made once and reused (loaded models, stored caches)."""
+        with self._orch_lock:
+            if self._orch is None:
+                from orchestra.scheduler import Orchestra
+
+                spec = self.spec
+                self._orch = Orchestra(spec, family=self._resolve_family(spec))
+            return self._orch
+
+    def _resolve_family(self, spec: PipelineSpec) -> FamilyManifest | None:
+        if self._family is not None:
+            return self._family
+        from orchestra.family.manifest import load_family
+
+        try:
+            self._family = load_family(self._home)
+        except FamilyError:
+            used = {a.model for a in spec.agents} | {spec.source_alias}
+            if all((Path(spec.models[alias]).expanduser() / "config.json").is_file() for alias in used):
+                return None  # only local model folders: no family needed
+            raise  # its message says how to build the family
+        return self._family
+
+    @property
+    def last_report(self) -> RunReport | None:
+        """The report of the latest finished run (also after `stream`)."""
+        return self._orch.last_report if self._orch is not None else None
+
+    async def run(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None) -> RunReport:
+        """Run every agent over ``document`` (its text, or a Path to read); ``on_event`` gets each event."""
+        return await self.orchestra().run(_text(document), on_event=on_event)
+
+    async def stream(self, document: str | os.PathLike[str]) -> AsyncIterator[Event]:
+        """Yield the run's typed events as they happen (tokens included); then see `last_report`."""
+        async for event in self.orchestra().stream(_text(document)):
+            yield event
+
+    def run_sync(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None) -> RunReport:
+        """`run` for synchronous code (scripts, notebooks' plain cells): starts and ends its own event loop.
+
+        Inside a running event loop it raises `EventLoopRunningError` instead of blocking that loop:
+        use ``await pipeline.run(document)`` there.
+        """
+        _refuse_inside_event_loop()
+        import anyio
+
+        return anyio.run(functools.partial(self.run, document, on_event=on_event))
+
+
+def _role_aliases(family: FamilyManifest | None) -> dict[str, str]:
+    if family is None:
+        return {role: role for role in BUNDLED_ROLES}
+    aliases: dict[str, str] = {}
+    for record in family.members.values():
+        key = record.role if record.role != "external" else record.name
+        aliases.setdefault(key, key)
+    return aliases
+
+
+def _text(document: str | os.PathLike[str]) -> str:
+    """A str is the document's text; a Path (or other PathLike) is a file to read."""
+    if isinstance(document, str):
+        return document
+    return Path(document).read_text(encoding="utf-8")
+
+
+def _refuse_inside_event_loop() -> None:
+    running: str | None = None
+    try:
+        asyncio.get_running_loop()
+        running = "asyncio"
+    except RuntimeError:
+        try:
+            import sniffio
+
+            running = sniffio.current_async_library()
+        except Exception:  # sniffio missing, or no async library running
+            running = None
+    if running is not None:
+        raise EventLoopRunningError(
+            f"Pipeline.run_sync() was called inside a running {running} event loop, which it would block; "
+            f"in async code use `await pipeline.run(document)` (or `async for event in pipeline.stream(document)`)"
+        )
