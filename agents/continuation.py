@@ -19,13 +19,14 @@ from typing import Any, Literal
 
 import torch
 
+from agents.constrained import TokenConstraint
 from agents.detok import TextAssembler
 from agents.kv import check_context, check_prefix_cache, forward_tokens
 from agents.runner import eos_token_ids
 from agents.sampling import Sampler
 from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
 
-__all__ = ["Continuation", "ContinuationFinish", "continue_ids"]
+__all__ = ["Continuation", "ContinuationFinish", "TokenStream", "continue_ids"]
 
 ContinuationFinish = Literal["eos", "stop", "length", "cancelled"]
 
@@ -52,6 +53,68 @@ class Continuation:
         return len(self.token_ids) / self.generation_s if self.generation_s > 0 else 0.0
 
 
+def _cancel_check(cancel: threading.Event | Callable[[], bool] | None) -> Callable[[], bool]:
+    if isinstance(cancel, threading.Event):
+        return cancel.is_set
+    return cancel or (lambda: False)
+
+
+class TokenStream:
+    """One reply being decoded: sampling, constraint, EOS, stop strings, max tokens and streaming-safe text.
+
+    The decoding loop (single sequence here, or a batch decoder with one stream per row) hands it each
+    step's logits; it picks the token, calls ``on_token(text, token_id, index)`` and sets ``finish``
+    when the reply is over.
+    """
+
+    def __init__(self, tokenizer: Any, eos: frozenset[int], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int | None = None, seed: int | None = None, stop: Sequence[str] = (),
+                 on_token: Callable[[str, int, int], None] | None = None,
+                 constraint: TokenConstraint | None = None) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        self.sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        self.assembler = TextAssembler(tokenizer, tuple(stop))
+        self.eos = eos
+        self.max_new_tokens = max_new_tokens
+        self.on_token = on_token
+        self.constraint = constraint
+        self.ids: list[int] = []
+        self.finish: ContinuationFinish | None = None
+
+    def push(self, logits: torch.Tensor) -> int:
+        """Choose the next token from ``logits`` ([vocab]); sets ``finish`` if it ends the reply."""
+        if self.constraint is not None:
+            self.constraint.mask(logits)
+        token = self.sampler(logits)
+        index = len(self.ids)
+        self.ids.append(token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        assembler = self.assembler
+        if token in self.eos:
+            self.finish, text = "eos", assembler.finish()
+        else:
+            text = assembler.push(token)
+            if assembler.stopped:
+                self.finish = "stop"
+            elif self.constraint is not None and self.constraint.finished():
+                self.finish, text = "stop", text + assembler.finish()
+            elif index == self.max_new_tokens - 1:
+                self.finish, text = "length", text + assembler.finish()
+        if self.on_token is not None:
+            self.on_token(text, token, index)
+        return token
+
+    def result(self, prompt_tokens: int, prompt_s: float, generation_s: float, *, cancelled: bool = False
+               ) -> Continuation:
+        finish = "cancelled" if cancelled or self.finish in (None, "cancelled") else self.finish
+        # on cancel, text held back (a partial character or stop string) was never streamed: leave it out
+        a = self.assembler
+        text = a.text if finish != "cancelled" else a.decoded[: a.emitted]
+        return Continuation(text, list(self.ids), finish, prompt_tokens, prompt_s, generation_s)
+
+
 def continue_ids(
     model: Any,
     tokenizer: Any,
@@ -68,6 +131,7 @@ def continue_ids(
     on_token: Callable[[str, int, int], None] | None = None,
     cancel: threading.Event | Callable[[], bool] | None = None,
     lock: Any = None,
+    constraint: TokenConstraint | None = None,
 ) -> Continuation:
     """Feed ``new_ids`` after a cached prefix and decode up to ``max_new_tokens`` tokens.
 
@@ -77,6 +141,8 @@ def continue_ids(
     token_id, index)`` is called in this thread for every generated token (``text`` is what became
     safe to stream, possibly ''). ``cancel`` (an Event or a callable) is checked before the prompt and
     between tokens; a cancelled continuation returns what it has with finish_reason 'cancelled'.
+    ``constraint`` (e.g. `agents.constrained.JsonConstraint`) masks the logits at every step and ends
+    the reply (finish_reason 'stop') once its output is complete.
     Raises ContextOverflowError before any compute when prefix + new ids + max_new_tokens do not fit.
     """
     new = [int(t) for t in new_ids]
@@ -90,17 +156,15 @@ def continue_ids(
     else:
         check_prefix_cache(prefix_cache, prefix_len)
     check_context(model, prefix_len, len(new), max_new_tokens)
-    cancelled = cancel.is_set if isinstance(cancel, threading.Event) else cancel or (lambda: False)
+    cancelled = _cancel_check(cancel)
     held = lock if lock is not None else contextlib.nullcontext()
-    sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    assembler = TextAssembler(tokenizer, tuple(stop))
-    eos = eos_token_ids(model, tokenizer)
+    stream = TokenStream(tokenizer, eos_token_ids(model, tokenizer), max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                         on_token=on_token, constraint=constraint)
     device = model_device(model)
-    ids: list[int] = []
-    finish: ContinuationFinish = "length"
     t0 = time.perf_counter()
     if cancelled():
-        return Continuation("", ids, "cancelled", len(new), 0.0, 0.0)
+        return stream.result(len(new), 0.0, 0.0, cancelled=True)
 
     with torch.no_grad():
         cache = copy_cache(prefix_cache, model) if prefix_cache is not None else new_cache(model)
@@ -109,32 +173,16 @@ def continue_ids(
             sync_device(device)
         t1 = time.perf_counter()
         position = prefix_len + len(new)
-        for index in range(max_new_tokens):
-            token = sampler(logits)
-            ids.append(token)
-            last = True
-            if token in eos:
-                finish, text = "eos", assembler.finish()
-            else:
-                text = assembler.push(token)
-                if assembler.stopped:
-                    finish = "stop"
-                elif index == max_new_tokens - 1:
-                    text += assembler.finish()
-                else:
-                    last = False
-            if on_token is not None:
-                on_token(text, token, index)
-            if last:
+        while True:
+            token = stream.push(logits)
+            if stream.finish is not None:
                 break
             if cancelled():
-                finish = "cancelled"
+                stream.finish = "cancelled"
                 break
             with held:  # per step: other work on this model interleaves token by token
                 logits = forward_tokens(model, [token], cache, position)
             position += 1
         sync_device(device)
     t2 = time.perf_counter()
-    # on cancel, text held back (a partial character or stop string) was never streamed: leave it out
-    text = assembler.text if finish != "cancelled" else assembler.decoded[: assembler.emitted]
-    return Continuation(text, ids, finish, len(new), t1 - t0, t2 - t1)
+    return stream.result(len(new), t1 - t0, t2 - t1)

@@ -63,7 +63,7 @@ def evaluate_served(mapping_dir: str | Path, ids: Sequence[int], *, source: str 
     rows: list[ServedWindow] = []
     for w in range(windows):
         span = list(ids[w * (n + m) : w * (n + m) + n + m])
-        prefix, suffix = span[:n], span[n:]
+        prefix = span[:n]
         cache = FamilyCache(registry, store, source="source",
                             policy=CachePolicy(gate=gate, tail_tokens=tail_tokens, min_mapped_tokens=1))
         cache.acquire_sync("source", prefix).release()

@@ -1,0 +1,61 @@
+"""`orchestra serve`: the OpenAI-compatible server over the family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=False)
+
+
+@app.command("serve")
+def serve(
+    home: Annotated[Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or ~/.cache/orchestra).")] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on.")] = 8000,
+    device: Annotated[str, typer.Option("--device", help="'cpu', 'cuda:N' or 'auto' for every member.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")] = "float32",
+    source: Annotated[str, typer.Option("--source", help="Member whose mappings to the others are tried first.")] = "root",
+    api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="Environment variable holding the Bearer key (unset: no auth).")] = None,
+    cache_mb: Annotated[int, typer.Option("--cache-mb", min=1, help="Byte budget of the family-wide prefix cache, MiB.")] = 2048,
+    max_concurrent: Annotated[int, typer.Option("--max-concurrent", min=1, help="Generations running at once.")] = 4,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a slot before 429.")] = 64,
+    max_body_mb: Annotated[float, typer.Option("--max-body-mb", min=0.001, help="Largest request body, MiB (413 beyond).")] = 4.0,
+    request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.1, help="Seconds before a request is stopped (504).")] = 300.0,
+    max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1, help="Largest max_tokens a request may ask for.")] = 4096,
+    on_missing_mapping: Annotated[str, typer.Option("--on-missing-mapping", help="refuse (re-prefill) or calibrate (minutes, inside the request).")] = "refuse",
+    log_format: Annotated[str, typer.Option("--log-format", help="json (one object per line) or console.")] = "json",
+    graceful_s: Annotated[float, typer.Option("--graceful-shutdown", min=0.0, help="Seconds in-flight requests get on shutdown.")] = 30.0,
+) -> None:
+    """Serve the family over the OpenAI chat-completions API; a prompt cached on one member serves them all."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from orchestra.errors import OrchestraError
+    from orchestra.serve import ServeConfig, ServeEngine, create_app
+
+    _configure_logging(log_format)
+    try:
+        config = ServeConfig(home=home, device=device, dtype=dtype, source=source, api_key_env=api_key_env,
+                             cache_mb=cache_mb, max_concurrent=max_concurrent, max_queue=max_queue,
+                             max_body_bytes=int(max_body_mb * (1 << 20)), request_timeout_s=request_timeout,
+                             max_tokens_limit=max_tokens_limit, on_missing_mapping=on_missing_mapping)
+        config.api_key()  # a missing key is a start-up mistake, said before anything loads
+        app_ = create_app(engine=ServeEngine(config))  # a missing family is refused here, not in the first request
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise OrchestraError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from exc
+    uvicorn.run(app_, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=graceful_s)
+
+
+def _configure_logging(fmt: str) -> None:
+    import logging
+
+    import structlog
+
+    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer()
+    structlog.configure(processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
+                                    structlog.processors.format_exc_info, renderer])
+    logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -1,0 +1,288 @@
+"""The OpenAI-compatible HTTP API (FastAPI), over a ServeEngine.
+
+    orchestra serve --port 8000                          # or, to embed:
+    app = create_app(ServeConfig(cache_mb=1024))         # mount it in your own ASGI app
+
+Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``; a client's mistake
+is a 4xx, never a 500, and one request's failure never touches another's stream.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from orchestra.serve._config import ServeConfig
+from orchestra.serve._engine import Generation, ServeEngine
+from orchestra.serve._errors import ApiError, PayloadTooLarge, Unauthorized, Unavailable
+from orchestra.serve._schemas import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ErrorBody,
+    ModelCard,
+    ModelList,
+    PrefillRequest,
+    PrefillResponse,
+)
+
+__all__ = ["create_app"]
+
+log = structlog.get_logger("orchestra.serve.access")
+OPEN_PATHS = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+ERRORS = {400: {"model": ErrorBody}, 401: {"model": ErrorBody}, 404: {"model": ErrorBody},
+          413: {"model": ErrorBody}, 429: {"model": ErrorBody}, 503: {"model": ErrorBody}, 504: {"model": ErrorBody}}
+
+
+class _BodyLimit:
+    """Refuse bodies over the limit (413) without reading them whole: by Content-Length, then while streaming."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        too_large = PayloadTooLarge(f"the request body is larger than this server's {self.limit} bytes; send less")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await _error_response(too_large)(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise too_large
+            return message
+
+        return await self.app(scope, limited, send)
+
+
+class _AccessLog:
+    """One structured line per request: method, path, status, milliseconds, request id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), [500]
+        request_id = uuid.uuid4().hex[:16]
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message.setdefault("headers", []).append((b"x-request-id", request_id.encode()))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            log.info("request", method=scope.get("method"), path=scope.get("path"), status=status[0],
+                     ms=round((time.perf_counter() - started) * 1000, 1), request_id=request_id)
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None = None) -> FastAPI:
+    """The ASGI app; pass an engine to share loaded models (tests, embedding), or a config to build one at start."""
+    config = engine.config if engine is not None else (config or ServeConfig())
+    api_key = config.api_key()
+    state: dict[str, Any] = {"engine": engine}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state["engine"] is None:
+            state["engine"] = await anyio.to_thread.run_sync(ServeEngine, config)
+        yield
+
+    app = FastAPI(title="orchestra", version="1", lifespan=lifespan,
+                  description="OpenAI-compatible chat completions over a model family whose prefix cache spans "
+                              "every member: a prompt cached on one member is mapped into the others.")
+
+    def get_engine() -> ServeEngine:
+        if state["engine"] is None:
+            raise Unavailable("the server is still starting: retry in a moment")
+        return state["engine"]
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if api_key is not None and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                return _error_response(Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'"))
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        _count(request, exc.status)
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON; send a JSON object"
+        elif loc:
+            message = f"{'.'.join(loc)}: {message}"
+        _count(request, 400)
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                       "param": ".".join(loc) or None, "code": "invalid_request"}}, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        _count(request, exc.status_code)
+        kind = "not_found" if exc.status_code == 404 else "invalid_request"
+        return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
+                                       "type": "invalid_request_error", "param": None, "code": kind}},
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        structlog.get_logger("orchestra.serve").exception("internal_error", path=request.url.path)
+        _count(request, 500)
+        return JSONResponse({"error": {"message": f"internal error ({type(exc).__name__}); the server keeps serving",
+                                       "type": "server_error", "param": None, "code": "internal_error"}},
+                            status_code=500)
+
+    def _count(request: Request, status: int) -> None:
+        if state["engine"] is not None:
+            state["engine"].metrics.requests.labels(route=request.url.path, status=str(status)).inc()
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz() -> JSONResponse:
+        if state["engine"] is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(get_engine().metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def list_models() -> ModelList:
+        return ModelList(data=get_engine().model_cards())
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses=ERRORS)
+    async def get_model(model: str) -> ModelCard:
+        engine = get_engine()
+        member = engine.resolve(model)
+        return next(card for card in engine.model_cards() if card.id == member)
+
+    @app.post("/v1/cache/prefill", response_model=PrefillResponse, responses=ERRORS)
+    async def prefill(body: PrefillRequest, request: Request) -> PrefillResponse:
+        member, tokens, lease = await get_engine().prefill(body.model, body.messages)
+        _count(request, 200)
+        return PrefillResponse(model=member, tokens=tokens, path=lease.path, cached_tokens=lease.reused_tokens,
+                               seconds=lease.seconds)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        engine = get_engine()
+        opened = engine.open(body)
+        gen = await opened.__aenter__()  # closed by the response (streamed) or below
+        if body.stream:
+            return _stream(request, opened, gen)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_watch_disconnect, request, gen)
+                text = await gen.text()
+                tg.cancel_scope.cancel()
+        except BaseException as exc:
+            await opened.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        await opened.__aexit__(None, None, None)
+        _count(request, 200)
+        completion = ChatCompletion(
+            id=gen.id, created=gen.created, model=body.model, usage=gen.usage(),
+            choices=[Choice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)])
+        return JSONResponse(completion.model_dump(mode="json"), headers=gen.cache_info.headers())
+
+    def _stream(request: Request, opened: Any, gen: Generation) -> StreamingResponse:
+        include_usage = bool(body_usage(gen))
+        closed = [False]
+
+        async def close(exc: BaseException | None = None) -> None:
+            if not closed[0]:
+                closed[0] = True
+                with anyio.CancelScope(shield=True):
+                    await opened.__aexit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+
+        def chunk(delta: Delta, finish: str | None = None, usage: Any = None, choices: bool = True) -> str:
+            data = ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.request.model,
+                                       choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [],
+                                       usage=usage)
+            return f"data: {data.model_dump_json(exclude_none=False)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield chunk(Delta(role="assistant", content=""))
+                async for text in gen.stream():
+                    yield chunk(Delta(content=text))
+                yield chunk(Delta(), finish=gen.finish_reason)
+                if include_usage:
+                    yield chunk(Delta(), usage=gen.usage(), choices=False)
+                _count(request, 200)
+            except ApiError as exc:  # e.g. the timeout: the stream has started, so it is told in-band
+                yield f"data: {json.dumps(exc.body())}\n\n"
+            finally:
+                await close()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(close),
+                                 headers={"cache-control": "no-cache", **gen.cache_info.headers()})
+
+    def body_usage(gen: Generation) -> bool:
+        options = gen.request.stream_options
+        return bool(options and options.include_usage)
+
+    return _wrap(app, config)
+
+
+def _wrap(app: FastAPI, config: ServeConfig) -> FastAPI:
+    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(_AccessLog)
+    return app
+
+
+async def _watch_disconnect(request: Request, gen: Generation) -> None:
+    """Stop a non-streamed generation as soon as its client goes away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gen.cancel.set()
+            return

@@ -1,0 +1,66 @@
+"""Settings of `orchestra serve`: the family, devices, limits, auth and the cache budget."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestra.gates import GatePolicy
+
+__all__ = ["ServeConfig"]
+
+
+class ServeConfig(BaseModel):
+    """Everything the server needs; each field is also a `orchestra serve` option."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    home: Path | None = None
+    """Family home (default: $ORCHESTRA_HOME or ~/.cache/orchestra)."""
+    source: str = "root"
+    """Member (role or name) whose mappings to the others are used first."""
+    device: str = "auto"
+    """'cpu', 'cuda:N' or 'auto' for every member."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Runtime dtype of every member."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the Bearer key; unset: no authentication."""
+    cache_mb: int = Field(2048, ge=1)
+    """Bytes the family-wide prefix cache may hold (K/V, logits and hidden states all counted), MiB."""
+    max_concurrent: int = Field(4, ge=1)
+    """Generations running at once; the rest wait in the queue."""
+    max_queue: int = Field(64, ge=0)
+    """Requests that may wait for a generation slot; beyond it: 429."""
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    """Largest request body; beyond it: 413."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """A request still generating after this many seconds is stopped (504, or an error event when streamed)."""
+    default_max_tokens: int = Field(256, ge=1)
+    """Completion tokens when a request gives no max_tokens."""
+    max_tokens_limit: int = Field(4096, ge=1)
+    """Largest max_tokens a request may ask for."""
+    gate: GatePolicy = Field(default_factory=GatePolicy)
+    """Gates a mapped cache must pass; a refused map is re-prefilled on the requested member."""
+    tail_tokens: int = Field(32, ge=2)
+    """Trailing tokens recomputed on the target after a map (the probe gate reads their loss)."""
+    batch_decode: bool = True
+    """Decode the requests running on one member together: one batched forward pass per step."""
+    max_batch: int = Field(8, ge=1)
+    """Rows in one member's decoding batch; more requests wait for a row to finish."""
+    on_missing_mapping: Literal["refuse", "calibrate"] = "refuse"
+    """A pair without a calibrated mapping is re-prefilled (refuse) or calibrated inside the request (minutes)."""
+
+    def api_key(self) -> str | None:
+        """The configured key, read from the environment now (so it is never logged or stored)."""
+        if not self.api_key_env:
+            return None
+        value = os.environ.get(self.api_key_env)
+        if not value:
+            from orchestra.serve._errors import ConfigError
+
+            raise ConfigError(f"--api-key-env names {self.api_key_env!r}, but that environment variable is empty; "
+                              f"export {self.api_key_env}=<key> or drop the option")
+        return value

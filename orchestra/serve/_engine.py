@@ -1,0 +1,391 @@
+"""The in-process serving engine: OpenAI-style chat requests over the family-wide FamilyCache.
+
+Every request renders its messages with the family's (shared) chat template, asks the FamilyCache
+for the longest cached prefix of the prompt on the requested member (exact, or mapped from another
+member and gated, or prefilled), and decodes the reply with `agents.continue_ids` under the
+member's lock. Backends that do not want HTTP use this class directly:
+
+    engine = ServeEngine(ServeConfig())
+    async with engine.open(ChatCompletionRequest(model="finetuned", messages=[...])) as gen:
+        async for text in gen.stream():
+            print(text, end="")
+    print(gen.usage(), gen.cache_info)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+import structlog
+
+from orchestra.familycache import CacheLease, CachePolicy, FamilyCache
+from orchestra.serve._config import ServeConfig
+from orchestra.serve._errors import (
+    BadRequest,
+    ContextLengthExceeded,
+    ModelNotFound,
+    RateLimited,
+    RequestTimeout,
+)
+from orchestra.serve._metrics import ServeMetrics
+from orchestra.serve._schemas import ChatCompletionRequest, ChatMessage, ModelCard, ResponseFormat, Usage
+
+if TYPE_CHECKING:
+    from agents.continuation import Continuation
+
+__all__ = ["ServeEngine", "Generation", "CacheInfo", "render_messages"]
+
+log = structlog.get_logger("orchestra.serve")
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """How the prompt's cache was obtained: what the x-orchestra-* headers say."""
+
+    path: str
+    """exact | mapped | reprefilled"""
+    source: str | None
+    """The member whose cache was mapped (mapped and reprefilled)."""
+    cached_tokens: int
+    """Prompt tokens not recomputed for this request."""
+    gates: list[dict[str, Any]]
+    fallback_reason: str | None
+    seconds: float
+
+    def headers(self) -> dict[str, str]:
+        out = {"x-orchestra-cache": self.path, "x-orchestra-cached-tokens": str(self.cached_tokens)}
+        if self.source:
+            out["x-orchestra-cache-source"] = self.source
+        if self.gates:
+            out["x-orchestra-gates"] = ",".join(f"{g['gate']}={'pass' if g['passed'] else 'fail'}" for g in self.gates)
+        if self.fallback_reason:
+            out["x-orchestra-fallback"] = self.fallback_reason.encode("ascii", "replace").decode()[:200]
+        return out
+
+
+def render_messages(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
+                    response_format: ResponseFormat | None = None) -> list[int]:
+    """Prompt token ids: the chat template when the tokenizer has one, a plain layout otherwise.
+
+    A JSON response format adds its instruction to the end of the last user message, never to the
+    system message, so the cached prefix (a long document in the first messages) stays the same.
+    """
+    from agents.prompt import has_chat_template
+
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    hint = _json_hint(response_format)
+    if hint:
+        last = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
+        if last is None:
+            turns.append({"role": "user", "content": hint})
+        else:
+            turns[last] = {**turns[last], "content": f"{turns[last]['content']}\n\n{hint}"}
+    if has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+    else:
+        text = "".join(f"### {t['role'].title()}\n{t['content']}\n\n" for t in turns)
+        if add_generation_prompt:
+            text += "### Assistant\n"
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _json_hint(fmt: ResponseFormat | None) -> str:
+    if fmt is None or fmt.type == "text":
+        return ""
+    if fmt.type == "json_object":
+        return "Reply with one JSON object only."
+    import json
+
+    assert fmt.json_schema is not None
+    return ("Reply with one JSON object only, following this JSON schema:\n"
+            + json.dumps(fmt.json_schema.schema_, separators=(",", ":")))
+
+
+@dataclass
+class Generation:
+    """One admitted request: its cache lease, then the streamed reply; close it to free its slot."""
+
+    id: str
+    created: int
+    model: str
+    member: str
+    prompt_ids: list[int]
+    lease: CacheLease
+    cache_info: CacheInfo
+    max_tokens: int
+    request: ChatCompletionRequest
+    engine: ServeEngine
+    started: float
+    cancel: threading.Event = field(default_factory=threading.Event)
+    result: Continuation | None = None
+    ttft_s: float | None = None
+    timed_out: bool = False
+    completion_tokens: int = 0
+    _thread: threading.Thread | None = None
+
+    async def stop(self) -> None:
+        """Stop decoding at the next token and wait for the thread (idempotent)."""
+        self.cancel.set()
+        if self._thread is not None and self._thread.is_alive():
+            await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=False)
+
+    async def stream(self) -> AsyncIterator[str]:
+        """Text pieces as they become safe to show; `result` is set when it ends (also on cancel)."""
+        send, receive = anyio.create_memory_object_stream[str](max_buffer_size=math.inf)
+        token = anyio.lowlevel.current_token()
+        failure: list[BaseException] = []
+
+        def on_token(text: str, token_id: int, index: int) -> None:  # in the decoding thread
+            self.completion_tokens = index + 1
+            if self.ttft_s is None:
+                self.ttft_s = time.perf_counter() - self.started
+            if text:
+                try:
+                    anyio.from_thread.run_sync(send.send_nowait, text, token=token)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, RuntimeError):
+                    self.cancel.set()
+
+        def work() -> None:
+            try:
+                self.result = self.engine._decode(self, on_token)
+            except BaseException as exc:  # handed to the consumer
+                failure.append(exc)
+            finally:
+                try:
+                    anyio.from_thread.run_sync(send.close, token=token)
+                except RuntimeError:  # the loop is gone (shutdown): nothing to tell
+                    pass
+
+        thread = self._thread = threading.Thread(target=work, name=f"decode-{self.id}", daemon=True)
+        thread.start()
+        remaining = self.engine.config.request_timeout_s - (time.perf_counter() - self.started)
+        try:
+            with anyio.move_on_after(max(0.0, remaining)) as scope:
+                async with receive:
+                    async for text in receive:
+                        yield text
+            if scope.cancelled_caught:
+                self.timed_out = True
+                self.cancel.set()
+        finally:
+            if self.result is None:
+                self.cancel.set()
+            # the thread stops at its next token; wait for it so no compute outlives the request
+            await anyio.to_thread.run_sync(thread.join, abandon_on_cancel=False)
+        if failure:
+            raise failure[0]
+        if self.timed_out:
+            raise RequestTimeout(f"the request ran past the server's {self.engine.config.request_timeout_s:g} s "
+                                 "timeout; ask for fewer max_tokens or raise --request-timeout")
+
+    async def text(self) -> str:
+        """The whole reply (non-streamed requests)."""
+        return "".join([piece async for piece in self.stream()])
+
+    @property
+    def finish_reason(self) -> str:
+        reason = self.result.finish_reason if self.result is not None else "length"
+        return "length" if reason == "length" else "stop"
+
+    def usage(self) -> Usage:
+        prompt = len(self.prompt_ids)
+        done = len(self.result.token_ids) if self.result is not None else self.completion_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done,
+                     prompt_tokens_details={"cached_tokens": self.cache_info.cached_tokens})
+
+
+class ServeEngine:
+    """Members by role (and name), one FamilyCache for all of them, admission control, metrics."""
+
+    def __init__(self, config: ServeConfig | None = None, *, family: Any = None, cache: FamilyCache | None = None,
+                 metrics: ServeMetrics | None = None) -> None:
+        self.config = config or ServeConfig()
+        if family is None:
+            from orchestra.family.manifest import load_family
+
+            family = load_family(self.config.home)
+        self.family = family
+        if cache is None:
+            from orchestra.mapstore import MappingStore
+            from orchestra.registry import ModelRegistry
+
+            aliases = {record.role: name for name, record in family.members.items()}
+            registry = ModelRegistry(aliases, family=family, default_device=self.config.device, dtype=self.config.dtype)
+            registry.check_family(self.config.source)
+            from pathlib import Path
+
+            store = MappingStore(Path(family.home) / "mappings", on_missing=self.config.on_missing_mapping)
+            cache = FamilyCache(registry, store, source=self.config.source,
+                                policy=CachePolicy(budget_bytes=self.config.cache_mb << 20, gate=self.config.gate,
+                                                   tail_tokens=self.config.tail_tokens))
+        self.cache = cache
+        self.metrics = metrics or ServeMetrics()
+        self.metrics.bind_cache(cache)
+        self._names = {name: record.role for name, record in family.members.items()}
+        self._roles = {record.role for record in family.members.values()}
+        self._batchers: dict[str, Any] = {}
+        self._batch_lock = threading.Lock()
+        self._slots = anyio.Semaphore(self.config.max_concurrent)
+        self._waiting = 0
+        self._created = int(time.time())
+
+    # -- models ---------------------------------------------------------------------------------
+    def resolve(self, model: str) -> str:
+        """The member alias (its role) for a model id given by role or by name."""
+        if model in self._roles:
+            return model
+        if model in self._names:
+            return self._names[model]
+        raise ModelNotFound(f"the model {model!r} does not exist; this server has "
+                            + ", ".join(sorted(self._roles)) + " (GET /v1/models lists them)", param="model")
+
+    def model_cards(self) -> list[ModelCard]:
+        cards = []
+        for name, record in self.family.members.items():
+            parent = self.family.members.get(record.parent) if record.parent else None
+            cards.append(ModelCard(
+                id=record.role, created=self._created, name=name, role=record.role,
+                parent=parent.role if parent is not None else record.parent,
+                divergence=record.divergence.model_dump() if record.divergence else None,
+                max_context=self.cache.info(record.role).max_positions or None,
+            ))
+        return cards
+
+    def ready(self) -> bool:
+        return True
+
+    # -- requests -------------------------------------------------------------------------------
+    def _max_tokens(self, req: ChatCompletionRequest) -> int:
+        asked = req.max_completion_tokens or req.max_tokens
+        if asked is not None and asked > self.config.max_tokens_limit:
+            param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+            raise BadRequest(f"{param} is {asked}; this server allows at most {self.config.max_tokens_limit}",
+                             param=param)
+        return asked or self.config.default_max_tokens
+
+    async def prompt_ids(self, member: str, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
+                         response_format: ResponseFormat | None = None) -> list[int]:
+        tokenizer = (await anyio.to_thread.run_sync(self.cache.executor.registry.load, member)).tokenizer  # type: ignore[attr-defined]
+        return await anyio.to_thread.run_sync(
+            lambda: render_messages(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                    response_format=response_format))
+
+    @asynccontextmanager
+    async def open(self, req: ChatCompletionRequest) -> AsyncIterator[Generation]:
+        """Admit `req` (429 when the queue is full), get its prompt's cache, and hand out its Generation."""
+        started = time.perf_counter()
+        member = self.resolve(req.model)
+        max_tokens = self._max_tokens(req)
+        ids = await self.prompt_ids(member, req.messages, response_format=req.response_format)
+        limit = self.cache.info(member).max_positions
+        if limit and len(ids) + max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {limit} tokens; the messages are {len(ids)} tokens and "
+                f"{max_tokens} completion tokens were asked for: shorten the messages or lower max_tokens",
+                param="messages")
+        if self._slots.value == 0 and self._waiting >= self.config.max_queue:
+            self.metrics.rejected.inc()
+            raise RateLimited(f"the server is busy: {self.config.max_concurrent} generations running and "
+                              f"{self._waiting} waiting; retry later")
+        self._waiting += 1
+        self.metrics.queued.inc()
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+            self.metrics.queued.dec()
+        self.metrics.running.inc()
+        lease: CacheLease | None = None
+        try:
+            with anyio.fail_after(self.config.request_timeout_s):
+                lease = await self.cache.acquire(member, ids[:-1], on_step=self.metrics.on_step)
+            info = CacheInfo(path=lease.path, source=lease.source, cached_tokens=lease.reused_tokens,
+                             gates=lease.gate_dicts(), fallback_reason=lease.fallback_reason, seconds=lease.seconds)
+            self.metrics.on_lease(member, lease, self.cache.prefill_estimate(member, lease.reused_tokens))
+            gen = Generation(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=req.model,
+                             member=member, prompt_ids=ids, lease=lease, cache_info=info, max_tokens=max_tokens,
+                             request=req, engine=self, started=started)
+            try:
+                yield gen
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await gen.stop()
+            self.metrics.on_done(gen)
+            log.info("completion", id=gen.id, model=member, cache=info.path, cached_tokens=info.cached_tokens,
+                     prompt_tokens=len(ids), completion_tokens=gen.usage().completion_tokens,
+                     finish=gen.result.finish_reason if gen.result else None,
+                     seconds=round(time.perf_counter() - started, 3))
+        except TimeoutError as exc:
+            raise RequestTimeout(f"the prompt's cache was not ready within the server's "
+                                 f"{self.config.request_timeout_s:g} s timeout") from exc
+        finally:
+            if lease is not None:
+                lease.release()
+            self.metrics.running.dec()
+            self._slots.release()
+
+    def _decode(self, gen: Generation, on_token) -> Continuation:
+        """Decode `gen`'s reply (in a worker thread) over its lease: batched with the member's other requests,
+        or alone, holding the member's lock per step either way."""
+        from agents.continuation import TokenStream, continue_ids
+        from agents.runner import eos_token_ids
+        from orchestra.serve._batch import BatchDecoder, batchable
+
+        req = gen.request
+        loaded = self.cache.executor.registry.load(gen.member)  # type: ignore[attr-defined]
+        constraint = None
+        if req.response_format is not None and req.response_format.type != "text":
+            from agents.constrained import JsonConstraint
+
+            schema = req.response_format.json_schema.schema_ if req.response_format.json_schema else None
+            constraint = JsonConstraint.for_tokenizer(loaded.tokenizer, schema, vocab_size=_vocab(loaded.model))
+        settings = {"max_new_tokens": gen.max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
+                    "top_p": req.top_p or 1.0, "seed": req.seed, "stop": req.stop_list(), "on_token": on_token,
+                    "constraint": constraint}
+        prefix_len, new = len(gen.prompt_ids) - 1, gen.prompt_ids[-1:]
+        lock = self.cache.lock(gen.member)
+        if self.config.batch_decode and batchable(gen.lease.cache):
+            from agents.kv import check_context
+
+            check_context(loaded.model, prefix_len, len(new), gen.max_tokens)
+            with self._batch_lock:
+                batcher = self._batchers.get(gen.member)
+                if batcher is None:
+                    batcher = self._batchers[gen.member] = BatchDecoder(loaded, lock, max_batch=self.config.max_batch)
+            stream = TokenStream(loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer), **settings)
+            return batcher.decode(gen.lease.cache, prefix_len, new, stream, gen.cancel)
+        return continue_ids(loaded.model, loaded.tokenizer, gen.lease.cache, prefix_len, new, cancel=gen.cancel,
+                            lock=lock, **settings)
+
+    def close(self) -> None:
+        """Stop the decoding threads (in-flight replies finish first)."""
+        for batcher in self._batchers.values():
+            batcher.close()
+
+    async def prefill(self, model: str, messages: Sequence[ChatMessage]) -> tuple[str, int, CacheLease]:
+        """Warm the cache with the rendered `messages` (no generation prompt): later requests starting so reuse it."""
+        member = self.resolve(model)
+        ids = await self.prompt_ids(member, messages, add_generation_prompt=False)
+        limit = self.cache.info(member).max_positions
+        if limit and len(ids) > limit:
+            raise ContextLengthExceeded(f"the messages are {len(ids)} tokens; {model!r} takes at most {limit}",
+                                        param="messages")
+        lease = await self.cache.acquire(member, ids, on_step=self.metrics.on_step)
+        lease.release()
+        self.metrics.on_lease(member, lease, self.cache.prefill_estimate(member, lease.reused_tokens))
+        return member, len(ids), lease
+
+
+def _vocab(model: Any) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])

@@ -1,0 +1,73 @@
+"""Errors of the server, each with the HTTP status and the OpenAI error type and code it is answered with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestra.errors import OrchestraError
+
+__all__ = [
+    "ApiError",
+    "BadRequest",
+    "ConfigError",
+    "ContextLengthExceeded",
+    "ModelNotFound",
+    "PayloadTooLarge",
+    "RateLimited",
+    "RequestTimeout",
+    "Unauthorized",
+    "Unavailable",
+]
+
+
+class ApiError(OrchestraError):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with `status`."""
+
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(ApiError):
+    status, code = 400, "invalid_request"
+
+
+class ContextLengthExceeded(ApiError):
+    status, code = 400, "context_length_exceeded"
+
+
+class Unauthorized(ApiError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class ModelNotFound(ApiError):
+    status, code = 404, "model_not_found"
+
+
+class PayloadTooLarge(ApiError):
+    status, code = 413, "payload_too_large"
+
+
+class RateLimited(ApiError):
+    status, type, code = 429, "rate_limit_error", "queue_full"
+
+
+class RequestTimeout(ApiError):
+    status, type, code = 504, "timeout_error", "request_timeout"
+
+
+class Unavailable(ApiError):
+    status, type, code = 503, "service_unavailable", "not_ready"
+
+
+class ConfigError(OrchestraError):
+    """The server's own settings are wrong (a user mistake at start-up: exit 2 with this message)."""

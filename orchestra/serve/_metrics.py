@@ -1,0 +1,63 @@
+"""Prometheus metrics of the server, on a registry of its own (several apps in one process never clash)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from orchestra.familycache import CacheLease, CacheStep, FamilyCache
+
+__all__ = ["ServeMetrics"]
+
+
+class ServeMetrics:
+    """Requests, tokens, cache paths, gate failures, evictions, bytes held, prefill seconds saved, TTFT."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("orchestra_requests", "HTTP requests answered", ["route", "status"], registry=r)
+        self.tokens = Counter("orchestra_tokens", "Tokens in (prompt) and out (completion)", ["direction", "model"],
+                              registry=r)
+        self.cached_tokens = Counter("orchestra_cached_prompt_tokens", "Prompt tokens served from the cache",
+                                     ["model"], registry=r)
+        self.lookups = Counter("orchestra_cache_lookups", "Caches obtained, by path (exact, mapped, reprefilled)",
+                               ["path", "model"], registry=r)
+        self.gate_failures = Counter("orchestra_gate_failures", "Gate decisions that refused a mapped cache", ["gate"],
+                                     registry=r)
+        self.evictions = Counter("orchestra_cache_evictions", "Cache entries evicted for the byte budget", registry=r)
+        self.saved = Counter("orchestra_prefill_seconds_saved", "Estimated prefill seconds not spent thanks to reuse",
+                             registry=r)
+        self.ttft = Histogram("orchestra_ttft_seconds", "Time to first token", ["model"], registry=r,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))
+        self.queued = Gauge("orchestra_queued_requests", "Requests waiting for a generation slot", registry=r)
+        self.running = Gauge("orchestra_running_generations", "Generations running", registry=r)
+        self.rejected = Counter("orchestra_rejected_requests", "Requests refused because the queue was full",
+                                registry=r)
+        self.cache_bytes = Gauge("orchestra_cache_bytes", "Bytes held by the family-wide cache", registry=r)
+        self.cache_budget = Gauge("orchestra_cache_budget_bytes", "Byte budget of the family-wide cache", registry=r)
+
+    def bind_cache(self, cache: FamilyCache) -> None:
+        self.cache_bytes.set_function(lambda: float(cache.used_bytes))
+        self.cache_budget.set(cache.pool.budget_bytes)
+
+    def on_step(self, step: CacheStep) -> None:
+        if step.step in ("gate", "shadow") and step.passed is False:
+            self.gate_failures.labels(gate=(step.reason or "?").split(":", 1)[0]).inc()
+        elif step.step == "evict":
+            self.evictions.inc()
+
+    def on_lease(self, model: str, lease: CacheLease, saved_seconds: float) -> None:
+        self.lookups.labels(path=lease.path, model=model).inc()
+        self.cached_tokens.labels(model=model).inc(lease.reused_tokens)
+        if saved_seconds > 0:
+            self.saved.inc(saved_seconds)
+
+    def on_done(self, gen: Any) -> None:
+        usage = gen.usage()
+        self.tokens.labels(direction="in", model=gen.member).inc(usage.prompt_tokens)
+        self.tokens.labels(direction="out", model=gen.member).inc(usage.completion_tokens)
+        if gen.ttft_s is not None:
+            self.ttft.labels(model=gen.member).observe(gen.ttft_s)
