@@ -23,7 +23,7 @@ import structlog
 
 from orchestra import events as ev
 from orchestra.errors import DocumentError
-from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache
+from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache, LocalExecutor
 from orchestra.gates import CircuitBreaker
 from orchestra.graph import build_graph
 from orchestra.mapstore import MappingStore
@@ -87,7 +87,6 @@ class Orchestra:
                 cache.info(alias)
         self.cache = cache
         self.share_prefill = share_prefill
-        self._limiters: dict[str, anyio.CapacityLimiter] = {}
         self.last_report: RunReport | None = None
 
     @staticmethod
@@ -96,7 +95,8 @@ class Orchestra:
         """A FamilyCache with the pipeline's budget, probe tail, gates and repair (to share models across pipelines)."""
         policy = CachePolicy(budget_bytes=pipeline.store_budget_mb << 20, tail_tokens=max(2, pipeline.mapping.tail_tokens),
                              gate=pipeline.gate, repair=pipeline.mapping.repair)
-        return FamilyCache(registry, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker)
+        executor = LocalExecutor(registry, max_concurrency_per_device=pipeline.max_concurrency_per_device)
+        return FamilyCache(executor, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker)
 
     @property
     def registry(self) -> ModelRegistry:
@@ -150,9 +150,9 @@ class Orchestra:
 
         started = time.perf_counter()
         warned = len(self.cache.warnings)
-        source = await anyio.to_thread.run_sync(self.registry.load, self.source_alias)
+        tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, self.source_alias)
         try:
-            prefix_ids = DocumentPrompt(document).token_ids(source.tokenizer)
+            prefix_ids = DocumentPrompt(document).token_ids(tokenizer)
         except EmptyDocumentError as exc:
             raise DocumentError(str(exc)) from exc
         self._check_length(prefix_ids)
@@ -182,9 +182,13 @@ class Orchestra:
             skipped=[r.name for r in reports if r.status == "skipped"], seconds=seconds,
         ))
         builders: dict[int, CacheLease] = {}
+
+        def work(lease: CacheLease) -> tuple[float, bool]:  # the lease that built an entry, not one that joined it
+            return lease.prefill_seconds + lease.map_seconds, not lease.hit
+
         for _, lease in run.leases:
             key = lease.entry_id or id(lease)  # aliases of one model share entries: one cache, reported once
-            if key not in builders or (builders[key].hit and not lease.hit):
+            if key not in builders or work(lease) > work(builders[key]):
                 builders[key] = lease
         caches = [
             ModelCacheReport(model=lease.member, path=lease.path, seconds=lease.prefill_seconds + lease.map_seconds,
@@ -208,19 +212,19 @@ class Orchestra:
             info = self.cache.info(agent.model)
             need = len(prefix_ids) + self.specs[agent.name].generation.max_new_tokens + 1
             if info.max_positions and need > info.max_positions:
-                over = need - info.max_positions
+                limit, new = info.max_positions, self.specs[agent.name].generation.max_new_tokens
+                over, room = need - limit, limit - len(prefix_ids) - 1  # room: new tokens that fit after the document
+                if new + 1 >= limit:  # the generation bound alone does not fit: shortening cannot help
+                    fix = (f"lower the agent's max_new_tokens to at most {room}" if room >= 1 else
+                           f"lower the agent's max_new_tokens and shorten the document to under {limit} tokens")
+                elif room < 1:  # the document alone does not fit
+                    fix = f"shorten the document by {over} tokens or more"
+                else:
+                    fix = f"lower the agent's max_new_tokens to at most {room}, or shorten the document by {over} tokens"
                 raise DocumentError(
-                    f"the document is {len(prefix_ids)} tokens; with agent {agent.name!r}'s "
-                    f"{self.specs[agent.name].generation.max_new_tokens} new tokens it needs {need} positions but "
-                    f"model {agent.model!r} takes at most {info.max_positions}: "
-                    + (f"shorten the document by {over} tokens or more" if over <= len(prefix_ids)
-                       else f"lower the agent's max_new_tokens below {info.max_positions - len(prefix_ids)}")
+                    f"the document is {len(prefix_ids)} tokens; with agent {agent.name!r}'s {new} new tokens it "
+                    f"needs {need} positions but model {agent.model!r} takes at most {limit}: {fix}"
                 )
-
-    def _limiter(self, device: str) -> anyio.CapacityLimiter:
-        if device not in self._limiters:
-            self._limiters[device] = anyio.CapacityLimiter(self.pipeline.max_concurrency_per_device)
-        return self._limiters[device]
 
     async def _acquire(self, run: _Run, agent: str | None, member: str) -> CacheLease:
         """The document's cache on `member` from the FamilyCache, its steps re-emitted live as run events."""
@@ -236,8 +240,6 @@ class Orchestra:
         return lease
 
     async def _agent_task(self, run: _Run, name: str, done: dict[str, anyio.Event]) -> None:
-        from agents import run_agent
-
         agent = self.pipeline.agent(name)
         report = AgentReport(name=name, model=agent.model, status="failed")
         run.reports[name] = report
@@ -264,11 +266,9 @@ class Orchestra:
                 self._record_cache(run, report, lease)
                 await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model, path=lease.path,
                                              seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair))
-                target = await anyio.to_thread.run_sync(self.registry.load, agent.model)
-                result = await run_agent(
-                    target.model, target.tokenizer, self.specs[name], prefix_ids=run.prefix_ids,
-                    prefix_cache=lease.cache, upstream={up: run.outputs[up] for up in agent.upstream},
-                    on_token=on_token, limiter=self._limiter(target.device), lock=self.cache.lock(agent.model),
+                result = await self.cache.executor.generate(
+                    agent.model, self.specs[name], prefix_ids=run.prefix_ids, prefix_cache=lease.cache,
+                    upstream={up: run.outputs[up] for up in agent.upstream}, on_token=on_token,
                 )
             run.outputs[name] = result.downstream_text()
             report.status = "succeeded"

@@ -127,6 +127,7 @@ class _Request:
     repair: RepairPolicy | None
     tail: int
     sink: Callable[[CacheStep], None]
+    cancel: threading.Event | None = None
     steps: list[CacheStep] = field(default_factory=list)
     prefill_s: float = 0.0
     map_s: float = 0.0
@@ -200,20 +201,44 @@ class FamilyCache:
     async def acquire(self, member: str, token_ids: Sequence[int], *, gate: GatePolicy | None = None,
                       repair: RepairPolicy | None = None, tail_tokens: int | None = None, allow_mapped: bool = True,
                       reuse: bool = True, on_step: StepSink | None = None) -> CacheLease:
-        """`acquire_sync` in a worker thread; `on_step` is called from that thread."""
-        return await anyio.to_thread.run_sync(
-            lambda: self.acquire_sync(member, token_ids, gate=gate, repair=repair, tail_tokens=tail_tokens,
-                                      allow_mapped=allow_mapped, reuse=reuse, on_step=on_step))
+        """`acquire_sync` in a worker thread; `on_step` is called from that thread.
+
+        Cancelling the caller (Ctrl-C, a timeout) tells the worker to stop: an on-demand calibration ends at
+        its next forward pass and saves nothing; the caller returns once the worker has stopped.
+        """
+        cancel, finished = threading.Event(), threading.Event()
+        box: dict[str, CacheLease] = {}
+
+        def work() -> CacheLease:
+            try:
+                box["lease"] = self.acquire_sync(member, token_ids, gate=gate, repair=repair, tail_tokens=tail_tokens,
+                                                 allow_mapped=allow_mapped, reuse=reuse, on_step=on_step, cancel=cancel)
+                return box["lease"]
+            finally:
+                finished.set()
+
+        try:
+            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            cancel.set()
+            with anyio.CancelScope(shield=True):
+                while not finished.is_set():
+                    await anyio.sleep(0.02)
+            if "lease" in box:
+                box["lease"].release()
+            raise
 
     def acquire_sync(self, member: str, token_ids: Sequence[int], *, gate: GatePolicy | None = None,
                      repair: RepairPolicy | None = None, tail_tokens: int | None = None, allow_mapped: bool = True,
-                     reuse: bool = True, on_step: StepSink | None = None) -> CacheLease:
+                     reuse: bool = True, on_step: StepSink | None = None,
+                     cancel: threading.Event | None = None) -> CacheLease:
         """A lease on a cache holding exactly `token_ids` on `member` (blocking; thread-safe).
 
         `gate` guards a mapped cache (default: the policy's); `repair` overrides the policy's repair;
         `tail_tokens` (default: the policy's, and at least the probe's tokens) are recomputed on the
         target after a map. `allow_mapped=False` never maps; `reuse=False` computes everything
-        from scratch and keeps nothing (the no-sharing baseline).
+        from scratch and keeps nothing (the no-sharing baseline). Setting `cancel` (from another thread)
+        stops an on-demand calibration this request started; the request then raises.
         """
         info = self.executor.info(member)
         ids = tuple(int(t) for t in token_ids)
@@ -225,7 +250,7 @@ class FamilyCache:
         gate = gate or self.policy.gate
         tail = max(tail_tokens or self.policy.tail_tokens, gate.probe.tokens if gate.probe else 2, 2)
         req = _Request(member, info, ids, gate, repair if repair is not None else self.policy.repair, tail,
-                       on_step or (lambda step: None))
+                       on_step or (lambda step: None), cancel=cancel)
         started = time.perf_counter()
         try:
             lease = self._serve(req, allow_mapped, reuse)
@@ -329,8 +354,7 @@ class FamilyCache:
         return Namespace("exact", info.fingerprint, self._dtype(info), info.rope)
 
     def _dtype(self, info: ModelInfo) -> str:
-        registry = getattr(self.executor, "registry", None)
-        return getattr(registry, "dtype", "float32")
+        return self.executor.dtype(info.alias)
 
     def _wants_hidden(self, member: str, repair: RepairPolicy | None) -> bool:
         return (member == self.source and repair is not None and repair.budget > 0
@@ -445,14 +469,16 @@ class FamilyCache:
                 best = ("source", entry, length)
         return best
 
-    def _mapping(self, source: str, target: str) -> Any:
+    def _mapping(self, source: str, target: str, cancel: threading.Event | None = None) -> Any:
         s, t = self.executor.info(source), self.executor.info(target)
         key = (s.fingerprint, t.fingerprint)
         if key not in self._loaded_mappings:
             try:
-                mapping, calibrated = self.executor.run([source, target], _mapping_op, self.mappings)
+                mapping, calibrated = self.executor.run([source, target], _mapping_op, self.mappings, cancel)
             except Exception as exc:  # a missing, stale, corrupt or refused mapping is a gate failure
-                raise _MappingFailed(f"no usable mapping {s.name} -> {t.name}: {exc}") from exc
+                if cancel is not None and cancel.is_set():
+                    raise  # the request was cancelled: stop, do not fall back
+                raise _MappingFailed(f"no usable mapping {s.name} -> {t.name}: {_why(exc)}") from exc
             if calibrated:
                 self.warnings.append(f"no mapping for {s.name} -> {t.name}: calibrated one on demand "
                                      f"(do this offline with `orchestra family calibrate`)")
@@ -468,7 +494,7 @@ class FamilyCache:
         if self.breaker.is_open(pair):
             return None, "circuit breaker open for this pair after shadow failures"
         try:
-            mapping = self._mapping(source, req.member)
+            mapping = self._mapping(source, req.member, req.cancel)
             if kind == "entry":
                 entry, joined = self._extend_mapped(req, start_entry, length)
             else:
@@ -537,14 +563,8 @@ class FamilyCache:
                     mapped, summary = self.executor.run(members, _map_target_op, mapping, src_cache, src_ids, tail,
                                                         repair, hidden)
                 ref = self.executor.run([source, req.member], _reference_op, self.mappings, mapping, tail)
-            except (ArithmeticError, ValueError, RuntimeError, OrchestraError) as exc:
-                raise _MappingFailed(f"mapping {source} -> {req.member} failed: {exc}") from exc
-            except Exception as exc:
-                from mappings.errors import MappingError
-
-                if isinstance(exc, MappingError):
-                    raise _MappingFailed(f"mapping {source} -> {req.member} failed: {exc}") from exc
-                raise
+            except Exception as exc:  # any failure to map (bad tensors, I/O, shapes) is a gate failure
+                raise _MappingFailed(f"mapping {source} -> {req.member} failed: {_why(exc)}") from exc
             from mappings.metrics import mean_kl, tail_nll
 
             tail_ids = _tensor(prefix[-tail:])
@@ -640,6 +660,15 @@ class FamilyCache:
                             + ("; breaker opened" if opened else ""), {"shadow_kl": kl, **self.breaker.stats(pair)})
 
 
+def _why(exc: BaseException) -> str:
+    """An exception as a reason: the project's typed errors by message, anything else with its type."""
+    from mappings.errors import MappingError
+
+    if isinstance(exc, (OrchestraError, MappingError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _tensor(ids: Sequence[int]) -> Any:
     import torch
 
@@ -677,8 +706,8 @@ def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden):
     return map_into(None, target, mapping, src_cache, ids, tail, repair, hidden)
 
 
-def _mapping_op(source, target, store):
-    return store.get(source, target)
+def _mapping_op(source, target, store, cancel=None):
+    return store.get(source, target, cancel=cancel)
 
 
 def _reference_op(source, target, store, mapping, tail):

@@ -38,6 +38,23 @@ class Executor(ABC):
         """
 
     @abstractmethod
+    async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
+                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None) -> Any:
+        """Run one agent (`agents.AgentSpec`) on `member` over a copy of `prefix_cache`; tokens go to `on_token`.
+
+        Returns the `agents.AgentResult`. Forward passes hold the member's lock per step, so cache work
+        and other agents on the member interleave with it.
+        """
+
+    @abstractmethod
+    def dtype(self, member: str) -> str:
+        """The runtime dtype of `member`'s weights and caches (part of every cache key)."""
+
+    @abstractmethod
+    def tokenizer(self, member: str) -> Any:
+        """The member's tokenizer (family members share one; the driver tokenizes documents with it)."""
+
+    @abstractmethod
     def lock(self, member: str) -> threading.Lock:
         """The lock that serialises forward passes on `member` (agents take it per decoding step)."""
 
@@ -50,8 +67,10 @@ class Executor(ABC):
 class LocalExecutor(Executor):
     """Models in this process (loaded on first use by a ModelRegistry), ops in the caller's thread."""
 
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, *, max_concurrency_per_device: int = 1) -> None:
         self.registry = registry
+        self.max_concurrency_per_device = max_concurrency_per_device
+        self._limiters: dict[str, Any] = {}
 
     @property
     def members(self) -> Sequence[str]:
@@ -62,6 +81,26 @@ class LocalExecutor(Executor):
 
     def load(self, member: str) -> LoadedModel:
         return self.registry.load(member)
+
+    def tokenizer(self, member: str) -> Any:
+        return self.registry.load(member).tokenizer
+
+    def dtype(self, member: str) -> str:
+        return self.registry.dtype
+
+    async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
+                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None) -> Any:
+        import anyio
+        import anyio.to_thread
+
+        from agents.streaming import run_agent
+
+        model = await anyio.to_thread.run_sync(self.registry.load, member)
+        limiter = self._limiters.get(model.device)
+        if limiter is None:  # agents running at once per device (their steps still take the model lock)
+            limiter = self._limiters[model.device] = anyio.CapacityLimiter(self.max_concurrency_per_device)
+        return await run_agent(model.model, model.tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=prefix_cache,
+                               upstream=upstream, on_token=on_token, limiter=limiter, lock=model.lock)
 
     def lock(self, member: str) -> threading.Lock:
         return self.registry.load(member).lock
