@@ -6,17 +6,17 @@ Two pipeline runs in one process, on the same loaded models:
 
 * **shared** — the document is prefilled once on the root; the root's agents reuse that cache exactly,
   every other member gets it through its calibrated KV mapping (gated; a failed gate re-prefills);
-* **baseline** — every member prefills the document itself (``force_reprefill``), the usual way.
+* **baseline** — every agent prefills the document itself (``share_prefill=False``), the usual way.
 
 It prints, per question, each member's answer under both runs side by side (greedy decoding, so a
 difference comes from the cache), and what each member's document cache costs: in the shared way
 (the root's prefill; a member's map + tail recompute; both the map and a re-prefill when a gate
 fell back) against that member's own prefill. The pipelines overlap the members' work, so their
-wall times mix members; the table's seconds are therefore timed one step at a time, alone, in this
-same process on the same document and models (the pipelines' own wall times are in the JSON).
-Nothing is estimated.
-Built on the public Python API: `PipelineSpec`s made in Python, `Orchestra.run`, `prefill_document`,
-`MappingStore.get`, `map_cache` and `tail_recompute`.
+wall times mix members; the table's seconds are therefore timed one FamilyCache request at a time,
+alone, in this same process on the same document and models (the pipelines' own wall times are in
+the JSON). Nothing is estimated.
+Built on the public Python API: `PipelineSpec`s made in Python, `Orchestra.run` (both runs on one
+`FamilyCache`, so the models load once) and the cache's leases for the solo timings.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +49,8 @@ class MemberCost(BaseModel):
     fallback_reason: str | None = None
     own_s: float = Field(description="This member's own prefill of the document, timed alone.")
     map_s: float | None = Field(None, description="Mapping the root's cache into it + tail recompute, timed alone.")
-    pipeline_shared_s: float = Field(description="Wall seconds of its cache in the shared pipeline run (overlapping).")
-    pipeline_baseline_s: float = Field(description="Wall seconds of its prefill in the baseline run (overlapping).")
+    pipeline_shared_s: float = Field(description="Seconds of its cache in the shared pipeline run (overlapping).")
+    pipeline_baseline_s: float = Field(description="Seconds of its agents' prefills in the baseline run (overlapping).")
 
     @property
     def shared_s(self) -> float:
@@ -107,51 +106,49 @@ def _agent_name(member: str, index: int) -> str:
 
 
 def build_pipeline(members: list[str], questions: list[str], *, max_new_tokens: int = 32,
-                   offline_max_kl: float = 0.15, device: str = "auto", force_reprefill: bool = False):
+                   offline_max_kl: float = 0.15, device: str = "auto", name: str = "ab-test"):
     """One `question_answerer` agent per (member, question), all over the same document."""
-    from orchestra.gates import GatePolicy, OfflineGate, ProbeGate
-    from orchestra.pipeline import AgentNode, PipelineSpec
+    from orchestra import AgentNode, PipelineSpec
 
     agents = [
         AgentNode(name=_agent_name(member, i), model=member, builtin="question_answerer",
                   args={"question": question, "max_new_tokens": max_new_tokens})
         for member in members for i, question in enumerate(questions)
     ]
-    gate = GatePolicy(offline=OfflineGate(max_kl=offline_max_kl), probe=ProbeGate(tokens=32),
-                      force_reprefill=force_reprefill)
-    return PipelineSpec(name="ab-test" + ("-baseline" if force_reprefill else ""),
-                        models={m: m for m in members}, source="root", default_device=device,
-                        agents=agents, gate=gate)
+    return PipelineSpec(name=name, models={m: m for m in members}, source="root", default_device=device,
+                        agents=agents, gate={"offline": {"max_kl": offline_max_kl}, "probe": {"tokens": 32}})
 
 
-def _solo_costs(orch, members: list[str], document: str, tail: int) -> dict[str, tuple[float, float | None]]:
-    """Per member, (own prefill seconds, map + tail recompute seconds), each step timed alone.
+def _solo_costs(orch, members: list[str], document: str) -> dict[str, tuple[float, float | None]]:
+    """Per member, (own prefill seconds, map + tail recompute seconds), each one FamilyCache request timed alone.
 
-    The same steps the scheduler takes, one at a time on an otherwise idle process, after a short
-    warm-up forward per model so one-off start-up costs stay out of both sides.
+    The same work the pipeline's cache does, one request at a time on an otherwise idle process,
+    after a short warm-up per model so one-off start-up costs stay out of both sides: a prefill
+    that keeps nothing (the root's is kept: the maps start from it), then the root's cache mapped
+    across with the gates off (the cost of a map is the point here; the shared run shows the gates'
+    verdicts). The cache is emptied afterwards, so the runs start cold.
     """
-    import torch
+    from agents import DocumentPrompt
+    from orchestra import GatePolicy
 
-    from agents import DocumentPrompt, prefill_document
-    from mappings import map_cache, tail_recompute
-
-    source = orch.registry.load("root")
-    ids = DocumentPrompt(document).token_ids(source.tokenizer)
+    cache = orch.cache
+    ids = DocumentPrompt(document).token_ids(orch.registry.load("root").tokenizer)
+    ungated = GatePolicy(offline=None, probe=None)
     costs: dict[str, tuple[float, float | None]] = {}
-    root_cache = None
+    leases = []
     for member in ["root", *[m for m in members if m != "root"]]:
-        loaded = orch.registry.load(member)
-        prefill_document(loaded.model, list(range(100, 132)))  # warm-up
-        own = prefill_document(loaded.model, ids)
+        cache.acquire_sync(member, list(range(100, 132)), reuse=False).release()  # warm-up
+        own = cache.acquire_sync(member, ids, reuse=member == "root")
+        leases.append(own)
         if member == "root":
-            root_cache, costs[member] = own.cache, (own.seconds, None)
+            costs[member] = (own.prefill_seconds, None)
             continue
-        mapping, _ = orch.mappings.get(source, loaded)
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            mapped = map_cache(mapping.kv_map, root_cache, loaded.model)
-            tail_recompute(loaded.model, mapped, torch.tensor([ids], device=loaded.device), tail)
-            costs[member] = (own.seconds, time.perf_counter() - t0)
+        mapped = cache.acquire_sync(member, ids, gate=ungated)
+        leases.append(mapped)
+        costs[member] = (own.prefill_seconds, mapped.map_seconds if mapped.path == "mapped" else None)
+    for lease in leases:
+        lease.release()
+    cache.clear()
     return costs
 
 
@@ -161,24 +158,23 @@ async def run_ab(document: str, questions: list[str], *, members: list[str] | No
     """Run the shared and the baseline pipeline over ``document`` and compare them."""
     import anyio
 
-    from orchestra.kvstore import KVStore
-    from orchestra.scheduler import Orchestra
+    from orchestra import Orchestra
 
     members = list(members or MEMBERS)
     if "root" not in members:
         members.insert(0, "root")  # the source: it prefills the document in both runs
     if family is None:
-        from orchestra.family import load_family
+        from orchestra import load_family
 
         family = load_family()
     shared_spec = build_pipeline(members, questions, max_new_tokens=max_new_tokens, offline_max_kl=offline_max_kl,
                                  device=device)
     base_spec = build_pipeline(members, questions, max_new_tokens=max_new_tokens, device=device,
-                               force_reprefill=True)
-    shared = Orchestra(shared_spec, family=family, store=KVStore())
-    baseline = Orchestra(base_spec, family=family, store=KVStore(), mappings=shared.mappings)
-    baseline.registry = shared.registry  # same loaded models in both runs: the timings compare like with like
-    solo = await anyio.to_thread.run_sync(_solo_costs, shared, members, document, 32)
+                               name="ab-test-baseline")
+    shared = Orchestra(shared_spec, family=family)
+    # the same FamilyCache (same loaded models: the timings compare like with like), used without sharing
+    baseline = Orchestra(base_spec, family=family, cache=shared.cache, share_prefill=False)
+    solo = await anyio.to_thread.run_sync(_solo_costs, shared, members, document)
 
     report = await shared.run(document)
     base = await baseline.run(document)
@@ -193,7 +189,7 @@ async def run_ab(document: str, questions: list[str], *, members: list[str] | No
             member=member, path=first.cache_path or "-",
             gates=[("pass " if g["passed"] else "FAIL ") + g["gate"] for g in first.gate],
             fallback_reason=first.fallback_reason, own_s=solo[member][0], map_s=solo[member][1],
-            # a fallback's cache list holds the mapping attempt and the re-prefill: both count
+            # a fallback's cache holds the mapping attempt and the re-prefill: both count
             pipeline_shared_s=sum(c.seconds for c in mine), pipeline_baseline_s=sum(c.seconds for c in theirs),
         ))
     answers, failures = [], []

@@ -1,6 +1,6 @@
 """A chat backend that embeds orchestra: one document prefill on the source model, chat sessions on any
 family member, and mid-conversation model switches that map the session's KV cache instead of
-re-prefilling it.
+re-prefilling it. A thin layer over `orchestra.FamilyCache` and `agents.continue_ids`.
 
 Start it with ``python -m examples.chat_backend`` or ``uvicorn examples.chat_backend.app:app``
 (from the repository root); see README.md in this folder for the API.

@@ -27,7 +27,7 @@ from examples.chat_backend.engine import ChatEngine, bundled_documents
 from examples.chat_backend.errors import ApiError, BadRequest, SessionNotFound
 from examples.chat_backend.schemas import DocumentIn, DocumentOut, MessageIn, SessionIn, SwitchIn
 from examples.chat_backend.sse import EventStreamResponse
-from orchestra.errors import OrchestraError
+from orchestra import OrchestraError
 
 __all__ = ["create_app", "app"]
 
@@ -196,7 +196,7 @@ def create_app(config: ChatConfig | None = None, *, engine: ChatEngine | None = 
 
 def _document_out(eng: ChatEngine, doc, reused: bool) -> DocumentOut:
     return DocumentOut(document_id=doc.id, name=doc.name, tokens=len(doc.prefix_ids), source_model=eng.source,
-                       prefill_s=doc.prefill_s, reused=reused, caches={k: v.info for k, v in doc.caches.items()})
+                       prefill_s=doc.lease.prefill_seconds, reused=reused, caches={eng.source: doc.info})
 
 
 app = create_app()

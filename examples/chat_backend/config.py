@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestra.gates import GatePolicy
+from orchestra import GatePolicy
 
 __all__ = ["ChatConfig", "DEFAULT_SYSTEM_PROMPT"]
 
@@ -24,11 +24,9 @@ class ChatConfig(BaseModel):
     source: str = Field("root", description="Family member (role or name) that prefills every document.")
     device: str = Field("auto", description="'cpu', 'cuda:N' or 'auto' for every model.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    gate: GatePolicy = Field(
-        default_factory=GatePolicy,
-        description="Gates for mapped caches (offline and probe; shadow sampling is a pipeline feature).",
-    )
+    gate: GatePolicy = Field(default_factory=GatePolicy, description="Gates for mapped caches (offline, probe, shadow).")
     tail_tokens: int = Field(32, ge=2, description="Trailing tokens recomputed on the target after mapping.")
+    cache_budget_mb: int = Field(4096, ge=1, description="Memory the FamilyCache may hold (K/V of every member).")
     mapping_dir: Path | None = Field(None, description="Mapping store folder (default: <family home>/mappings).")
     on_missing_mapping: Literal["refuse", "calibrate"] = Field(
         "refuse",

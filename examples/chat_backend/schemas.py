@@ -37,10 +37,15 @@ class DocumentIn(BaseModel):
 
 
 class CacheInfo(BaseModel):
-    """How a document (or session) cache was obtained on one model."""
+    """How the FamilyCache served a document's or a turn's cache on one model (from its lease)."""
 
     model: str
-    path: CachePath
+    path: CachePath = Field(description="exact: the member's own K/V; mapped: from `source` through a mapping; "
+                                        "reprefilled: a mapped cache was refused (`fallback_reason`) and recomputed.")
+    source: str | None = Field(None, description="The member whose cache was mapped (mapped, reprefilled).")
+    tokens: int = Field(0, description="Positions the cache holds.")
+    reused_tokens: int = Field(0, description="Positions taken from a cached prefix (or carried by the map).")
+    computed_tokens: int = Field(0, description="Positions computed on the member for this request.")
     seconds: float
     fallback_reason: str | None = None
     gates: list[dict] = Field(default_factory=list)

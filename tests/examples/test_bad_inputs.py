@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestra.errors import PipelineError
-from orchestra.kvstore import KVStore
-from orchestra.pipeline import AgentNode, PipelineSpec
-from orchestra.scheduler import Orchestra
+from orchestra import AgentNode, Orchestra, PipelineError, PipelineSpec
 
 # Nothing satisfies it: an integer both >= 10 and <= 5.
 IMPOSSIBLE = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10, "maximum": 5}},
@@ -26,14 +23,16 @@ def _json_agent(name: str, instructions: str, max_new_tokens: int, schema: dict 
         "generation": {"max_new_tokens": max_new_tokens, "temperature": 0.0}, "output": output})
 
 
-def test_template_reading_an_output_not_upstream_is_refused_before_any_model_loads():
-    spec = PipelineSpec(models={"root": "root", "tuned": "finetuned"}, source="root", agents=[
-        AgentNode(name="summary", model="root", builtin="summarizer"),
-        # the critic's template reads {summary}, but `upstream` does not list it
-        AgentNode(name="review", model="tuned", builtin="critic", args={"target_agent": "summary"}),
-    ])
-    with pytest.raises(PipelineError, match=r"agent 'review'.*reads 'summary'.*add it to `upstream`"):
-        Orchestra(spec, family=None)
+def test_template_reading_a_missing_agent_is_refused_before_any_model_loads():
+    models = {"root": "root", "tuned": "finetuned"}
+    review = AgentNode(name="review", model="tuned", builtin="critic", args={"target_agent": "summary"})
+    # the critic's template reads {summary}: that agent is its upstream without being listed ...
+    spec = PipelineSpec(models=models, source="root", agents=[AgentNode(name="summary", model="root",
+                                                                        builtin="summarizer"), review])
+    assert spec.upstreams()["review"] == ["summary"]
+    # ... and a pipeline without it is refused when it is built, with what to use instead
+    with pytest.raises(PipelineError, match=r"agent 'review'.*reads 'summary', which is not an agent.*agents: review"):
+        PipelineSpec(models=models, source="root", agents=[review])
 
 
 @pytest.mark.real_model
@@ -50,7 +49,7 @@ async def test_unsatisfiable_schema_and_truncated_json_fail_their_agents_only(re
                 "task": "Name the document in three words.", "generation": {"max_new_tokens": 6}}),
         ],
     )
-    report = await Orchestra(spec, family=real_family, store=KVStore()).run(short_document)
+    report = await Orchestra(spec, family=real_family).run(short_document)
 
     count = report.agent("count")
     assert count.status == "failed" and count.error_type == "OutputValidationError", count

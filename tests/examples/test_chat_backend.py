@@ -83,7 +83,7 @@ async def test_chat_switches_model_by_mapping_the_session(shared, short_document
         sid = r.json()["session_id"]
 
         first, cache = _check_reply(await _message(client, sid, "What is this document?"), "root", "exact")
-        assert cache["reused"] is True  # the document's own prefill, shared
+        assert cache["reused_tokens"] == doc["tokens"]  # the document's own prefill, shared
 
         events = await _message(client, sid, "Who publishes it?", model="finetuned")
         kinds = [kind for kind, _ in events]
@@ -95,10 +95,14 @@ async def test_chat_switches_model_by_mapping_the_session(shared, short_document
         assert "excess_nll" in gates["probe"]["metrics"]
         assert "fallback" not in kinds
         done, cache = _check_reply(events, "finetuned", "mapped")
-        assert cache["switched"] is True and cache["route"] == "direct"
-        # the mapped cache covers the document and the whole conversation so far: only the new turn is computed
-        assert cache["tokens"] == doc["tokens"] + switch["conversation_tokens"]
-        assert done["timings"]["prompt_tokens"] < switch["conversation_tokens"]
+        assert cache["switched"] is True and cache["from"] == "root" and cache["source"] == "root"
+        # the root's cache of the document and the whole first prompt was mapped: all of it but the
+        # recomputed tail (32) is reused; the first reply and the new message are computed
+        assert cache["reused_tokens"] + 32 >= doc["tokens"] + switch["conversation_tokens"] - first["tokens"] - 1
+        assert cache["reused_tokens"] + cache["computed_tokens"] == cache["tokens"] == done["context_tokens"] - \
+            done["tokens"] - 1
+        assert done["timings"]["cached_tokens"] == cache["reused_tokens"]
+        assert done["timings"]["prompt_tokens"] == cache["computed_tokens"] + 1
 
         state = (await client.get(f"/sessions/{sid}")).json()
         assert state["model"] == "finetuned" and state["cache"]["path"] == "mapped"
@@ -123,7 +127,10 @@ async def test_failed_gate_falls_back_to_reprefill_and_says_so(shared, short_doc
         assert "offline gate failed" in body["events"][2]["reason"]
         assert body["session"]["model"] == "finetuned" and body["session"]["cache"]["path"] == "reprefilled"
         assert body["session"]["cache"]["fallback_reason"] == body["events"][2]["reason"]
-        _check_reply(await _message(client, sid, "Who publishes it?"), "finetuned", "reprefilled")
+        assert body["session"]["cache"]["source"] == "root" and body["events"][3]["switched"] is True
+        # the re-prefilled cache is the member's own now: the next turn extends it exactly
+        _, cache = _check_reply(await _message(client, sid, "Who publishes it?"), "finetuned", "exact")
+        assert cache["reused_tokens"] == body["session"]["cache"]["tokens"]
 
 
 async def test_bad_input_gets_json_errors_and_the_server_keeps_serving(shared, short_document):

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from examples.chat_backend.config import ChatConfig
+from examples.chat_backend.engine import render_conversation
 from examples.chat_backend.errors import ContextFull, SessionNotFound, UnknownModel
-from examples.chat_backend.kvops import common_prefix
 from examples.chat_backend.schemas import DocumentIn
 from examples.chat_backend.sse import encode_event, parse_events
 
@@ -24,9 +24,36 @@ def test_sse_frames_round_trip_with_newlines_and_unicode():
     assert parse_events(frames.decode()) == [("token", {"text": "a\nb ü", "index": 0}), ("done", {"reply": "x"})]
 
 
-def test_common_prefix():
-    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert common_prefix([], [1]) == 0 and common_prefix([1, 2], [1, 2]) == 2
+class _Tokenizer:
+    """Characters as token ids; a ChatML template when given one."""
+
+    bos_token = "<s>"
+
+    def __init__(self, chat_template: str | None = None) -> None:
+        self.chat_template = chat_template
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+    def apply_chat_template(self, turns, tokenize: bool, add_generation_prompt: bool) -> str:
+        body = "".join(f"<|{t['role']}|>{t['content']}\n" for t in turns)
+        return self.bos_token + body + ("<|assistant|>" if add_generation_prompt else "")
+
+
+def _text(ids: list[int]) -> str:
+    return "".join(map(chr, ids))
+
+
+def test_conversation_rendering_never_repeats_the_bos_and_extends_turn_by_turn():
+    messages = [{"role": "user", "content": "hi"}]
+    chat = _text(render_conversation(_Tokenizer("chatml"), "be brief", messages))
+    assert chat == "<|system|>be brief\n<|user|>hi\n<|assistant|>"  # the BOS belongs before the document
+    plain = _text(render_conversation(_Tokenizer(), "be brief", messages))
+    assert plain == "\n### System\nbe brief\n\n### User\nhi\n\n### Assistant\n"
+    # the next turn's ids start with this turn's (but the opener's end): the FamilyCache reuses them
+    later = messages + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    again = _text(render_conversation(_Tokenizer("chatml"), "be brief", later))
+    assert again.startswith(chat)
 
 
 def test_errors_carry_status_and_type():

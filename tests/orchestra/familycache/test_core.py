@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from mappings import cache_layers
+from mappings import cache_layers, cache_length
 from orchestra.family.corpus import data_text
 from orchestra.familycache import CachePolicy, FamilyCache
 from orchestra.gates import GatePolicy
@@ -98,6 +98,21 @@ def test_shared_prefix_is_reused_not_recomputed(registry, mapstore):
     assert again.hit and again.computed_tokens == 0 and again.tokens == len(doc)
     for lease in (a, b, fresh, again):
         lease.release()
+
+
+def test_extending_a_cached_prefix_leaves_its_entry_untouched(registry, mapstore):
+    # a chat turn extends the document's entry exactly at its end: the document's lease must still hold the document
+    cache = _family_cache(registry, mapstore)
+    doc = _ids(registry, data_text("gpl-3.txt")[:250])
+    turn = _ids(registry, " Question one: what is it about?")
+    with cache.acquire_sync("base", doc) as held:
+        keys = [k.clone() for k, _ in cache_layers(held.cache)]
+        with cache.acquire_sync("base", doc + turn) as longer:
+            assert longer.reused_tokens == len(doc) and cache_length(longer.cache) == len(doc) + len(turn)
+        assert cache_length(held.cache) == len(doc)
+        assert all(torch.equal(k0, k1) for k0, (k1, _) in zip(keys, cache_layers(held.cache), strict=True))
+        with cache.acquire_sync("base", doc) as again:
+            assert again.hit and cache_length(again.cache) == len(doc)
 
 
 def test_prefix_on_one_member_serves_another_through_a_map(registry, mapstore):
