@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from orchestra.familycache._events import CacheStep
+
 __all__ = [
     "Event",
     "RunStarted",
@@ -66,17 +68,7 @@ class CacheStepEvent(Event):
     kind: Literal["cache_step"] = "cache_step"
     agent: str | None = None
     """The agent the cache was for (None: the run's own document prefill on the source)."""
-    step: str
-    """hit, join, prefill, map, repair, gate, shadow, fallback or evict (see `orchestra.familycache.CacheStep`)."""
-    model: str
-    tokens: int = 0
-    reused_tokens: int = 0
-    seconds: float = 0.0
-    source: str | None = None
-    passed: bool | None = None
-    reason: str | None = None
-    metrics: dict[str, float] = Field(default_factory=dict)
-    detail: dict[str, Any] = Field(default_factory=dict)
+    step: CacheStep
 
 
 class AgentStarted(Event):

@@ -9,20 +9,8 @@ from orchestra.family.corpus import data_text
 from orchestra.mapstore import MappingStore
 from orchestra.pipeline import PipelineSpec
 from orchestra.scheduler import Orchestra
-from tests.tiny_family import build_tiny_family
 
 DOC = data_text("gpl-3.txt")[:320]
-
-
-@pytest.fixture(scope="module")
-def fam(tiny_root):
-    return build_tiny_family(tiny_root, "llama")
-
-
-@pytest.fixture(scope="module")
-def mapstore(tmp_path_factory):
-    corpus = [("mpl", data_text("mpl-2.0.txt")[:6000]), ("apache", data_text("apache-2.0.txt")[:6000])]
-    return MappingStore(tmp_path_factory.mktemp("maps"), tokens=2048, corpus=corpus)
 
 
 def _spec(name, model, upstream=(), task="Summarise the document.", **gen):

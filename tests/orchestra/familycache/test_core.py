@@ -12,23 +12,10 @@ from mappings import cache_layers, cache_length
 from orchestra.family.corpus import data_text
 from orchestra.familycache import CachePolicy, FamilyCache
 from orchestra.gates import GatePolicy
-from orchestra.mapstore import MappingStore
 from orchestra.registry import ModelRegistry
-from tests.tiny_family import build_tiny_family
 
 PERMISSIVE = GatePolicy.model_validate({"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0,
                                                                    "max_excess_kl": 100.0}})
-
-
-@pytest.fixture(scope="module")
-def fam(tiny_root):
-    return build_tiny_family(tiny_root, "llama")
-
-
-@pytest.fixture(scope="module")
-def mapstore(tmp_path_factory):
-    corpus = [("mpl", data_text("mpl-2.0.txt")[:6000]), ("apache", data_text("apache-2.0.txt")[:6000])]
-    return MappingStore(tmp_path_factory.mktemp("maps"), tokens=2048, corpus=corpus)
 
 
 @pytest.fixture(scope="module")
