@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from typing import Any, Protocol
 
 __all__ = ["TokenConstraint", "JsonConstraint"]
@@ -31,7 +32,8 @@ class TokenConstraint(Protocol):
 
 _LOCK = threading.Lock()
 _COMPILERS: dict[tuple[int, int], Any] = {}
-_GRAMMARS: dict[tuple[int, int, str], Any] = {}
+_GRAMMARS: OrderedDict[tuple[int, int, str], Any] = OrderedDict()
+_MAX_GRAMMARS = 256  # compiled schemas kept; a server taking arbitrary schemas must not grow without bound
 
 
 class JsonConstraint:
@@ -60,10 +62,14 @@ class JsonConstraint:
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size)
                 compiler = _COMPILERS[key] = xgr.GrammarCompiler(info)
             compiled = _GRAMMARS.get((*key, text))
+            if compiled is not None:
+                _GRAMMARS.move_to_end((*key, text))
             if compiled is None:
                 compiled = (compiler.compile_json_schema(text) if schema is not None
                             else compiler.compile_builtin_json_grammar())
                 _GRAMMARS[(*key, text)] = compiled
+                while len(_GRAMMARS) > _MAX_GRAMMARS:
+                    _GRAMMARS.popitem(last=False)
         return cls(compiled, size)
 
     def mask(self, logits: Any) -> None:

@@ -21,6 +21,16 @@ __all__ = [
 class AgentError(Exception):
     """Base class of every error the agents package raises on purpose."""
 
+    def __reduce__(self):  # pickles with its fields whatever its __init__ takes (errors cross processes)
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[AgentError], args: tuple, state: dict) -> AgentError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidTemplateError(AgentError, ValueError):
     """An agent's task template cannot be parsed or uses a placeholder form that is not supported."""

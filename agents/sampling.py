@@ -47,9 +47,13 @@ class Sampler:
             kth = torch.topk(scores, self.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        if not bool(torch.isfinite(probs).all()):  # a temperature so small that logits / T overflow: its limit, greedy
+            return int(torch.argmax(logits).item())
         if self.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
-            sorted_probs = sorted_probs.masked_fill(before >= self.top_p, 0.0)
+            drop = before >= self.top_p
+            drop[0] = False  # the likeliest token always stays (a top_p under float32's smallest is not 0)
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self._generator).item())

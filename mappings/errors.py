@@ -13,6 +13,7 @@ __all__ = [
     "StaleMappingError",
     "CorruptMappingError",
     "UnsupportedModelError",
+    "MappingOutputError",
 ]
 
 
@@ -54,3 +55,7 @@ class CorruptMappingError(MappingError):
 
 class UnsupportedModelError(MappingError):
     """The model's attention or cache layout is not one this package can capture or rebuild."""
+
+
+class MappingOutputError(MappingError):
+    """A mapping cannot be written where asked (a file, or a folder holding other things)."""

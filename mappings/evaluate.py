@@ -434,5 +434,7 @@ def write_report(report: EvaluationReport, json_path: str | Path, *, plots: bool
     if plots and report.single_layer:
         png = plot_layer_curves(report, json_path.with_name(json_path.stem + "_layers.png"))
         report = report.model_copy(update={"plots": [str(png)]})
-    json_path.write_text(report.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    from mappings.atomic import write_atomic
+
+    write_atomic(json_path, report.model_dump_json(indent=2) + "\n")  # a temporary sibling, then a rename
     return report

@@ -10,7 +10,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mappings.methods import MethodSpec
 
@@ -108,9 +108,17 @@ class CalibrationInfo(_Model):
 class FileRecord(_Model):
     """A tensor file of the mapping directory."""
 
-    name: str
+    name: str = Field(description="a plain file name inside the mapping folder (no folders, not hidden)")
     sha256: str
     bytes: int
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if (not value or value in {".", ".."} or value.startswith(".") or "/" in value or "\\" in value
+                or "\x00" in value or len(value) > 255):
+            raise ValueError(f"tensor file name {value!r} is not a plain file name inside the mapping folder")
+        return value
 
 
 class RepairInfo(_Model):

@@ -245,12 +245,14 @@ def repair_cache(
     source_hidden: dict[int, torch.Tensor] | None = None,
     source: Any = None,
     source_layers: KVLayers | None = None,
+    importance: torch.Tensor | None = None,
 ) -> RepairResult:
     """Apply ``policy`` to a mapped cache of ``input_ids`` on ``target``; returns the repaired layers.
 
     Layer blocks starting after layer 0 need ``residual`` maps and the source hidden states they
     read (``source_hidden[s]``: the state entering source layer ``s``, ``[batch, n, d]``).
-    Scattered tokens need ``source`` and its own cache ``source_layers`` to rank positions.
+    Scattered tokens need ``source`` and its own cache ``source_layers`` to rank positions, or
+    the ranking itself (``importance``: `attention_importance` of the source, computed elsewhere).
     Blocks run first, then one masked pass recomputes the chosen tokens over the result.
     """
     from mappings.recompute import embed, repair_tokens, run_layers
@@ -259,8 +261,7 @@ def repair_cache(
         input_ids = input_ids[None]
     n, num_layers = input_ids.shape[1], len(mapped)
     seconds: dict[str, float] = {}
-    importance = None
-    if policy.budget and policy.scattered_share:
+    if policy.budget and policy.scattered_share and importance is None:
         if source is None or source_layers is None:
             raise RepairUnavailableError("scattered token repair ranks tokens by the source's attention: pass "
                                          "source= and source_layers=")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
     from mappings.residual import ResidualMap
 
 __all__ = ["Mapping", "save_mapping", "load_mapping", "read_manifest", "map_tensors", "map_from_tensors",
-           "file_sha256"]
+           "file_sha256", "check_out_dir"]
 
 
 @dataclass
@@ -85,56 +84,110 @@ def _stats_tensors(stats: list[LayerStats]) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _publish(tmp: str, path: Path) -> None:
-    """Give a temp file the usual permissions (mkstemp makes it 0600) and move it into place."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-
-
-def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> FileRecord:
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path, step: str) -> FileRecord:
     from safetensors.torch import save_file
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        # One metadata key only: safetensors orders several keys randomly, which would change the file hash.
-        save_file(tensors, tmp, metadata={"mapping_version": str(MAPPING_VERSION)})
-        _publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from mappings.atomic import fault_point, publish_mode
+
+    fault_point(f"mapping.{step}")
+    # One metadata key only: safetensors orders several keys randomly, which would change the file hash.
+    save_file(tensors, str(path), metadata={"mapping_version": str(MAPPING_VERSION)})
+    publish_mode(path)
     return FileRecord(name=path.name, sha256=file_sha256(path), bytes=path.stat().st_size)
 
 
-def save_mapping(mapping: Mapping, out_dir: str | Path, *, with_stats: bool = True) -> Path:
-    """Write the mapping directory (tensors first, manifest last, each file atomically)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = _write_safetensors(map_tensors(mapping.kv_map), out / TENSORS_FILE)
-    stats = None
-    if with_stats and mapping.stats is not None:
-        stats = _write_safetensors(_stats_tensors(mapping.stats), out / STATS_FILE)
-    elif (out / STATS_FILE).exists():
-        (out / STATS_FILE).unlink()
-    update: dict[str, Any] = {"tensors": tensors, "stats": stats}
-    if mapping.manifest.repair is not None:
-        residual = None
-        if mapping.residual is not None:
-            residual = _write_safetensors(mapping.residual.tensors(), out / RESIDUAL_FILE)
-        elif (out / RESIDUAL_FILE).exists():
-            (out / RESIDUAL_FILE).unlink()
-        update["repair"] = mapping.manifest.repair.model_copy(update={"residual": residual})
-    manifest = mapping.manifest.model_copy(update=update)
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{MANIFEST_FILE}.", suffix=".tmp")
+_OWN_FILES = {MANIFEST_FILE, TENSORS_FILE, STATS_FILE, RESIDUAL_FILE}
+
+
+def check_out_dir(out: Path) -> bool:
+    """Whether `out` holds a mapping (complete or half-written) to replace; refuse anything else but a new or empty folder."""
+    from mappings.errors import MappingOutputError
+
+    if not out.exists() and not out.is_symlink():
+        return False
+    if not out.is_dir():
+        raise MappingOutputError(f"{out} exists and is not a folder; pass a new folder (or a mapping folder) to write the mapping into")
+    entries = [p for p in out.iterdir() if not p.name.startswith(".")]
+    if not entries:
+        return False
+    if (out / MANIFEST_FILE).is_file() or any(p.suffix == ".safetensors" for p in entries):
+        if not (out / MANIFEST_FILE).is_file():
+            import logging
+
+            logging.getLogger("orchestra.files").warning(
+                "%s is a half-written mapping (no %s): replacing it", out, MANIFEST_FILE)
+        return True
+    raise MappingOutputError(
+        f"{out} is a folder with other files in it (no mapping); pass a new or empty folder to write the mapping into"
+    )
+
+
+def _carry_over(old: Path, new: Path, written: set[str]) -> None:
+    """Files a user or a later step put beside an old mapping (probe references, reports) move to its successor."""
+    import shutil
+
+    for entry in old.iterdir():
+        if entry.name in _OWN_FILES or entry.name in written or entry.name.startswith("."):
+            continue
+        target = new / entry.name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, target, symlinks=True)
+            continue
+        try:
+            os.link(entry, target, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(entry, target, follow_symlinks=False)
+
+
+def _portable_path(model_path: str | None, out: Path) -> str | None:
+    """A model folder near the mapping (the same family home) is stored relative to the mapping folder."""
+    if not model_path or not Path(model_path).is_absolute():
+        return model_path
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(manifest.model_dump_json(indent=2))
-            fh.write("\n")
-        _publish(tmp, out / MANIFEST_FILE)
+        rel = os.path.relpath(model_path, out.resolve())
+    except ValueError:  # another drive
+        return model_path
+    return rel if rel.split(os.sep)[:3].count("..") <= 2 else model_path
+
+
+def save_mapping(mapping: Mapping, out_dir: str | Path, *, with_stats: bool = True) -> Path:
+    """Write the mapping directory crash-safely.
+
+    Everything is written into a temporary sibling folder (tensors first, manifest last) that then
+    replaces `out_dir` in one step: an existing mapping there stays intact and loadable until its
+    successor is complete, and an interrupted save leaves only a hidden temporary folder, removed
+    with a warning by the next save. Other files beside an old mapping are kept.
+    """
+    from mappings.atomic import fault_point, install_dir, temp_dir, write_atomic
+
+    out = Path(out_dir)
+    replacing = check_out_dir(out)
+    tmp = temp_dir(out)
+    try:
+        tensors = _write_safetensors(map_tensors(mapping.kv_map), tmp / TENSORS_FILE, "tensors")
+        stats = None
+        if with_stats and mapping.stats is not None:
+            stats = _write_safetensors(_stats_tensors(mapping.stats), tmp / STATS_FILE, "stats")
+        update: dict[str, Any] = {"tensors": tensors, "stats": stats}
+        if mapping.manifest.repair is not None:
+            residual = None
+            if mapping.residual is not None:
+                residual = _write_safetensors(mapping.residual.tensors(), tmp / RESIDUAL_FILE, "residual")
+            update["repair"] = mapping.manifest.repair.model_copy(update={"residual": residual})
+        manifest = mapping.manifest.model_copy(update=update)
+        on_disk = manifest.model_copy(update={
+            side: getattr(manifest, side).model_copy(update={"path": _portable_path(getattr(manifest, side).path, out)})
+            for side in ("source", "target")
+        })
+        fault_point("mapping.manifest")
+        write_atomic(tmp / MANIFEST_FILE, on_disk.model_dump_json(indent=2) + "\n")
+        if replacing:
+            _carry_over(out, tmp, set())
+        install_dir(tmp, out, step="mapping")
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     mapping.manifest = manifest
     mapping.path = out
@@ -146,6 +199,10 @@ def read_manifest(mapping_dir: str | Path) -> MappingManifest:
     from pydantic import ValidationError
 
     path = Path(mapping_dir) / MANIFEST_FILE
+    if not path.is_file() and not Path(mapping_dir).exists():
+        from mappings.atomic import recover_dir
+
+        recover_dir(mapping_dir)  # a replace cut short between its two renames (platforms without an atomic swap)
     if not path.is_file():
         raise CorruptMappingError(f"{path} is missing: {mapping_dir} is not a mapping directory; run `orchestra calibrate`")
     try:
@@ -158,18 +215,32 @@ def read_manifest(mapping_dir: str | Path) -> MappingManifest:
             f"v{MAPPING_VERSION}: recalibrate with `orchestra calibrate`"
         )
     try:
-        return MappingManifest.model_validate(raw)
+        manifest = MappingManifest.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise CorruptMappingError(
             f"{path} does not describe a mapping ({where}: {first.get('msg')}); recalibrate into a fresh directory"
         ) from exc
+    # model folders stored relative to the mapping (a family home moved or copied as a whole)
+    sides = {}
+    for side in ("source", "target"):
+        info = getattr(manifest, side)
+        if info.path and not Path(info.path).is_absolute():
+            sides[side] = info.model_copy(update={"path": str((Path(mapping_dir) / info.path).resolve())})
+    return manifest.model_copy(update=sides) if sides else manifest
 
 
-def _load_tensors(path: Path, record: FileRecord) -> dict[str, torch.Tensor]:
+def _load_tensors(path: Path, record: FileRecord, *, finite: bool = True) -> dict[str, torch.Tensor]:
+    import torch
     from safetensors.torch import load_file
 
+    folder = path.parent.resolve()
+    if path.name != record.name or path.resolve().parent != folder or path.is_symlink():
+        raise CorruptMappingError(
+            f"{folder}: the manifest names tensor file {record.name!r}, which is not a plain file in the mapping "
+            "folder; recalibrate the mapping"
+        )
     if not path.is_file():
         raise CorruptMappingError(f"{path} is missing; recalibrate the mapping")
     if path.stat().st_size != record.bytes or file_sha256(path) != record.sha256:
@@ -178,9 +249,16 @@ def _load_tensors(path: Path, record: FileRecord) -> dict[str, torch.Tensor]:
             "recalibrate the mapping"
         )
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types
         raise CorruptMappingError(f"{path} is not a readable safetensors file ({exc}); recalibrate") from exc
+    if finite:
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise CorruptMappingError(
+                    f"{path} holds NaN or inf values (tensor {name}): the mapping is unusable; recalibrate it"
+                )
+    return tensors
 
 
 def map_from_tensors(manifest: MappingManifest, tensors: dict[str, torch.Tensor], device: Any = "cpu") -> LinearKVMap:
@@ -259,7 +337,7 @@ def load_mapping(
     kv_map = map_from_tensors(manifest, tensors, device)
     stats = None
     if with_stats and manifest.stats is not None:
-        raw = _load_tensors(mapping_dir / manifest.stats.name, manifest.stats)
+        raw = _load_tensors(mapping_dir / manifest.stats.name, manifest.stats, finite=False)
         try:
             stats = [
                 LayerStats(RegressionStats.from_tensors(raw, f"layers.{t}.k"),

@@ -14,11 +14,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from orchestra.errors import (
+    ActorLostError,
     CorruptGGUFError,
     CrossFamilyError,
     CycleError,
     DevicePlacementError,
     DocumentError,
+    ExecutorError,
+    ExecutorUnavailableError,
     FamilyBuildError,
     FamilyError,
     FamilyHomeError,
@@ -40,6 +43,7 @@ __all__ = [
     "Pipeline",
     "PipelineSpec",
     "AgentNode",
+    "ExecutorSpec",
     "load_pipeline",
     "Orchestra",
     "RunReport",
@@ -70,6 +74,9 @@ __all__ = [
     "DocumentError",
     "DevicePlacementError",
     "MappingUnavailableError",
+    "ExecutorError",
+    "ExecutorUnavailableError",
+    "ActorLostError",
 ]
 
 if TYPE_CHECKING:
@@ -77,7 +84,7 @@ if TYPE_CHECKING:
     from orchestra.family import FamilyManifest, build_family, load_family
     from orchestra.familycache import CacheLease, CachePolicy, FamilyCache
     from orchestra.gates import GatePolicy
-    from orchestra.pipeline import AgentNode, PipelineSpec, load_pipeline
+    from orchestra.pipeline import AgentNode, ExecutorSpec, PipelineSpec, load_pipeline
     from orchestra.report import AgentReport, RunReport
     from orchestra.scheduler import Orchestra
 
@@ -85,6 +92,7 @@ _LAZY = {
     "Pipeline": "orchestra.builder",
     "PipelineSpec": "orchestra.pipeline",
     "AgentNode": "orchestra.pipeline",
+    "ExecutorSpec": "orchestra.pipeline",
     "load_pipeline": "orchestra.pipeline",
     "Orchestra": "orchestra.scheduler",
     "RunReport": "orchestra.report",

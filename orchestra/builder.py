@@ -30,6 +30,7 @@ from orchestra.errors import EventLoopRunningError, FamilyError, PipelineProblem
 from orchestra.gates import GatePolicy
 from orchestra.pipeline import (
     AgentNode,
+    ExecutorSpec,
     MappingPolicy,
     PipelineSettings,
     PipelineSpec,
@@ -57,7 +58,7 @@ class Pipeline:
 
     ``Pipeline(name, source="root", *, family=None, home=None, models=None, gate=None, mapping=None,
     devices=None, default_device="auto", dtype="float32", store_budget_mb=4096,
-    max_concurrency_per_device=1)``:
+    max_concurrency_per_device=1, executor=None)``:
 
     - ``family``: a loaded `FamilyManifest`; default: the family under ``home`` (else
       ``$ORCHESTRA_HOME``, else ``~/.cache/orchestra``), loaded lazily at the first run, so building and
@@ -68,6 +69,8 @@ class Pipeline:
       these. The built spec keeps the aliases that agents, the source or ``devices`` use, plus every
       alias given in ``models``.
     - ``source``: the alias that prefills the document (None: the model most agents use).
+    - ``executor``: where model work runs: ``"local"`` (default), ``"ray"``, or an `ExecutorSpec` / mapping
+      (``{"kind": "ray", "members": {"finetuned": {"num_gpus": 1, "replicas": 2}}}``; docs/scale-out.md).
     - the rest are `PipelineSpec`'s fields of the same names (gate policy, mapping policy, devices,
       dtype, KV store budget, per-device concurrency).
 
@@ -90,6 +93,7 @@ class Pipeline:
         dtype: str = "float32",
         store_budget_mb: int = 4096,
         max_concurrency_per_device: int = 1,
+        executor: ExecutorSpec | Mapping[str, Any] | str | None = None,
     ) -> None:
         self._family = family
         self._home = home
@@ -105,6 +109,8 @@ class Pipeline:
             settings["gate"] = gate
         if mapping is not None:
             settings["mapping"] = mapping
+        if executor is not None:
+            settings["executor"] = executor
         self._settings = PipelineSettings(**settings)
         self._nodes: list[AgentNode] = []
         self._spec: PipelineSpec | None = None
@@ -202,10 +208,42 @@ class Pipeline:
         self._changed()
         return self
 
+    def with_executor(self, kind: str | None = None, *, address: str | None = None) -> Pipeline:
+        """This pipeline with its executor's kind and/or Ray address replaced (`orchestra run --executor ray`)."""
+        update: dict[str, Any] = {}
+        if kind is not None:
+            update["kind"] = kind
+        if address is not None:
+            update["address"] = address
+        if not update:
+            return self
+        executor = ExecutorSpec.model_validate({**self._settings.executor.model_dump(), **update})
+        self._settings = PipelineSettings(**{**{f: getattr(self._settings, f) for f in PipelineSettings.model_fields},
+                                             "executor": executor})
+        self._changed()
+        return self
+
     def _changed(self) -> None:
         self._spec = None
+        self._release()
         self._orch = None  # a new pipeline needs a new Orchestra (its specs and graph are fixed at creation)
 
+    def _release(self) -> None:
+        close = getattr(self._orch, "close", None)
+        if close is not None:
+            close()
+
+    def close(self) -> None:
+        """Release the models' executor (a ray executor's actors and placement group); a later run starts again."""
+        with self._orch_lock:
+            self._release()
+            self._orch = None
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
     # -- what was built ----------------------------------------------------------------------------------
     @property
     def name(self) -> str:
@@ -323,7 +361,9 @@ def _text(document: str | os.PathLike[str]) -> str:
     """A str is the document's text; a Path (or other PathLike) is a file to read."""
     if isinstance(document, str):
         return document
-    return Path(document).read_text(encoding="utf-8")
+    from orchestra.files import read_text_file
+
+    return read_text_file(document)  # binary or non-UTF-8 files are an InputFileError saying so
 
 
 def _refuse_inside_event_loop() -> None:

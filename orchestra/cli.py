@@ -9,21 +9,42 @@ import typer
 from typer.core import TyperGroup
 
 from orchestra.commands import family as family_cmd
+from orchestra.commands._output import cli_state as _state
 from orchestra.commands._output import err_console
+
+DEBUG_ENV = "ORCHESTRA_DEBUG"
 
 
 class _Group(TyperGroup):
-    """Turns the project's typed errors into one readable line and exit code 2, tracebacks only for bugs."""
+    """The CLI's one error path: a typed error (or the environment refusing a file operation) is one
+    ``error:`` line and exit code 2; Ctrl-C is exit 130; ``--debug`` (or ``$ORCHESTRA_DEBUG=1``) shows
+    the traceback instead. Tracebacks otherwise only for bugs."""
 
     def invoke(self, ctx):
+        import os
+
         from mappings.errors import MappingError
         from orchestra.errors import OrchestraError
 
+        _state["debug"] = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         try:
             return super().invoke(ctx)
         except (OrchestraError, MappingError) as exc:
+            if _state["debug"]:
+                raise
             err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from exc
+        except OSError as exc:  # a file the user named cannot be read or written (permissions, a full disk)
+            if _state["debug"]:
+                raise
+            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc} (--debug shows the traceback)",
+                              highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from exc
+        except KeyboardInterrupt as exc:
+            if _state["debug"]:
+                raise
+            err_console.print("[bold red]interrupted[/]: nothing half-written was kept", highlight=False)
+            raise typer.Exit(130) from exc
 
 
 app = typer.Typer(
@@ -33,6 +54,15 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(family_cmd.app, name="family")
+
+
+@app.callback()
+def _options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error (also $ORCHESTRA_DEBUG=1).")] = False,
+) -> None:
+    """Run multi-agent pipelines over one long document on a family of LLMs, prefilling it once."""
+    if debug:
+        _state["debug"] = True
 
 
 def _register_commands() -> None:

@@ -26,6 +26,12 @@ __all__ = [
     "DevicePlacementError",
     "MappingUnavailableError",
     "EventLoopRunningError",
+    "OperationCancelledError",
+    "InputFileError",
+    "OutputError",
+    "ExecutorError",
+    "ExecutorUnavailableError",
+    "ActorLostError",
 ]
 
 
@@ -162,3 +168,41 @@ class EventLoopRunningError(OrchestraError, RuntimeError):
     Blocking there would stall every other task on that loop (a web server's requests, for one), and
     a second loop cannot start inside the first; the async API is the way in from async code.
     """
+
+
+class OperationCancelledError(OrchestraError):
+    """Work was cancelled (Ctrl-C, a timeout) before it finished; nothing half-done was saved."""
+
+
+class InputFileError(DocumentError):
+    """A document, corpus or other input file cannot be read as text: missing, binary, or in another encoding."""
+
+
+class OutputError(OrchestraError):
+    """A report or other output cannot be written (no space left, no permission, not a file path)."""
+
+
+class ExecutorError(OrchestraError):
+    """The executor that runs model work (docs/scale-out.md) cannot do what was asked."""
+
+
+class ExecutorUnavailableError(ExecutorError):
+    """The executor cannot start: Ray is not installed, the cluster is unreachable, or it cannot place the actors."""
+
+
+class ActorLostError(ExecutorError):
+    """A Ray actor holding a family member died while it ran this work; it restarts, and the next run uses it.
+
+    ``actor`` names the actor (``alias#replica``), ``node`` the node it ran on, ``op`` the work it was doing.
+    """
+
+    def __init__(self, message: str, *, actor: str = "", node: str = "", op: str = "") -> None:
+        super().__init__(message)
+        self.actor, self.node, self.op = actor, node, op
+
+    def __reduce__(self):  # keeps the fields when it crosses processes
+        return (_actor_lost, (str(self), self.actor, self.node, self.op))
+
+
+def _actor_lost(message: str, actor: str, node: str, op: str) -> ActorLostError:
+    return ActorLostError(message, actor=actor, node=node, op=op)

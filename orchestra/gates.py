@@ -74,6 +74,8 @@ def decide_offline(policy: OfflineGate, heldout_kl: float | None, heldout_top1: 
     metrics = {k: v for k, v in (("heldout_kl", heldout_kl), ("heldout_top1", heldout_top1)) if v is not None}
     if heldout_kl is None:
         return GateDecision(False, "offline", "the mapping's manifest has no held-out KL", metrics)
+    if heldout_kl != heldout_kl or (heldout_top1 is not None and heldout_top1 != heldout_top1):  # NaN fails
+        return GateDecision(False, "offline", "the mapping's held-out metrics are NaN: recalibrate it", metrics)
     if heldout_kl > policy.max_kl:
         return GateDecision(False, "offline", f"held-out KL {heldout_kl:.4f} > {policy.max_kl}", metrics)
     if heldout_top1 is not None and heldout_top1 < policy.min_top1:

@@ -9,7 +9,6 @@ import networkx as nx
 
 from orchestra.errors import CycleError, UnknownAgentError
 
-
 __all__ = ["build_graph", "levels", "to_mermaid", "descendants"]
 
 

@@ -9,20 +9,21 @@ text at calibration time). The offset is stored beside the mapping in ``probe_re
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import logging
 import threading
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestra.errors import MappingUnavailableError
+from mappings.atomic import write_atomic
+from orchestra.errors import MappingUnavailableError, OperationCancelledError
 from orchestra.registry import LoadedModel, ModelInfo
 
 __all__ = ["ProbeReference", "MappingStore", "PROBE_FILE"]
 
 PROBE_FILE = "probe_reference.json"
+log = logging.getLogger("orchestra.mapstore")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,18 @@ class ProbeReference:
     source_kl: float
     """mean KL(source ‖ target) over the trailing positions: how far the pair's predictions differ."""
     windows: int
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A probe-reference file, or {} when it is missing or unreadable (it is measured again then)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        log.warning("ignoring the unreadable probe reference %s; measuring it again", path)
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _calibration_corpus() -> list[tuple[str, str]]:
@@ -83,8 +96,14 @@ class MappingStore:
             self._cache[(source.info.fingerprint, target.info.fingerprint)] = mapping
         return mapping
 
-    def get(self, source: LoadedModel, target: LoadedModel, log=None) -> tuple[Any, bool]:
-        """The mapping for the pair (loaded and fingerprint-checked) and whether it was calibrated just now."""
+    def get(self, source: LoadedModel, target: LoadedModel, log=None,
+            cancel: threading.Event | None = None) -> tuple[Any, bool]:
+        """The mapping for the pair (loaded and fingerprint-checked) and whether it was calibrated just now.
+
+        A folder at the pair's path without a manifest is a half-written mapping (an interrupted save of an
+        older version, or a copy cut short): it counts as missing and a calibration replaces it. Setting
+        `cancel` (from another thread) stops an on-demand calibration at its next forward pass; nothing is saved.
+        """
         from mappings.store import load_mapping
 
         key = (source.info.fingerprint, target.info.fingerprint)
@@ -94,48 +113,76 @@ class MappingStore:
             path = self.path_for(source, target)
             calibrated = False
             if not (path / "manifest.json").is_file():
+                half = " (the folder there is a half-written mapping without a manifest)" if path.exists() else ""
                 if self.on_missing == "refuse":
                     raise MappingUnavailableError(
-                        f"no mapping for {source.info.name} -> {target.info.name} in {self.directory}; run "
-                        f"`orchestra calibrate --source {source.info.path} --target {target.info.path} "
-                        f"--corpus FILE --out {path}` or set mapping.on_missing: calibrate"
+                        f"no mapping for {source.info.name} -> {target.info.name} in {self.directory}{half}; run "
+                        f"`orchestra family calibrate`, or `orchestra calibrate --source {source.info.path} "
+                        f"--target {target.info.path} --corpus FILE --out {path}`, or set mapping.on_missing: calibrate"
                     )
-                msg = (f"no mapping for {source.info.name} -> {target.info.name}: calibrating one now on "
-                       f"{self.tokens} tokens (do this offline with `orchestra calibrate`)")
+                msg = (f"no mapping for {source.info.name} -> {target.info.name}{half}: calibrating one now on "
+                       f"{self.tokens} tokens (do this offline with `orchestra family calibrate` or `orchestra calibrate`)")
                 warnings.warn(msg, stacklevel=2)
                 if log:
                     log(msg)
-                self._calibrate(source, target, path)
+                self.calibrate(source, target, path, cancel=cancel)
                 calibrated = True
             mapping = load_mapping(path, source.info.fingerprint, target.info.fingerprint, device=target.device)
             self._cache[key] = mapping
             return mapping, calibrated
 
-    def _calibrate(self, source: LoadedModel, target: LoadedModel, path: Path) -> None:
+    def fit(self, source: LoadedModel, target: LoadedModel, cancel: threading.Event | None = None) -> Any:
+        """Calibrate the pair's mapping in memory (not saved); `cancel` stops it at the next forward pass."""
+        from mappings.atomic import fault_point
         from mappings.calibrate import calibrate
 
-        mapping = calibrate(
-            source.model, target.model, self.corpus, method=self.method, tokens=self.tokens, progress=False,
-            source_tokenizer=source.tokenizer, target_tokenizer=target.tokenizer,
-        )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        fault_point("mapstore.calibrate")
+
+        def check(module, args, kwargs=None):
+            if cancel is not None and cancel.is_set():
+                raise OperationCancelledError(
+                    f"calibration of {source.info.name} -> {target.info.name} was cancelled; nothing was saved")
+
+        handles = [m.register_forward_pre_hook(check) for m in {id(source.model): source.model,
+                                                                  id(target.model): target.model}.values()]
         try:
-            mapping.save(tmp)
-            os.replace(tmp, path)
+            return calibrate(
+                source.model, target.model, self.corpus, method=self.method, tokens=self.tokens, progress=False,
+                source_tokenizer=source.tokenizer, target_tokenizer=target.tokenizer,
+            )
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            for handle in handles:
+                handle.remove()
+
+    def calibrate(self, source: LoadedModel, target: LoadedModel, path: Path | None = None, *,
+                  cancel: threading.Event | None = None) -> Any:
+        """Calibrate the pair and save it at `path` (default: the pair's path) crash-safely.
+
+        An existing mapping there is replaced only once the new one is complete, so it stays usable if this
+        fails or is interrupted; the new mapping replaces a cached one for the pair.
+        """
+        path = path or self.path_for(source, target)
+        mapping = self.fit(source, target, cancel)
+        if cancel is not None and cancel.is_set():
+            raise OperationCancelledError(
+                f"calibration of {source.info.name} -> {target.info.name} was cancelled; nothing was saved")
+        mapping.save(path)
+        self._cache.pop((source.info.fingerprint, target.info.fingerprint), None)
+        return mapping
 
     def probe_reference(self, source: LoadedModel, target: LoadedModel, mapping: Any, tokens: int,
-                        window: int = 512, windows: int = 2) -> ProbeReference:
-        """Load or measure the pair's probe reference for `tokens` trailing tokens."""
+                        window: int = 512, windows: int = 2, measure: Any = None) -> ProbeReference:
+        """Load or measure the pair's probe reference for `tokens` trailing tokens.
+
+        `measure(tokens, window, windows)` replaces the in-process measurement (a remote executor runs
+        `reference_source` where the source lives and `reference_target` where the target lives).
+        """
         key = (source.info.fingerprint, target.info.fingerprint, tokens)
         if key in self._probe:
             return self._probe[key]
         path = Path(mapping.path) / PROBE_FILE if getattr(mapping, "path", None) else None
         if path is not None and path.is_file():
-            stored = json.loads(path.read_text())
+            stored = _read_json(path)
             entry = stored.get(str(tokens))
             if entry is not None and stored.get("mapping_sha256") == mapping.manifest.tensors.sha256:
                 try:
@@ -147,25 +194,34 @@ class MappingStore:
             if ref is not None:
                 self._probe[key] = ref
                 return ref
-        ref = self._measure_reference(source, target, mapping, tokens, window, windows)
+        if measure is not None:
+            ref = measure(tokens, window, windows)
+        else:
+            ref = self._measure_reference(source, target, mapping, tokens, window, windows)
         self._probe[key] = ref
         if path is not None:
-            stored = json.loads(path.read_text()) if path.is_file() else {}
-            if stored.get("mapping_sha256") != mapping.manifest.tensors.sha256:
-                stored = {"mapping_sha256": mapping.manifest.tensors.sha256}
-            stored[str(tokens)] = asdict(ref)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(stored, indent=2))
-            os.replace(tmp, path)
+            try:
+                stored = _read_json(path)
+                if stored.get("mapping_sha256") != mapping.manifest.tensors.sha256:
+                    stored = {"mapping_sha256": mapping.manifest.tensors.sha256}
+                stored[str(tokens)] = asdict(ref)
+                write_atomic(path, json.dumps(stored, indent=2))
+            except OSError as exc:  # a read-only home: the reference is measured again next time
+                log.warning("cannot store the probe reference in %s (%s); it will be measured again next time",
+                            path, exc.strerror or exc)
         return ref
 
     def _measure_reference(self, source: LoadedModel, target: LoadedModel, mapping: Any, tokens: int,
                            window: int, windows: int) -> ProbeReference:
+        measured = self.reference_source(source, tokens, window, windows)
+        return self.reference_target(target, mapping, measured, tokens)
+
+    def reference_source(self, source: LoadedModel, tokens: int, window: int = 512,
+                         windows: int = 2) -> list[tuple[list[int], Any, Any]]:
+        """The source's half of a probe reference: per held-out window, its ids, tail logits and cache."""
         import torch
 
-        from mappings.apply import map_cache, tail_recompute
         from mappings.cache_io import forward_with_cache
-        from mappings.metrics import mean_kl, tail_nll
 
         ids_all: list[int] = []
         for _name, text in self.corpus:
@@ -173,19 +229,38 @@ class MappingStore:
         count = max(1, min(windows, len(ids_all) // window))
         # the last windows of the corpus: the calibration's own held-out part
         starts = [len(ids_all) - (i + 1) * window for i in range(count)]
-        offsets, excess, kls = [], [], []
+        out = []
         with torch.no_grad():
             for start in starts:
-                ids = torch.tensor(ids_all[start : start + window]).unsqueeze(0)
-                tail = ids[0, -tokens:]
-                s_logits, s_cache, _ = forward_with_cache(source.model, ids.to(source.device), None, logits_to_keep=tokens)
-                t_logits, _, _ = forward_with_cache(target.model, ids.to(target.device), None, logits_to_keep=tokens)
+                ids = ids_all[start : start + window]
+                s_logits, s_cache, _ = forward_with_cache(source.model, torch.tensor([ids], device=source.device), None,
+                                                          logits_to_keep=tokens)
+                out.append((ids, s_logits[0].float(), s_cache))
+        return out
+
+    @staticmethod
+    def reference_target(target: LoadedModel, mapping: Any, measured: list[tuple[list[int], Any, Any]],
+                         tokens: int) -> ProbeReference:
+        """The target's half: its own and the mapped tail loss on the windows `reference_source` measured."""
+        import torch
+
+        from mappings.apply import map_cache, tail_recompute
+        from mappings.cache_io import forward_with_cache
+        from mappings.metrics import mean_kl, tail_nll
+
+        offsets, excess, kls = [], [], []
+        with torch.no_grad():
+            for window_ids, s_logits, s_cache in measured:
+                ids = torch.tensor([window_ids], device=target.device)
+                tail = torch.tensor(window_ids[-tokens:])
+                s_logits = s_logits.to(target.device)
+                t_logits, _, _ = forward_with_cache(target.model, ids, None, logits_to_keep=tokens)
                 mapped = map_cache(mapping.kv_map, s_cache, target.model)
-                m_logits, _ = tail_recompute(target.model, mapped, ids.to(target.device), tokens)
-                s_nll, t_nll, m_nll = tail_nll(s_logits[0], tail), tail_nll(t_logits[0], tail), tail_nll(m_logits[0], tail)
+                m_logits, _ = tail_recompute(target.model, mapped, ids, tokens)
+                s_nll, t_nll, m_nll = tail_nll(s_logits, tail), tail_nll(t_logits[0], tail), tail_nll(m_logits[0], tail)
                 offsets.append(t_nll - s_nll)
                 excess.append(m_nll - t_nll)
-                kls.append(mean_kl(s_logits[0], t_logits[0]))
+                kls.append(mean_kl(s_logits, t_logits[0]))
         return ProbeReference(tokens=tokens, offset_nll=sum(offsets) / len(offsets),
                               mapped_excess_nll=sum(excess) / len(excess), source_kl=sum(kls) / len(kls),
-                              windows=len(starts))
+                              windows=len(measured))

@@ -18,8 +18,11 @@ def default_home() -> Path:
     return Path.home() / ".cache" / "orchestra"
 
 
-def resolve_home(home: str | os.PathLike[str] | None) -> Path:
-    """Return a usable home directory, creating it; raise a typed error if it cannot be used."""
+def resolve_home(home: str | os.PathLike[str] | None, *, writable: bool = True) -> Path:
+    """Return a usable home directory, creating it; raise a typed error if it cannot be used.
+
+    ``writable=False`` is for reading an existing home: nothing is created and a read-only home is fine.
+    """
     from orchestra.errors import FamilyHomeError
 
     path = Path(home).expanduser() if home is not None else default_home()
@@ -28,6 +31,8 @@ def resolve_home(home: str | os.PathLike[str] | None) -> Path:
             f"family home {path} exists and is not a directory; pass --home with a directory path "
             f"or set {HOME_ENV}"
         )
+    if not writable:
+        return path.resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

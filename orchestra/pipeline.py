@@ -46,7 +46,8 @@ from orchestra.errors import (
 from orchestra.gates import GatePolicy
 
 __all__ = [
-    "pipeline_mermaid","AgentNode", "MappingPolicy", "PipelineSettings", "PipelineSpec", "load_pipeline", "suggest"]
+    "pipeline_mermaid","AgentNode", "MappingPolicy", "PipelineSettings", "PipelineSpec", "load_pipeline", "suggest",
+    "ExecutorSpec", "MemberResources"]
 
 # Custom pydantic error types: they carry (agent, field, message) through pydantic's error list, so the
 # final message can name the agent and the field instead of a list index.
@@ -128,6 +129,53 @@ class MappingPolicy(BaseModel):
         None, description="Map, then repair: spend this budget of target compute recomputing sink/tail tokens "
         "(and optionally layer blocks) of every mapped cache; e.g. {budget: 0.1}.",
     )
+
+
+class MemberResources(BaseModel):
+    """What one member's Ray actors reserve and how many there are (the ray executor only)."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_cpus: float | None = Field(None, gt=0, description="Logical CPUs each actor reserves (default: the executor's).")
+    num_gpus: float | None = Field(None, ge=0, description="GPUs each actor reserves (default: the executor's); "
+                                   "an actor with a GPU puts its model on it.")
+    replicas: int = Field(1, ge=1, le=64, description="Actors for this member; ops and agents go to the least busy.")
+    threads: int | None = Field(None, ge=1, description="torch threads in each actor (default: the executor's).")
+
+
+class ExecutorSpec(BaseModel):
+    """Where model work runs: ``local`` (this process, the default) or ``ray`` (one Ray actor per member and replica).
+
+    In YAML: ``executor: ray`` or ``executor: {kind: ray, address: auto, members: {tuned: {num_gpus: 1,
+    replicas: 2}}}``. The driver keeps the DAG, gates, events and report either way; see docs/scale-out.md.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["local", "ray"] = Field("local", description="local: in-process threads; ray: Ray actors.")
+    address: str | None = Field(
+        None, description="ray: 'local' or unset: a private Ray started for this process (unless RAY_ADDRESS is set); "
+        "'auto': the cluster `ray start` runs on this machine; 'ray://host:port' (Ray Client) or 'host:port'.",
+    )
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Strategy of the pipeline's placement group (one bundle per actor).")
+    num_cpus: float = Field(1.0, gt=0, description="Logical CPUs each actor reserves unless `members` says otherwise.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each actor reserves unless `members` says otherwise.")
+    threads: int | None = Field(None, ge=1, description="torch threads per actor (default: the node's cores, "
+                                "as a local run uses).")
+    members: dict[str, MemberResources] = Field(default_factory=dict, description="Per model alias: resources, replicas.")
+    max_restarts: int = Field(3, ge=-1, description="Restarts of a dead actor (its in-flight work fails; -1: always).")
+    ready_timeout_s: float = Field(300.0, gt=0, description="Seconds to wait for the placement group and model loads.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_kind(cls, data: Any) -> Any:
+        return {"kind": data} if isinstance(data, str) else data
+
+    def resources(self, alias: str) -> MemberResources:
+        """The member's resources with the executor's defaults filled in."""
+        own = self.members.get(alias, MemberResources())
+        return MemberResources(num_cpus=own.num_cpus or self.num_cpus,
+                               num_gpus=own.num_gpus if own.num_gpus is not None else self.num_gpus,
+                               replicas=own.replicas, threads=own.threads or self.threads)
 
 
 class AgentNode(_Validated):
@@ -295,6 +343,8 @@ class PipelineSettings(_Validated):
     mapping: MappingPolicy = Field(default_factory=MappingPolicy, description="Mapping store and on-demand calibration.")
     store_budget_mb: int = Field(4096, ge=1, description="Byte budget of the document KV store, MiB.")
     max_concurrency_per_device: int = Field(1, ge=1, description="Agents running at once on one device.")
+    executor: ExecutorSpec = Field(default_factory=ExecutorSpec,
+                                   description="Where model work runs: local (default) or ray (docs/scale-out.md).")
 
     @model_validator(mode="after")
     def _aliases_declared(self) -> PipelineSettings:
@@ -303,6 +353,9 @@ class PipelineSettings(_Validated):
         for alias in self.devices:
             if alias not in self.models:
                 raise _pipeline_error("devices", _unknown("devices names model", alias, self.models))
+        for alias in self.executor.members:
+            if alias not in self.models:
+                raise _pipeline_error("executor", _unknown("executor.members names model", alias, self.models))
         return self
 
 
@@ -507,7 +560,16 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
     path = Path(path)
     if not path.is_file():
         raise PipelineFileError(f"pipeline file {path} does not exist", path=path)
-    text = path.read_text(encoding="utf-8")
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise PipelineFileError(f"cannot read the pipeline file: {exc.strerror or exc}", path=path) from exc
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        kind = "a binary file" if b"\x00" in raw[:8192] else "not UTF-8 text"
+        raise PipelineFileError(f"{kind} (byte 0x{raw[exc.start]:02x} at offset {exc.start}); a pipeline file is "
+                                "YAML or JSON saved as UTF-8", path=path) from exc
     try:
         if path.suffix.lower() == ".json":
             data = json.loads(text)

@@ -43,6 +43,8 @@ class AgentReport(BaseModel):
     generation_s: float | None = None
     prefill_s_spent: float = Field(0.0, description="Document prefill seconds spent for this agent (re-prefills).")
     prefill_s_saved: float = Field(0.0, description="Estimated prefill seconds saved versus re-prefilling for it.")
+    actor: str | None = Field(None, description="The ray executor's actor that ran it (``alias#replica``); None locally.")
+    node: str | None = Field(None, description="The node that actor ran on (``ip/node-id``); None locally.")
 
 
 class RunReport(BaseModel):
@@ -61,6 +63,13 @@ class RunReport(BaseModel):
     store_misses: int
     store_hit_rate: float
     warnings: list[str] = Field(default_factory=list, description="e.g. mappings calibrated on demand")
+    executor: str = Field("local", description="Where model work ran: local (this process) or ray (actors).")
+    kv_bytes_moved: int = Field(
+        0, description="ray: bytes of K/V (and hidden states) one process read from another's output during the run "
+        "(a source's cache into a target's actor, a lease into an agent's actor); 0 locally.")
+    kv_bytes_moved_across_nodes: int = Field(0, description="ray: the part of kv_bytes_moved that crossed nodes.")
+    result_bytes_to_driver: int = Field(
+        0, description="ray: bytes of tensors returned to the driver (the tail logits the gates read).")
 
     def agent(self, name: str) -> AgentReport:
         return next(a for a in self.agents if a.name == name)

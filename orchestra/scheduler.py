@@ -23,7 +23,7 @@ import structlog
 
 from orchestra import events as ev
 from orchestra.errors import DocumentError
-from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache, LocalExecutor
+from orchestra.familycache import CacheLease, CachePolicy, CacheStep, Executor, FamilyCache, LocalExecutor
 from orchestra.gates import CircuitBreaker
 from orchestra.graph import build_graph
 from orchestra.mapstore import MappingStore
@@ -95,8 +95,28 @@ class Orchestra:
         """A FamilyCache with the pipeline's budget, probe tail, gates and repair (to share models across pipelines)."""
         policy = CachePolicy(budget_bytes=pipeline.store_budget_mb << 20, tail_tokens=max(2, pipeline.mapping.tail_tokens),
                              gate=pipeline.gate, repair=pipeline.mapping.repair)
-        executor = LocalExecutor(registry, max_concurrency_per_device=pipeline.max_concurrency_per_device)
+        executor = Orchestra.executor_for(pipeline, registry)
         return FamilyCache(executor, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker)
+
+    @staticmethod
+    def executor_for(pipeline: PipelineSpec, registry: ModelRegistry) -> Executor:
+        """The pipeline's executor: in-process (`local`) or Ray actors for the members its agents use (`ray`)."""
+        if pipeline.executor.kind == "local":
+            return LocalExecutor(registry, max_concurrency_per_device=pipeline.max_concurrency_per_device)
+        try:
+            from orchestra.familycache._ray import RayExecutor
+        except ImportError as exc:
+            from orchestra.errors import ExecutorUnavailableError
+
+            raise ExecutorUnavailableError(f"the ray executor needs Ray ({exc}): pip install 'orchestra[ray]'") from exc
+        used = list(dict.fromkeys([pipeline.source_alias, *(a.model for a in pipeline.agents)]))
+        return RayExecutor(registry, pipeline.executor, members=used, name=pipeline.name,
+                           max_concurrency_per_device=pipeline.max_concurrency_per_device)
+
+    def close(self) -> None:
+        """Drop the stored caches and release the executor (a ray executor's actors and placement group)."""
+        self.cache.clear()
+        self.cache.executor.close()
 
     @property
     def registry(self) -> ModelRegistry:
@@ -150,6 +170,7 @@ class Orchestra:
 
         started = time.perf_counter()
         warned = len(self.cache.warnings)
+        moved = self.cache.executor.stats()
         tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, self.source_alias)
         try:
             prefix_ids = DocumentPrompt(document).token_ids(tokenizer)
@@ -171,9 +192,9 @@ class Orchestra:
         finally:
             for _, lease in run.leases:
                 lease.release()
-        return await self._report(run, started, warned)
+        return await self._report(run, started, warned, moved)
 
-    async def _report(self, run: _Run, started: float, warned: int) -> RunReport:
+    async def _report(self, run: _Run, started: float, warned: int, moved: dict[str, int] | None = None) -> RunReport:
         reports = [run.reports[a.name] for a in self.pipeline.agents]
         seconds = time.perf_counter() - started
         await run.emit(ev.RunFinished(
@@ -204,7 +225,9 @@ class Orchestra:
             document_tokens=len(run.prefix_ids), agents=reports, caches=caches, seconds=seconds,
             prefill_s_spent=spent, prefill_s_saved=sum(r.prefill_s_saved for r in reports),
             store_hits=hits, store_misses=total - hits, store_hit_rate=hits / total if total else 0.0,
-            warnings=self.cache.warnings[warned:],
+            warnings=self.cache.warnings[warned:], executor=self.cache.executor.kind,
+            **{key: value - (moved or {}).get(key, 0) for key, value in self.cache.executor.stats().items()
+               if key in _MOVED},
         )
 
     def _check_length(self, prefix_ids: list[int]) -> None:
@@ -266,10 +289,14 @@ class Orchestra:
                 self._record_cache(run, report, lease)
                 await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model, path=lease.path,
                                              seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair))
-                result = await self.cache.executor.generate(
-                    agent.model, self.specs[name], prefix_ids=run.prefix_ids, prefix_cache=lease.cache,
-                    upstream={up: run.outputs[up] for up in agent.upstream}, on_token=on_token,
-                )
+                where: dict[str, Any] = {}
+                try:
+                    result = await self.cache.executor.generate(
+                        agent.model, self.specs[name], prefix_ids=run.prefix_ids, prefix_cache=lease.cache,
+                        upstream={up: run.outputs[up] for up in agent.upstream}, on_token=on_token, placement=where,
+                    )
+                finally:
+                    report.actor, report.node = where.get("actor"), where.get("node")
             run.outputs[name] = result.downstream_text()
             report.status = "succeeded"
             report.output = result.text
@@ -305,6 +332,10 @@ class Orchestra:
         report.prefill_s_spent = spent
 
 
+_MOVED = ("kv_bytes_moved", "kv_bytes_moved_across_nodes", "result_bytes_to_driver")
+"""Executor counters the run report carries (what this run moved between processes)."""
+
+
 def _step_event(run_id: str, agent: str | None, step: CacheStep) -> ev.Event:
     """Gate and fallback steps keep their own event kinds; every other step is a `cache_step` event."""
     if step.step in ("gate", "shadow") and agent is not None:
@@ -312,9 +343,7 @@ def _step_event(run_id: str, agent: str | None, step: CacheStep) -> ev.Event:
                              reason=step.reason or "", metrics=step.metrics)
     if step.step == "fallback" and agent is not None:
         return ev.Fallback(run_id=run_id, agent=agent, model=step.member, reason=step.reason or "")
-    return ev.CacheStepEvent(run_id=run_id, agent=agent, step=step.step, model=step.member, tokens=step.tokens,
-                             reused_tokens=step.reused_tokens, seconds=step.seconds, source=step.source,
-                             passed=step.passed, reason=step.reason, metrics=step.metrics, detail=step.detail)
+    return ev.CacheStepEvent(run_id=run_id, agent=agent, step=step)
 
 
 def _jsonable(value: Any) -> Any:

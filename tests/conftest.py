@@ -24,4 +24,47 @@ def real_family():
     """The bundled SmolLM2 family, built once per machine under ORCHESTRA_HOME (CI builds it first)."""
     from orchestra.family import build_family
 
-    return build_family(home=os.environ.get("ORCHESTRA_HOME"))
+    family = build_family(home=os.environ.get("ORCHESTRA_HOME"))
+    _ensure_mapping(family, "finetuned")
+    return family
+
+
+def _ensure_mapping(family, role: str, tokens: int = 4096) -> None:
+    """The root -> `role` mapping in the family's store, calibrated once per machine when missing.
+
+    The serving and chat tests assert that a member is served a *mapped* cache from the root; on a
+    fresh machine nothing has calibrated that pair yet (the demo and `orchestra family calibrate` do).
+    """
+    import warnings
+    from pathlib import Path
+
+    from orchestra.mapstore import MappingStore
+    from orchestra.registry import ModelRegistry
+
+    registry = ModelRegistry({"root": "root", role: role}, family=family, default_device="cpu")
+    store = MappingStore(Path(family.home) / "mappings", tokens=tokens)
+    if store.has(registry.info("root"), registry.info(role)):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "calibrating on demand" is the point here
+        store.get(registry.load("root"), registry.load(role))
+
+
+@pytest.fixture(scope="session")
+def tiny_family_home(tiny_root) -> Path:
+    """A family home built by `build_family` whose four members derive from the tiny llama model (not the GGUF)."""
+    from orchestra.family import build_family
+    from tests.fault_driver import tiny_build_patches
+
+    fam = build_tiny_family(tiny_root, "llama")
+    home = tiny_root / "family-home"
+    patches = tiny_build_patches(fam.parent)
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        build_family(home)
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+    return home

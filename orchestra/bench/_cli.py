@@ -69,7 +69,15 @@ def bench(
         result = run_bench(config, out, home=home, command=_command(), progress=not quiet,
                            log=None if quiet else console.print)
     except (OrchestraError, MappingError, ValueError) as exc:
-        err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+        from pydantic import ValidationError
+
+        if isinstance(exc, ValidationError):  # one line: the option and what is wrong with it
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            message = f"--{where.replace('_', '-')}: {first.get('msg', exc)}".replace("Value error, ", "")
+            err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        else:
+            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from exc
     console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" +
                   (f" and {', '.join(result.plots)}" if result.plots else "") + f" in {result.seconds:.0f} s")

@@ -287,6 +287,8 @@ def write_results(r: BenchResults, out: str | Path, *, plots: bool = True) -> Be
     out.mkdir(parents=True, exist_ok=True)
     if plots:
         r = r.model_copy(update={"plots": write_plots(r, out)})
-    (out / "bench.json").write_text(r.model_dump_json(indent=2) + "\n", encoding="utf-8")
-    (out / "bench.md").write_text(render_markdown(r), encoding="utf-8")
+    from mappings.atomic import write_atomic
+
+    write_atomic(out / "bench.json", r.model_dump_json(indent=2) + "\n")  # temporary siblings, then renames
+    write_atomic(out / "bench.md", render_markdown(r))
     return r

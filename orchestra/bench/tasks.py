@@ -141,7 +141,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
     bar = tqdm(config.pairs, desc="tasks", disable=not progress)
     for pair in bar:
         bar.set_postfix_str(pair.label)
-        source, target = fam.loaded(pair.source), fam.loaded(pair.target)
+        target = fam.loaded(pair.target)
         prefix = DocumentPrompt(text).token_ids(target.tokenizer)
         section.document_tokens = len(prefix)
         limit = fam.max_positions(pair.target)

@@ -11,6 +11,9 @@ from rich.table import Table
 if TYPE_CHECKING:
     from orchestra.family import FamilyManifest
 
+# `orchestra --debug` (or $ORCHESTRA_DEBUG=1): errors show their traceback instead of one line.
+cli_state = {"debug": False}
+
 # Pipes and CI logs get a wide console, so tables are not squeezed into 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)

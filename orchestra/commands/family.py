@@ -77,10 +77,14 @@ def calibrate(
         list[str] | None, typer.Option("--member", help="Only this member (name or role); repeat for several.")
     ] = None,
 ) -> None:
-    """Calibrate root -> member mappings into the family's mapping store offline (what pipelines use)."""
-    import shutil
+    """Calibrate root -> member mappings into the family's mapping store offline (what pipelines use).
+
+    Each mapping is written crash-safely: with --force (or over a broken or half-written folder) the old
+    mapping stays in place, usable, until the new one is complete.
+    """
     import warnings
 
+    from mappings.errors import MappingError
     from orchestra.family import build_family
     from orchestra.family.corpus import CALIBRATION_TEXTS
     from orchestra.mapstore import MappingStore
@@ -97,14 +101,27 @@ def calibrate(
     for member in chosen:
         target = registry.load(member.name)
         path = store.path_for(source, target)
-        if force and path.exists():
-            shutil.rmtree(path)
-        if not (path / "manifest.json").is_file():
+        mapping, made = None, False
+        if not force and (path / "manifest.json").is_file():
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    mapping, made = store.get(source, target)
+            except MappingError as exc:  # corrupt or stale: replaced below, the old folder kept until then
+                console.print(f"[yellow]warning:[/] {path.name} is unusable ({exc}); recalibrating it", highlight=False)
+        elif not force and path.exists():
+            console.print(f"[yellow]warning:[/] {path.name} is a half-written mapping (no manifest); replacing it",
+                          highlight=False)
+        if mapping is None:
             console.print(f"calibrating {source.info.name} -> {member.name} on {tokens} tokens ...")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the store warns about on-demand calibration; here it is the point
-            mapping, made = store.get(source, target)
-        if repair and mapping.residual is None:
+            mapping = store.fit(source, target)
+            if repair:
+                from mappings.calibrate_repair import add_residual_maps
+
+                add_residual_maps(mapping, source.info.path, target.info.path, store.corpus, tokens=min(tokens, 4096))
+            mapping.save(path)  # the previous mapping (if any) is replaced only now, complete
+            made = True
+        elif repair and mapping.residual is None:
             from mappings.calibrate_repair import add_residual_maps
             from mappings.store import load_mapping
 

@@ -18,19 +18,25 @@ ManifestTargetOpt = Annotated[
 
 
 def _fail(exc: Exception) -> typer.Exit:
-    from orchestra.commands._output import err_console
+    from orchestra.commands._output import cli_state, err_console
+
+    if cli_state["debug"]:
+        raise exc
 
     err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
-def _read_text(path: Path) -> str:
-    from mappings.errors import CorpusTooSmallError
+EncodingOpt = Annotated[
+    str | None, typer.Option("--encoding", help="Text encoding of the input files (default: UTF-8, or as a BOM says).")
+]
 
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise CorpusTooSmallError(f"cannot read {path}: {exc.strerror or exc}; pass a readable text file") from exc
+
+def _read_text(path: Path, encoding: str | None = None, what: str = "corpus file") -> str:
+    """A text file; binary or wrongly encoded files are an InputFileError (exit 2) saying which and what to do."""
+    from orchestra.files import read_text_file
+
+    return read_text_file(path, encoding=encoding, what=what)
 
 
 def _tokenize(model_dir: str | Path, text: str) -> list[int]:
@@ -42,11 +48,10 @@ def _tokenize(model_dir: str | Path, text: str) -> list[int]:
 def _write_json(path: Path, data: object) -> None:
     """Written to a temporary sibling, then renamed into place."""
     import json
-    import os
 
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
-    os.replace(tmp, path)
+    from orchestra.files import write_output
+
+    write_output(path, json.dumps(data, indent=2), what="served report")
 
 
 @app.command("calibrate")
@@ -80,15 +85,22 @@ def calibrate_cmd(
     repair_tokens: Annotated[
         int, typer.Option("--repair-tokens", min=1, help="Calibration tokens for the residual-stream maps.")
     ] = 4096,
+    encoding: EncodingOpt = None,
 ) -> None:
-    """Fit a closed-form KV map from SOURCE to TARGET on the corpus and save it to OUT."""
+    """Fit a closed-form KV map from SOURCE to TARGET on the corpus and save it to OUT.
+
+    OUT is replaced only once the new mapping is complete: an interrupted or failed run leaves an existing
+    mapping there intact.
+    """
     from mappings.errors import MappingError
     from orchestra.commands._output import console
 
     try:
         from mappings.calibrate import calibrate
+        from mappings.store import check_out_dir
 
-        texts = [(p.name, _read_text(p)) for p in corpus]
+        check_out_dir(out)  # a file or a folder of other things is refused before the calibration, not after
+        texts = [(p.name, _read_text(p, encoding)) for p in corpus]
         mapping = calibrate(
             source, target, texts, method=method, tokens=tokens, window=window, stride=stride, progress=not quiet,
             device=device, log=None if quiet else console.print,
@@ -115,6 +127,7 @@ def calibrate_repair_cmd(
     window: Annotated[int, typer.Option("--window", min=8, help="Tokens per calibration window.")] = 512,
     source: ManifestSourceOpt = None,
     target: ManifestTargetOpt = None,
+    encoding: EncodingOpt = None,
 ) -> None:
     """Fit residual-stream maps for an existing mapping (layer repair) and save them beside it."""
     from mappings.errors import MappingError
@@ -130,7 +143,7 @@ def calibrate_repair_cmd(
         if src is None or tgt is None:
             raise ValueError("the mapping does not record its model folders: pass --source and --target")
         loaded = load_mapping(mapping, with_stats=True)
-        texts = [(p.name, _read_text(p)) for p in corpus]
+        texts = [(p.name, _read_text(p, encoding)) for p in corpus]
         add_residual_maps(loaded, src, tgt, texts, tokens=tokens, window=window)
         loaded.save(mapping, with_stats=loaded.stats is not None)
     except (MappingError, ValueError, FileNotFoundError) as exc:
@@ -186,6 +199,7 @@ def evaluate_cmd(
         bool, typer.Option("--served/--no-served", help="Also score what an agent gets: the FamilyCache's cache of "
                            "the target under the default gates (mapped, or re-prefilled when a gate refuses).")
     ] = True,
+    encoding: EncodingOpt = None,
 ) -> None:
     """Compare mapped caches with the target's own prefill on DOCUMENT; print a table, optionally write JSON."""
     from rich.table import Table
@@ -198,7 +212,7 @@ def evaluate_cmd(
         from mappings.evaluate import evaluate, write_report
         from mappings.repair import RepairPolicy
 
-        text = _read_text(document)
+        text = _read_text(document, encoding, what="document")
         policies = [RepairPolicy(budget=b, layer_share=repair_layers, scattered_share=repair_scattered)
                     for b in (repair or [])]
         report = evaluate(
@@ -207,6 +221,12 @@ def evaluate_cmd(
             tail_tokens=tail_tokens, greedy_tokens=greedy_tokens, document_name=document.name, device=device,
             repairs=policies, layer_curves=not no_curves,
         )
+        own = next((r for r in report.methods if r.method == report.mapping_method), None)
+        if own is not None and not (own.kl == own.kl and abs(own.kl) != float("inf")):
+            from mappings.errors import NonFiniteKVError
+
+            raise NonFiniteKVError(f"the mapping in {mapping} gives non-finite next-token KL ({own.kl}) on this "
+                                   "document: its maps overflow or are broken; recalibrate it")
         served_report = None
         if served:
             from orchestra.served import evaluate_served

@@ -26,11 +26,14 @@ def pipeline_errors() -> Iterator[None]:
     a pipeline error names the file, the agent and the field, and is more useful unbroken (grep-able,
     one line per problem).
     """
+    from orchestra.commands._output import cli_state
     from orchestra.errors import PipelineError
 
     try:
         yield
     except PipelineError as exc:
+        if cli_state["debug"]:
+            raise
         typer.echo(f"error: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(2) from exc
 
@@ -65,22 +68,38 @@ def print_report(report) -> None:
         f"prefill seconds spent {report.prefill_s_spent:.2f}, saved {report.prefill_s_saved:.2f}; KV store hit rate "
         f"{report.store_hit_rate:.0%}; run {report.seconds:.1f} s"
     )
+    if report.executor != "local":
+        where = ", ".join(f"{a.name} on {a.actor} @ {a.node}" for a in report.agents if a.actor)
+        console.print(f"executor: {report.executor}; {where}; K/V moved between processes "
+                      f"{report.kv_bytes_moved / 2**20:.1f} MiB ({report.kv_bytes_moved_across_nodes / 2**20:.1f} MiB "
+                      f"across nodes), results to the driver {report.result_bytes_to_driver / 2**20:.1f} MiB", highlight=False)
     for warning in report.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
 
 
+AGENTS_FAILED_EXIT = 3
+"""Exit code of `orchestra run` (and `demo`) when the run finished but an agent failed or was skipped."""
+
+
 def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, report_out: Path | None,
-                      stream: bool = False):
+                      stream: bool = False, encoding: str | None = None, executor: str | None = None,
+                      ray_address: str | None = None):
     """Validate the file (as deeply as `orchestra graph`), then run it through the Python API's `Pipeline`."""
+    from orchestra.builder import Pipeline
+
+    pipeline = Pipeline.from_file(pipeline_file, home=home).with_executor(executor, address=ray_address)
+    try:  # a ray executor's actors and placement group go away with the run, Ctrl-C included
+        return _run_pipeline(pipeline, document, report_out, stream, encoding)
+    finally:
+        pipeline.close()
+
+
+def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: bool, encoding: str | None):
     import anyio
 
-    from orchestra.builder import Pipeline
-    from orchestra.errors import DocumentError
+    from orchestra.files import read_text_file
 
-    pipeline = Pipeline.from_file(pipeline_file, home=home)
-    if not document.is_file():
-        raise DocumentError(f"document {document} does not exist")
-    text = document.read_text(encoding="utf-8")
+    text = read_text_file(document, encoding=encoding)
     pipeline.orchestra()  # family, models and devices are checked here, before the event loop starts
 
     async def main():
@@ -97,10 +116,22 @@ def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, re
     report = anyio.run(main)
     print_report(report)
     if report_out is not None:
-        report_out.parent.mkdir(parents=True, exist_ok=True)
-        report_out.write_text(report.model_dump_json(indent=2))
+        from orchestra.files import write_output
+
+        write_output(report_out, report.model_dump_json(indent=2))
         console.print(f"report written to {report_out}")
     return report
+
+
+def exit_on_failed_agents(report) -> None:
+    """Say which agents failed or were skipped, and exit with `AGENTS_FAILED_EXIT`; nothing if all succeeded."""
+    bad = [a for a in report.agents if a.status != "succeeded"]
+    if not bad:
+        return
+    parts = [f"{a.name} failed ({a.error_type}: {a.error})" if a.status == "failed" else
+             f"{a.name} {a.status}" + (f" ({a.skip_reason})" if a.skip_reason else "") for a in bad]
+    typer.echo(f"error: {len(parts)} of {len(report.agents)} agents did not succeed: " + "; ".join(parts), err=True)
+    raise typer.Exit(AGENTS_FAILED_EXIT)
 
 
 @app.command("run")
@@ -110,10 +141,26 @@ def run(
     report: Annotated[Path | None, typer.Option("--report", help="Write the run report JSON here.")] = None,
     home: HomeOpt = None,
     events: Annotated[bool, typer.Option("--events", help="Print events (gates, fallbacks, caches) as they happen.")] = False,
+    encoding: Annotated[
+        str | None, typer.Option("--encoding", help="The document's text encoding (default: UTF-8, or as its BOM says).")
+    ] = None,
+    executor: Annotated[
+        str | None, typer.Option("--executor", help="Where model work runs: local or ray (default: the pipeline's).")
+    ] = None,
+    ray_address: Annotated[
+        str | None, typer.Option("--ray-address", help="ray: local, auto, ray://host:port or host:port (docs/scale-out.md).")
+    ] = None,
 ) -> None:
-    """Run a pipeline over a document: prefill once, map to every member, run the agents, print the report."""
+    """Run a pipeline over a document: prefill once, map to every member, run the agents, print the report.
+
+    Exit codes: 0 every agent succeeded; 2 a mistake in the command, pipeline, document or family (one
+    line says what to fix); 3 the run finished but an agent failed or was skipped (named on stderr);
+    130 interrupted.
+    """
     with pipeline_errors():
-        run_pipeline_file(pipeline, document, home, report, stream=events)
+        result = run_pipeline_file(pipeline, document, home, report, stream=events, encoding=encoding,
+                                   executor=executor, ray_address=ray_address)
+    exit_on_failed_agents(result)
 
 
 @app.command("graph")
@@ -125,8 +172,7 @@ def graph(
     It validates the file exactly as `orchestra run` does before loading anything (every agent's spec is
     built: built-in names and arguments, templates, generation bounds; upstreams, cycles), and loads no model.
     """
-    from orchestra.pipeline import pipeline_mermaid
-    from orchestra.pipeline import load_pipeline
+    from orchestra.pipeline import load_pipeline, pipeline_mermaid
 
     with pipeline_errors():
         text = pipeline_mermaid(load_pipeline(pipeline))
@@ -151,4 +197,4 @@ def demo_command(home: Path | None, report_out: Path | None) -> None:
             f"the demo pipeline {pipeline_file} is missing: run `orchestra demo` from a source checkout "
             "(pip install -e .), or `orchestra run PIPELINE --document FILE` with your own files"
         )
-    run_pipeline_file(pipeline_file, document, Path(manifest.home), report_out, stream=True)
+    exit_on_failed_agents(run_pipeline_file(pipeline_file, document, Path(manifest.home), report_out, stream=True))

@@ -20,16 +20,22 @@ def serve(
     source: Annotated[str, typer.Option("--source", help="Member whose mappings to the others are tried first.")] = "root",
     api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="Environment variable holding the Bearer key (unset: no auth).")] = None,
     cache_mb: Annotated[int, typer.Option("--cache-mb", min=1, help="Byte budget of the family-wide prefix cache, MiB.")] = 2048,
-    max_concurrent: Annotated[int, typer.Option("--max-concurrent", min=1, help="Generations running at once.")] = 4,
+    max_concurrent: Annotated[int, typer.Option("--max-concurrent", min=1, help="Generations running at once.")] = 8,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a slot before 429.")] = 64,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", min=0.001, help="Largest request body, MiB (413 beyond).")] = 4.0,
     request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.1, help="Seconds before a request is stopped (504).")] = 300.0,
     max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1, help="Largest max_tokens a request may ask for.")] = 4096,
+    default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", min=1, help="Completion tokens when a request gives none.")] = 256,
+    batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Decode the requests on one member together (step-level batching).")] = True,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Rows in one member's decoding batch.")] = 8,
     on_missing_mapping: Annotated[str, typer.Option("--on-missing-mapping", help="refuse (re-prefill) or calibrate (minutes, inside the request).")] = "refuse",
     log_format: Annotated[str, typer.Option("--log-format", help="json (one object per line) or console.")] = "json",
     graceful_s: Annotated[float, typer.Option("--graceful-shutdown", min=0.0, help="Seconds in-flight requests get on shutdown.")] = 30.0,
 ) -> None:
     """Serve the family over the OpenAI chat-completions API; a prompt cached on one member serves them all."""
+    import signal
+
+    import structlog
     import uvicorn
     from pydantic import ValidationError
 
@@ -41,13 +47,29 @@ def serve(
         config = ServeConfig(home=home, device=device, dtype=dtype, source=source, api_key_env=api_key_env,
                              cache_mb=cache_mb, max_concurrent=max_concurrent, max_queue=max_queue,
                              max_body_bytes=int(max_body_mb * (1 << 20)), request_timeout_s=request_timeout,
-                             max_tokens_limit=max_tokens_limit, on_missing_mapping=on_missing_mapping)
+                             max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens,
+                             batch_decode=batch, max_batch=max_batch, on_missing_mapping=on_missing_mapping)
         config.api_key()  # a missing key is a start-up mistake, said before anything loads
-        app_ = create_app(engine=ServeEngine(config))  # a missing family is refused here, not in the first request
+        engine = ServeEngine(config)  # a missing family is refused here, not in the first request
+        app_ = create_app(engine=engine)
     except ValidationError as exc:
         err = exc.errors()[0]
         raise OrchestraError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from exc
-    uvicorn.run(app_, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=graceful_s)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to whatever handler was there
+    # before it: with Python's defaults that kills the process (-15) or raises KeyboardInterrupt after the clean
+    # shutdown. Having shut down as asked is a success, so the signals are only noted and the command exits 0.
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.run(app_, host=host, port=port, log_config=None, access_log=False,
+                    timeout_graceful_shutdown=graceful_s)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        engine.close()
+    if received:
+        structlog.get_logger("orchestra.serve").info("shutdown", signal=signal.Signals(received[0]).name)
 
 
 def _configure_logging(fmt: str) -> None:

@@ -25,6 +25,7 @@ from orchestra.family.manifest import (  # family_dir/load_family: re-exported, 
     Role,
     _read_valid_record,
     family_dir,
+    home_relative,
     load_family,
     write_json_atomic,
 )
@@ -59,12 +60,15 @@ Log = Callable[[str], None]
 
 
 def _save_member(model, tokenizer, spec: MemberSpec, dest: Path, divergence: Divergence | None) -> MemberRecord:
+    from mappings.atomic import fault_point, install_dir, temp_dir
     from mappings.fingerprint import fingerprint_dir
 
-    tmp = dest.parent / f".tmp-{spec.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp: Path | None = None
     try:
+        tmp = temp_dir(dest)  # a hidden sibling; one left by a killed build is removed here, with a warning
+        fault_point("member.weights")
         model.save_pretrained(str(tmp), safe_serialization=True)
+        fault_point("member.tokenizer")
         tokenizer.save_pretrained(str(tmp))
         fp = fingerprint_dir(tmp)
         weights_bytes = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
@@ -73,19 +77,19 @@ def _save_member(model, tokenizer, spec: MemberSpec, dest: Path, divergence: Div
             fingerprint=fp.as_dict(), num_layers=model.config.num_hidden_layers,
             num_parameters=sum(p.numel() for p in model.parameters()), bytes=weights_bytes, divergence=divergence,
         )
-        write_json_atomic(tmp / MEMBER_MARKER, record.model_dump(mode="json"))
-        if dest.exists():
-            old = dest.parent / f".old-{spec.name}-{os.getpid()}"
-            os.replace(dest, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, dest)
-        return record
+        marker = record.model_dump(mode="json")
+        marker["path"] = home_relative(dest, dest.parent.parent)  # where it is, relative to the home
+        write_json_atomic(tmp / MEMBER_MARKER, marker, step="member.marker")
+        install_dir(tmp, dest, step="member")  # an existing member stays whole until this one replaces it
+        return record.model_copy(update={"path": str(dest.resolve())})
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         hint = "free some disk space" if exc.errno == errno.ENOSPC else "check the family home"
         raise FamilyBuildError(f"writing member {spec.name} to {dest} failed: {exc}; {hint} and build again") from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
@@ -130,7 +134,7 @@ def build_family(
     existing = {spec.name: _read_valid_record(fam / spec.name) for spec in MEMBERS}
     if not force and all(r is not None and (r.role == "root" or r.divergence) for r in existing.values()):
         manifest = FamilyManifest(home=str(home_path), members={n: r for n, r in existing.items() if r})
-        manifest.save(fam / MANIFEST_NAME)
+        _save_manifest(manifest, fam / MANIFEST_NAME)
         return manifest
 
     import torch
@@ -175,5 +179,13 @@ def build_family(
         del model
 
     manifest = FamilyManifest(home=str(home_path), members=records)
-    manifest.save(fam / MANIFEST_NAME)
+    _save_manifest(manifest, fam / MANIFEST_NAME)
     return manifest
+
+
+def _save_manifest(manifest: FamilyManifest, path: Path) -> None:
+    try:
+        manifest.save(path)
+    except OSError as exc:
+        hint = "free some disk space" if exc.errno == errno.ENOSPC else "check the family home's permissions"
+        raise FamilyBuildError(f"writing {path} failed: {exc.strerror or exc}; {hint} and build again") from exc

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestra.errors import FamilyError, MemberNotFoundError
+from orchestra.errors import FamilyError, FamilyHomeError, MemberNotFoundError
 from orchestra.paths import resolve_home
 
 __all__ = ["Divergence", "MemberRecord", "FamilyManifest", "Role", "MANIFEST_NAME", "MEMBER_MARKER", "family_dir",
@@ -72,24 +71,51 @@ class FamilyManifest(BaseModel):
 
     @classmethod
     def load(cls, path: Path) -> FamilyManifest:
-        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+        """Read ``family.json``; its paths are resolved against the home it is in now (moved or copied homes work)."""
+        path = Path(path)
+        return cls.model_validate_json(path.read_text(encoding="utf-8")).located(path.resolve().parent.parent)
+
+    def located(self, home: Path) -> FamilyManifest:
+        """This manifest with `home` set to where it is and every member path resolved against it.
+
+        Paths are stored relative to the home; an absolute path under the home it was written in (written by
+        an older version) is moved along with it, so a copy never reads or writes the original location.
+        """
+        home = Path(home)
+        written = Path(self.home) if self.home and Path(self.home).is_absolute() else None
+        members = {}
+        for name, record in self.members.items():
+            where = Path(record.path)
+            if not where.is_absolute():
+                where = home / where
+            elif written is not None and where.is_relative_to(written):
+                where = home / where.relative_to(written)
+            members[name] = record.model_copy(update={"path": str(where)})
+        return self.model_copy(update={"home": str(home), "members": members})
 
     def save(self, path: Path) -> None:
-        write_json_atomic(path, self.model_dump(mode="json"))
+        """Write ``family.json`` crash-safely, with every path inside the home stored relative to it."""
+        payload = self.model_dump(mode="json")
+        home = Path(self.home)
+        payload["home"] = "."
+        for record in payload["members"].values():
+            record["path"] = home_relative(record["path"], home)
+        write_json_atomic(path, payload, step="family.json")
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
+def home_relative(path: str | os.PathLike[str], home: Path) -> str:
+    """`path` relative to `home` when it lies inside it (POSIX separators), else unchanged."""
+    where = Path(path)
+    if where.is_absolute() and where.is_relative_to(home):
+        return where.relative_to(home).as_posix()
+    return str(path)
+
+
+def write_json_atomic(path: Path, payload: Any, *, step: str | None = None) -> None:
     """Write JSON next to its destination, then rename, so a reader never sees half a file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from mappings.atomic import write_atomic
+
+    write_atomic(path, json.dumps(payload, indent=2) + "\n", step=step)
 
 
 def family_dir(home: Path) -> Path:
@@ -98,17 +124,22 @@ def family_dir(home: Path) -> Path:
 
 
 def _read_valid_record(member_dir: Path) -> MemberRecord | None:
+    """The member in `member_dir` (its path: where it is now), or None when it is missing or incomplete."""
     marker = member_dir / MEMBER_MARKER
+    if not marker.is_file() and not member_dir.exists():
+        from mappings.atomic import recover_dir
+
+        recover_dir(member_dir)  # a replace cut short between its two renames (no atomic swap on this platform)
     if not marker.is_file():
         return None
     try:
         record = MemberRecord.model_validate_json(marker.read_text(encoding="utf-8"))
-    except ValueError:
+    except (OSError, ValueError):
         return None
     weights = sorted(member_dir.glob("*.safetensors"))
     if not weights or sum(p.stat().st_size for p in weights) != record.bytes:
         return None
-    return record
+    return record.model_copy(update={"path": str(member_dir.resolve())})
 
 
 def load_family(home: str | os.PathLike[str] | None = None) -> FamilyManifest:
@@ -117,14 +148,17 @@ def load_family(home: str | os.PathLike[str] | None = None) -> FamilyManifest:
     Lives here, not in :mod:`orchestra.family.build`, so that running pipelines on a built family
     never imports the build and training code (or gguf and peft behind it).
     """
-    home_path = resolve_home(home)
+    home_path = resolve_home(home, writable=False)  # reading needs no write access (a read-only home works)
     manifest_path = family_dir(home_path) / MANIFEST_NAME
     if not manifest_path.is_file():
         raise FamilyError(f"no family at {family_dir(home_path)}; run `orchestra family build --home {home_path}`")
     try:
         manifest = FamilyManifest.load(manifest_path)
-    except ValueError as exc:
+    except (ValueError, UnicodeDecodeError) as exc:
         raise FamilyError(f"{manifest_path} is corrupt ({exc}); run `orchestra family build --force`") from exc
+    except OSError as exc:
+        raise FamilyHomeError(f"cannot read {manifest_path}: {exc.strerror or exc}; check the family home's "
+                              "permissions or pass --home") from exc
     for record in manifest.members.values():
         if _read_valid_record(Path(record.path)) is None:
             raise FamilyError(

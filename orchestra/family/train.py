@@ -143,7 +143,9 @@ def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = No
             save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(model).items()},
                       str(ckpt_dir / "adapter.safetensors"))
             torch.save(optim.state_dict(), ckpt_dir / "optim.pt")
-            state_file.write_text(json.dumps({"step": step + 1, "sched": sched.state_dict()}))
+            from mappings.atomic import write_atomic
+
+            write_atomic(state_file, json.dumps({"step": step + 1, "sched": sched.state_dict()}))
     bar.close()
 
     out_dir.mkdir(parents=True, exist_ok=True)

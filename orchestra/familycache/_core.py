@@ -112,7 +112,9 @@ class CacheLease:
 
 
 class _Flight:
-    def __init__(self) -> None:
+    def __init__(self, ns: Namespace, ids: tuple[int, ...]) -> None:
+        self.ns = ns
+        self.ids = ids
         self.done = threading.Event()
         self.entry: Entry | None = None
         self.error: BaseException | None = None
@@ -206,10 +208,14 @@ class FamilyCache:
         Cancelling the caller (Ctrl-C, a timeout) tells the worker to stop: an on-demand calibration ends at
         its next forward pass and saves nothing; the caller returns once the worker has stopped.
         """
-        cancel, finished = threading.Event(), threading.Event()
-        box: dict[str, CacheLease] = {}
+        cancel, finished, phase = threading.Event(), threading.Event(), threading.Lock()
+        box: dict[str, Any] = {"state": "pending"}
 
         def work() -> CacheLease:
+            with phase:
+                if box["state"] == "abandoned":  # cancelled before this thread picked the job up
+                    raise anyio.get_cancelled_exc_class()()
+                box["state"] = "running"
             try:
                 box["lease"] = self.acquire_sync(member, token_ids, gate=gate, repair=repair, tail_tokens=tail_tokens,
                                                  allow_mapped=allow_mapped, reuse=reuse, on_step=on_step, cancel=cancel)
@@ -221,9 +227,13 @@ class FamilyCache:
             return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
             cancel.set()
-            with anyio.CancelScope(shield=True):
-                while not finished.is_set():
-                    await anyio.sleep(0.02)
+            with phase:
+                started = box["state"] == "running"
+                box["state"] = "abandoned"
+            if started:  # wait for the worker to stop (promptly: a calibration checks `cancel` every forward pass)
+                with anyio.CancelScope(shield=True):
+                    while not finished.is_set():
+                        await anyio.sleep(0.02)
             if "lease" in box:
                 box["lease"].release()
             raise
@@ -288,6 +298,19 @@ class FamilyCache:
         base, base_len = self.pool.longest_prefix(ns, req.ids, pin=True)
         if base is not None:
             req.pinned.append(base)
+        for _ in range(8):  # a longer prefix being built right now (here or on a mapping source): wait for it
+            if base is not None and base_len == n:
+                break
+            flight = self._inflight_prefix(req, base_len, allow_mapped and not req.gate.force_reprefill)
+            if flight is None:
+                break
+            t0 = time.perf_counter()
+            flight.done.wait()
+            req.step(CacheStep(step="join", member=req.member, tokens=len(flight.ids), seconds=time.perf_counter() - t0,
+                               detail={"waited_for": flight.ns.kind, "prefix_of": len(flight.ids)}))
+            base, base_len = self.pool.longest_prefix(ns, req.ids, pin=True)
+            if base is not None:
+                req.pinned.append(base)
         if base is not None and base_len == n:
             return self._hit(req, base, "exact")
         self.pool.stats.misses += 1
@@ -314,6 +337,41 @@ class FamilyCache:
         path: CachePath = "reprefilled" if refused is not None else "exact"
         return self._lease(req, entry, path, reused=base_len if not joined else n, fallback=refused,
                            source=self._last_source(req) if refused else None, gates=req.decisions)
+
+    def _inflight_prefix(self, req: _Request, have: int, mapped: bool) -> _Flight | None:
+        """A build in flight whose tokens share a prefix with the request longer (by `min_mapped_tokens`) than
+        what is cached: on this member, or on a member this one can map from. Concurrent requests about one
+        document (with different questions, or on different members) then prefill it once, not once each."""
+        spaces = {self._exact_ns(req.info)}
+        if mapped:
+            for member in self._sources_for(req):
+                spaces.add(self._exact_ns(self.executor.info(member)))
+        need = have + self.policy.min_mapped_tokens
+        best, best_len = None, 0
+        with self._flight_lock:
+            flights = [f for f in self._flights.values() if f.ns in spaces and not f.done.is_set()]
+        for flight in flights:
+            common = _common_prefix(flight.ids, req.ids)
+            if common >= need and common > best_len:
+                best, best_len = flight, common
+        return best
+
+    def _sources_for(self, req: _Request) -> list[str]:
+        """Members whose exact caches may be mapped into the request's member."""
+        out = []
+        for member in [self.source] + [m for m in self.executor.members if m != self.source]:
+            if member == req.member:
+                continue
+            try:
+                info = self.executor.info(member)
+            except OrchestraError:
+                continue
+            if info.fingerprint == req.info.fingerprint or info.tokenizer_digest != req.info.tokenizer_digest:
+                continue
+            if member != self.source and not self.mappings.has(info, req.info):
+                continue
+            out.append(member)
+        return out
 
     def _hit(self, req: _Request, entry: Entry, path: CachePath) -> CacheLease:
         self.pool.stats.hits += 1
@@ -383,9 +441,7 @@ class FamilyCache:
         return self._single_flight(req, ns, ids, build)
 
     def _nbytes(self, cache: Any, *extra: Any) -> int:
-        from orchestra.familycache._ops import nbytes_of
-
-        return nbytes_of(cache, *extra)
+        return self.executor.nbytes(cache, *extra)  # a remote executor measures its handles without fetching them
 
     def _single_flight(self, req: _Request, ns: Namespace, ids: tuple[int, ...],
                        build: Callable[[], Entry]) -> tuple[Entry, bool]:
@@ -394,7 +450,7 @@ class FamilyCache:
             flight = self._flights.get(key)
             owner = flight is None
             if owner:
-                flight = self._flights[key] = _Flight()
+                flight = self._flights[key] = _Flight(ns, ids)
         assert flight is not None
         if not owner:
             flight.done.wait()
@@ -449,18 +505,8 @@ class FamilyCache:
             req.pinned.append(entry)
             if length >= need and (best is None or length > best[2]):
                 best = ("entry", entry, length)
-        order = [self.source] + [m for m in self.executor.members if m != self.source]
-        for member in order:
-            if member == req.member:
-                continue
-            try:
-                info = self.executor.info(member)
-            except OrchestraError:
-                continue
-            if info.fingerprint == req.info.fingerprint or info.tokenizer_digest != req.info.tokenizer_digest:
-                continue
-            if member != self.source and not self.mappings.has(info, req.info):
-                continue
+        for member in self._sources_for(req):
+            info = self.executor.info(member)
             entry, length = self.pool.longest_prefix(self._exact_ns(info), req.ids, pin=True)
             if entry is None:
                 continue
@@ -544,7 +590,7 @@ class FamilyCache:
                 src_logits = computed.logits
             members = [req.member]
             repair = req.repair
-            hidden = {i: h[:, :length] for i, h in src_entry.hidden.items()} if src_entry.hidden is not None else None
+            hidden = src_entry.hidden  # the ops cut it to the mapped positions where it lives
             if repair is not None and repair.budget > 0 and (repair.layer_share > 0 or repair.blocks):
                 if mapping.residual is None or hidden is None:
                     why = ("the mapping has no residual maps (run `orchestra calibrate-repair`)"
@@ -669,6 +715,14 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def _tensor(ids: Sequence[int]) -> Any:
     import torch
 
@@ -697,13 +751,19 @@ def _truncate_op(model, cache, length):
 def _map_op(source, target, mapping, src_cache, ids, tail, repair, hidden):
     from orchestra.familycache._ops import map_into
 
-    return map_into(source, target, mapping, src_cache, ids, tail, repair, hidden)
+    return map_into(source, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)))
 
 
-def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden):
+def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden, importance=None):
     from orchestra.familycache._ops import map_into
 
-    return map_into(None, target, mapping, src_cache, ids, tail, repair, hidden)
+    return map_into(None, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)),
+                    importance=importance)
+
+
+def _cut_hidden(hidden, length):
+    """The source's hidden states of the first `length` positions (views), or None."""
+    return {i: h[:, :length] for i, h in hidden.items()} if hidden is not None else None
 
 
 def _mapping_op(source, target, store, cancel=None):

@@ -2,8 +2,9 @@
 
 FamilyCache never calls a model itself. It hands a module-level function (an *op*, see `_ops.py`)
 and its arguments to an `Executor`, which runs it with exclusive use of the named members' models.
-`LocalExecutor` runs ops in the calling thread under each model's lock; a remote executor (Ray
-actors, one per member) runs the same picklable ops where the weights live and returns handles.
+`LocalExecutor` runs ops in the calling thread under each model's lock; a remote executor
+(`orchestra.familycache._ray.RayExecutor`: Ray actors, one per member and replica) runs the same
+picklable ops where the weights live and returns handles (ObjectRefs) instead of caches.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ class Executor(ABC):
 
     @abstractmethod
     async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
-                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None) -> Any:
+                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None,
+                       placement: dict[str, Any] | None = None) -> Any:
         """Run one agent (`agents.AgentSpec`) on `member` over a copy of `prefix_cache`; tokens go to `on_token`.
 
         Returns the `agents.AgentResult`. Forward passes hold the member's lock per step, so cache work
-        and other agents on the member interleave with it.
+        and other agents on the member interleave with it. A remote executor fills `placement` (when
+        given) with where the agent ran: ``{"actor": ..., "node": ...}``.
         """
 
     @abstractmethod
@@ -62,6 +65,25 @@ class Executor(ABC):
     @abstractmethod
     def members(self) -> Sequence[str]:
         """Every member this executor can run."""
+
+    @property
+    def kind(self) -> str:
+        """What the run report calls this executor (``local``, ``ray``)."""
+        return "local"
+
+    def nbytes(self, cache: Any, *extra: Any) -> int:
+        """Bytes a cache an op returned holds, plus tensors kept beside it (the FamilyCache's byte budget)."""
+        from orchestra.familycache._ops import nbytes_of
+
+        return nbytes_of(cache, *extra)
+
+    def stats(self) -> dict[str, int]:
+        """Counters since the executor started (a remote one: bytes moved between processes); empty here."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the executor holds (remote actors, placement groups); idempotent. Nothing, locally."""
+        return None
 
 
 class LocalExecutor(Executor):
@@ -89,7 +111,8 @@ class LocalExecutor(Executor):
         return self.registry.dtype
 
     async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
-                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None) -> Any:
+                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None,
+                       placement: dict[str, Any] | None = None) -> Any:
         import anyio
         import anyio.to_thread
 

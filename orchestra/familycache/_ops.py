@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from orchestra.registry import LoadedModel
 
-__all__ = ["Computed", "compute_tokens", "tail_logits", "map_into", "truncate", "nbytes_of"]
+__all__ = ["Computed", "compute_tokens", "tail_logits", "map_into", "source_importance", "truncate", "nbytes_of"]
 
 
 @dataclass
@@ -85,22 +85,25 @@ def tail_logits(model: LoadedModel, cache: Any, ids: list[int], end: int, tail: 
 
 
 def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int],
-             tail: int, repair: Any = None, source_hidden: dict[int, Any] | None = None) -> tuple[Computed, dict | None]:
+             tail: int, repair: Any = None, source_hidden: dict[int, Any] | None = None,
+             importance: Any = None) -> tuple[Computed, dict | None]:
     """Map `source_cache` (exactly the positions of `ids`) onto `target`, repair it per policy, recompute the tail.
 
     Returns the target cache of len(ids) positions with the logits of its last `tail` positions
     (exact given the mapped prefix: the probe gate reads them), and the repair summary.
-    `source` is needed (and held) only when the repair policy reads the source model.
+    `source` is needed (and held) only when the repair policy reads the source model, unless
+    `importance` (`source_importance` of the source, computed where the source lives) is given.
     """
     import torch
 
     from mappings.apply import map_cache, tail_recompute
-    from mappings.cache_io import build_cache, cache_layers, sync_device
+    from mappings.cache_io import build_cache, cache_layers, sync_device, truncate_cache
 
     t0 = time.perf_counter()
     summary = None
     with torch.no_grad():
-        mapped = map_cache(mapping.kv_map, truncate(target, source_cache, len(ids)), target.model)
+        # the source's layers, not the target's: a member may have fewer layers than its source (distilled)
+        mapped = map_cache(mapping.kv_map, truncate_cache(source_cache, len(ids)), target.model)
         if repair is not None and repair.budget > 0:
             from mappings.repair import layer_scores, repair_cache
 
@@ -108,11 +111,29 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
             res = repair_cache(target.model, list(cache_layers(mapped)), all_ids, repair,
                                layer_scores=layer_scores(mapping.manifest), residual=mapping.residual,
                                source_hidden=source_hidden, source=source.model if source is not None else None,
-                               source_layers=list(cache_layers(source_cache)) if source is not None else None)
+                               source_layers=list(cache_layers(source_cache)) if source is not None else None,
+                               importance=importance)
             mapped, summary = build_cache(res.layers, target.model.config), res.summary()
         logits, full = tail_recompute(target.model, mapped, _ids(target, ids), tail)
     sync_device(target.device)
     return Computed(full, logits[0].float(), time.perf_counter() - t0), summary
+
+
+def source_importance(source: LoadedModel, source_cache: Any, ids: list[int], probe_tokens: int) -> tuple[Any, float]:
+    """How much the source's last tokens attend to each position (scattered-token repair ranks by it), and seconds.
+
+    The part of a scattered repair that needs the source model: a remote executor runs it where the
+    source lives and hands the result (one float per position) to `map_into` on the target.
+    """
+    import torch
+
+    from mappings.cache_io import cache_layers
+    from mappings.repair import attention_importance
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        scores = attention_importance(source.model, list(cache_layers(source_cache)), _ids(source, ids), probe_tokens)
+    return scores.cpu(), time.perf_counter() - t0
 
 
 def nbytes_of(cache: Any, *extra: Any) -> int:

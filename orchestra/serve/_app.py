@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestra.serve._config import ServeConfig
 from orchestra.serve._engine import Generation, ServeEngine
-from orchestra.serve._errors import ApiError, PayloadTooLarge, Unauthorized, Unavailable
+from orchestra.serve._errors import ApiError, PayloadTooLarge, Unauthorized
 from orchestra.serve._schemas import (
     AssistantMessage,
     ChatCompletion,
@@ -50,10 +50,20 @@ log = structlog.get_logger("orchestra.serve.access")
 OPEN_PATHS = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 ERRORS = {400: {"model": ErrorBody}, 401: {"model": ErrorBody}, 404: {"model": ErrorBody},
           413: {"model": ErrorBody}, 429: {"model": ErrorBody}, 503: {"model": ErrorBody}, 504: {"model": ErrorBody}}
+STREAMED = {"description": "A chat.completion object, or with stream=true Server-Sent Events: one `data: "
+                           "<chat.completion.chunk JSON>` per piece of text, then `data: [DONE]`.",
+            "content": {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1 reads an SSE schema per event)
+                "type": "object", "required": ["data"],
+                "properties": {"data": {"type": "string", "description": "a chat.completion.chunk as JSON, an "
+                                        "{\"error\": ...} object if the stream fails after it began, or [DONE]"}}}}}}
 
 
 class _BodyLimit:
-    """Refuse bodies over the limit (413) without reading them whole: by Content-Length, then while streaming."""
+    """Refuse bodies over the limit (413) without reading them whole: by Content-Length, then while reading.
+
+    The body is read here (it is small: at most the limit) and handed on whole, so a chunked body over the
+    limit is a 413 too; raising from inside `receive` would reach FastAPI's body parser, which answers 400.
+    """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -65,18 +75,29 @@ class _BodyLimit:
         too_large = PayloadTooLarge(f"the request body is larger than this server's {self.limit} bytes; send less")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await _error_response(too_large)(scope, receive, send)
+        chunks: list[bytes] = []
         seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise too_large
-            return message
+            if message["type"] != "http.request":  # the client left before sending its body: nobody to answer
+                return None
+            body = message.get("body", b"")
+            seen += len(body)
+            if seen > self.limit:
+                return await _error_response(too_large)(scope, receive, send)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        return await self.app(scope, limited, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later: http.disconnect, which stops a generation
+
+        return await self.app(scope, replay, send)
 
 
 class _AccessLog:
@@ -112,26 +133,33 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
     """The ASGI app; pass an engine to share loaded models (tests, embedding), or a config to build one at start."""
     config = engine.config if engine is not None else (config or ServeConfig())
     api_key = config.api_key()
-    state: dict[str, Any] = {"engine": engine}
+    state: dict[str, Any] = {"engine": engine, "owned": False}
+    building = anyio.Lock()
+
+    async def get_engine() -> ServeEngine:
+        """The engine; built from `config` on first need: at start-up under uvicorn, or at the first request
+        when this app is mounted in another one (Starlette runs no lifespan of a mounted app)."""
+        if state["engine"] is None:
+            async with building:
+                if state["engine"] is None:
+                    state["engine"] = await anyio.to_thread.run_sync(ServeEngine, config)
+                    state["owned"] = True
+        return state["engine"]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if state["engine"] is None:
-            state["engine"] = await anyio.to_thread.run_sync(ServeEngine, config)
+        await get_engine()
         yield
+        if state["owned"]:  # an engine handed in belongs to the caller
+            state["engine"].close()
 
     app = FastAPI(title="orchestra", version="1", lifespan=lifespan,
                   description="OpenAI-compatible chat completions over a model family whose prefix cache spans "
                               "every member: a prompt cached on one member is mapped into the others.")
 
-    def get_engine() -> ServeEngine:
-        if state["engine"] is None:
-            raise Unavailable("the server is still starting: retry in a moment")
-        return state["engine"]
-
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if api_key is not None and request.url.path not in OPEN_PATHS:
+        if api_key is not None and _local_path(request) not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
@@ -149,8 +177,9 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "json_invalid":  # its loc is the byte offset of the mistake, not a parameter
             message = "the request body is not valid JSON; send a JSON object"
+            loc = []
         elif loc:
             message = f"{'.'.join(loc)}: {message}"
         _count(request, 400)
@@ -163,7 +192,7 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
         kind = "not_found" if exc.status_code == 404 else "invalid_request"
         return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
                                        "type": "invalid_request_error", "param": None, "code": kind}},
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=exc.headers)  # e.g. Allow on a 405
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
@@ -175,7 +204,10 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
 
     def _count(request: Request, status: int) -> None:
         if state["engine"] is not None:
-            state["engine"].metrics.requests.labels(route=request.url.path, status=str(status)).inc()
+            # the route's template (/v1/models/{model}), never the raw path: a label per path a client
+            # makes up would grow the metrics without bound
+            route = getattr(request.scope.get("route"), "path", None) or "unmatched"
+            state["engine"].metrics.requests.labels(route=route, status=str(status)).inc()
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:
@@ -183,36 +215,35 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:
-        if state["engine"] is None:
-            return JSONResponse({"status": "starting"}, status_code=503)
+        await get_engine()
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return Response(generate_latest(get_engine().metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest((await get_engine()).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def list_models() -> ModelList:
-        return ModelList(data=get_engine().model_cards())
+        return ModelList(data=(await get_engine()).model_cards())
 
     @app.get("/v1/models/{model}", response_model=ModelCard, responses=ERRORS)
     async def get_model(model: str) -> ModelCard:
-        engine = get_engine()
+        engine = await get_engine()
         member = engine.resolve(model)
         return next(card for card in engine.model_cards() if card.id == member)
 
     @app.post("/v1/cache/prefill", response_model=PrefillResponse, responses=ERRORS)
     async def prefill(body: PrefillRequest, request: Request) -> PrefillResponse:
-        member, tokens, lease = await get_engine().prefill(body.model, body.messages)
+        member, tokens, lease = await (await get_engine()).prefill(body.model, body.messages)
         _count(request, 200)
         return PrefillResponse(model=member, tokens=tokens, path=lease.path, cached_tokens=lease.reused_tokens,
                                seconds=lease.seconds)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={**ERRORS, 200: STREAMED})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        engine = get_engine()
+        engine = await get_engine()
         opened = engine.open(body)
         gen = await opened.__aenter__()  # closed by the response (streamed) or below
         if body.stream:
@@ -277,6 +308,12 @@ def _wrap(app: FastAPI, config: ServeConfig) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
     app.add_middleware(_AccessLog)
     return app
+
+
+def _local_path(request: Request) -> str:
+    """The path inside this app, also when it is mounted under a prefix in another one."""
+    path, root = request.url.path, request.scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 async def _watch_disconnect(request: Request, gen: Generation) -> None:

@@ -123,6 +123,10 @@ class BatchDecoder:
         job.result = job.stream.result(len(job.new_ids), job.prompt_s, now - job.decode_started, cancelled=cancelled)
         job.done.set()
 
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        job.error = exc
+        job.done.set()
+
     def _join(self, job: _Job) -> None:
         """The job's prompt tail over its own copy of the prefix, its first token, then its rows into the batch."""
         from agents.kv import forward_tokens
@@ -132,13 +136,16 @@ class BatchDecoder:
             return self._finish(job, cancelled=True)
         model = self.model.model
         t0 = time.perf_counter()
-        cache = copy_cache(job.prefix_cache, model) if job.prefix_cache is not None else new_cache(model)
-        with self.lock:
-            logits = forward_tokens(model, job.new_ids, cache, job.prefix_len)
-            sync_device(self.model.device)
-        job.prompt_s = time.perf_counter() - t0
-        job.decode_started = time.perf_counter()
-        job.token = job.stream.push(logits)
+        try:  # everything up to here is this request's alone: its failure is its own, never the batch's
+            cache = copy_cache(job.prefix_cache, model) if job.prefix_cache is not None else new_cache(model)
+            with self.lock:
+                logits = forward_tokens(model, job.new_ids, cache, job.prefix_len)
+                sync_device(self.model.device)
+            job.prompt_s = time.perf_counter() - t0
+            job.decode_started = time.perf_counter()
+            job.token = job.stream.push(logits)
+        except Exception as exc:
+            return self._fail(job, exc)
         job.length = job.prefix_len + len(job.new_ids)
         if job.stream.finish is not None:
             return self._finish(job)
@@ -212,7 +219,11 @@ class BatchDecoder:
         keep = []
         for i, job in enumerate(self._rows):
             job.length += 1
-            job.token = job.stream.push(logits[i, -1].float())
+            try:  # token choice (sampler, constraint, stop strings) is the row's own: a failure ends that row only
+                job.token = job.stream.push(logits[i, -1].float())
+            except Exception as exc:
+                self._fail(job, exc)
+                continue
             if job.stream.finish is not None:
                 self._finish(job)
             else:

@@ -30,7 +30,7 @@ class ServeConfig(BaseModel):
     """Name of the environment variable holding the Bearer key; unset: no authentication."""
     cache_mb: int = Field(2048, ge=1)
     """Bytes the family-wide prefix cache may hold (K/V, logits and hidden states all counted), MiB."""
-    max_concurrent: int = Field(4, ge=1)
+    max_concurrent: int = Field(8, ge=1)
     """Generations running at once; the rest wait in the queue."""
     max_queue: int = Field(64, ge=0)
     """Requests that may wait for a generation slot; beyond it: 429."""

@@ -15,6 +15,7 @@ member's lock. Backends that do not want HTTP use this class directly:
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 import uuid
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["ServeEngine", "Generation", "CacheInfo", "render_messages"]
 
 log = structlog.get_logger("orchestra.serve")
+SHARED_MIN_TOKENS = 64
+"""Leading system messages shorter than this are not cached on their own (the extra lookup would not pay)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ class Generation:
     ttft_s: float | None = None
     timed_out: bool = False
     completion_tokens: int = 0
+    constraint: Any = None
+    """The request's JSON constraint (response_format), compiled before it was admitted."""
     _thread: threading.Thread | None = None
 
     async def stop(self) -> None:
@@ -238,6 +243,7 @@ class ServeEngine:
         self._batch_lock = threading.Lock()
         self._slots = anyio.Semaphore(self.config.max_concurrent)
         self._waiting = 0
+        self._running = 0
         self._created = int(time.time())
 
     # -- models ---------------------------------------------------------------------------------
@@ -294,6 +300,8 @@ class ServeEngine:
                 f"this model's maximum context length is {limit} tokens; the messages are {len(ids)} tokens and "
                 f"{max_tokens} completion tokens were asked for: shorten the messages or lower max_tokens",
                 param="messages")
+        constraint = await anyio.to_thread.run_sync(self._json_constraint, member, req)
+        shared = await self._shared_prefix(member, req.messages, ids)
         if self._slots.value == 0 and self._waiting >= self.config.max_queue:
             self.metrics.rejected.inc()
             raise RateLimited(f"the server is busy: {self.config.max_concurrent} generations running and "
@@ -306,26 +314,35 @@ class ServeEngine:
             self._waiting -= 1
             self.metrics.queued.dec()
         self.metrics.running.inc()
+        self._running += 1
         lease: CacheLease | None = None
         try:
+            head: CacheLease | None = None
             with anyio.fail_after(self.config.request_timeout_s):
-                lease = await self.cache.acquire(member, ids[:-1], on_step=self.metrics.on_step)
-            info = CacheInfo(path=lease.path, source=lease.source, cached_tokens=lease.reused_tokens,
-                             gates=lease.gate_dicts(), fallback_reason=lease.fallback_reason, seconds=lease.seconds)
-            self.metrics.on_lease(member, lease, self.cache.prefill_estimate(member, lease.reused_tokens))
+                try:
+                    if shared:  # the shared document first: concurrent requests over it build it once
+                        head = await self.cache.acquire(member, ids[:shared], on_step=self.metrics.on_step)
+                    lease = await self.cache.acquire(member, ids[:-1], on_step=self.metrics.on_step)
+                finally:
+                    if head is not None:
+                        head.release()
+            info = _cache_info(head, lease)
+            self.metrics.on_cache(member, info.path, info.cached_tokens,
+                                  self.cache.prefill_estimate(member, info.cached_tokens))
             gen = Generation(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=req.model,
                              member=member, prompt_ids=ids, lease=lease, cache_info=info, max_tokens=max_tokens,
-                             request=req, engine=self, started=started)
+                             request=req, engine=self, started=started, constraint=constraint)
             try:
                 yield gen
             finally:
                 with anyio.CancelScope(shield=True):
                     await gen.stop()
-            self.metrics.on_done(gen)
-            log.info("completion", id=gen.id, model=member, cache=info.path, cached_tokens=info.cached_tokens,
-                     prompt_tokens=len(ids), completion_tokens=gen.usage().completion_tokens,
-                     finish=gen.result.finish_reason if gen.result else None,
-                     seconds=round(time.perf_counter() - started, 3))
+                # counted however it ended (done, cancelled, timed out, failed): its tokens were spent
+                self.metrics.on_done(gen)
+                log.info("completion", id=gen.id, model=member, cache=info.path, cached_tokens=info.cached_tokens,
+                         prompt_tokens=len(ids), completion_tokens=gen.usage().completion_tokens,
+                         finish=gen.result.finish_reason if gen.result else None, timed_out=gen.timed_out,
+                         seconds=round(time.perf_counter() - started, 3))
         except TimeoutError as exc:
             raise RequestTimeout(f"the prompt's cache was not ready within the server's "
                                  f"{self.config.request_timeout_s:g} s timeout") from exc
@@ -334,6 +351,9 @@ class ServeEngine:
                 lease.release()
             self.metrics.running.dec()
             self._slots.release()
+            self._running -= 1
+            if self._running == 0:  # idle: what the requests freed goes back to the OS
+                release_memory()
 
     def _decode(self, gen: Generation, on_token) -> Continuation:
         """Decode `gen`'s reply (in a worker thread) over its lease: batched with the member's other requests,
@@ -344,15 +364,9 @@ class ServeEngine:
 
         req = gen.request
         loaded = self.cache.executor.registry.load(gen.member)  # type: ignore[attr-defined]
-        constraint = None
-        if req.response_format is not None and req.response_format.type != "text":
-            from agents.constrained import JsonConstraint
-
-            schema = req.response_format.json_schema.schema_ if req.response_format.json_schema else None
-            constraint = JsonConstraint.for_tokenizer(loaded.tokenizer, schema, vocab_size=_vocab(loaded.model))
         settings = {"max_new_tokens": gen.max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
                     "top_p": req.top_p or 1.0, "seed": req.seed, "stop": req.stop_list(), "on_token": on_token,
-                    "constraint": constraint}
+                    "constraint": gen.constraint}
         prefix_len, new = len(gen.prompt_ids) - 1, gen.prompt_ids[-1:]
         lock = self.cache.lock(gen.member)
         if self.config.batch_decode and batchable(gen.lease.cache):
@@ -368,14 +382,54 @@ class ServeEngine:
         return continue_ids(loaded.model, loaded.tokenizer, gen.lease.cache, prefix_len, new, cancel=gen.cancel,
                             lock=lock, **settings)
 
+    async def _shared_prefix(self, member: str, messages: Sequence[ChatMessage], ids: list[int]) -> int:
+        """Tokens of the prompt's leading system messages (where a shared document lives), or 0 when too short.
+
+        They are cached on their own before the whole prompt: concurrent requests asking different questions
+        about one document then build (or map) the document once between them, instead of once each, since
+        the cache builds each distinct token sequence once and the whole prompts all differ.
+        """
+        lead = 0
+        while lead < len(messages) and messages[lead].role in ("system", "developer"):
+            lead += 1
+        if lead == 0 or lead == len(messages):
+            return 0
+        head = await self.prompt_ids(member, messages[:lead], add_generation_prompt=False)
+        n = 0
+        for a, b in zip(head, ids, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n if SHARED_MIN_TOKENS <= n < len(ids) - 1 else 0
+
+    def _json_constraint(self, member: str, req: ChatCompletionRequest) -> Any:
+        """The request's JSON constraint, or None for text; a schema xgrammar cannot compile is the client's 400."""
+        fmt = req.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        from agents.constrained import JsonConstraint
+
+        loaded = self.cache.executor.registry.load(member)  # type: ignore[attr-defined]
+        schema = fmt.json_schema.schema_ if fmt.json_schema else None
+        if schema is None:
+            return JsonConstraint.for_tokenizer(loaded.tokenizer, None, vocab_size=_vocab(loaded.model))
+        try:
+            return JsonConstraint.for_tokenizer(loaded.tokenizer, schema, vocab_size=_vocab(loaded.model))
+        except Exception as exc:  # xgrammar refuses the schema (RuntimeError, ValueError, ...)
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)[:300]  # xgrammar's "[time] file.cc:N: "
+            raise BadRequest(f"response_format.json_schema.schema is not a JSON schema this server can follow: "
+                             f"{reason}", param="response_format") from exc
+
     def close(self) -> None:
         """Stop the decoding threads (in-flight replies finish first)."""
         for batcher in self._batchers.values():
             batcher.close()
 
-    async def prefill(self, model: str, messages: Sequence[ChatMessage]) -> tuple[str, int, CacheLease]:
+    async def prefill(self, model: str, messages: Sequence[ChatMessage | dict[str, Any]]) -> tuple[str, int, CacheLease]:
         """Warm the cache with the rendered `messages` (no generation prompt): later requests starting so reuse it."""
         member = self.resolve(model)
+        messages = [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
         ids = await self.prompt_ids(member, messages, add_generation_prompt=False)
         limit = self.cache.info(member).max_positions
         if limit and len(ids) > limit:
@@ -385,6 +439,46 @@ class ServeEngine:
         lease.release()
         self.metrics.on_lease(member, lease, self.cache.prefill_estimate(member, lease.reused_tokens))
         return member, len(ids), lease
+
+
+def _cache_info(head: CacheLease | None, lease: CacheLease) -> CacheInfo:
+    """What the headers say about a prompt cached in one step, or in two (its shared document, then the rest)."""
+    if head is None:
+        return CacheInfo(path=lease.path, source=lease.source, cached_tokens=lease.reused_tokens,
+                         gates=lease.gate_dicts(), fallback_reason=lease.fallback_reason, seconds=lease.seconds)
+    # the document's path is the story (mapped, or refused and re-prefilled) unless the rest was mapped itself
+    path = lease.path if lease.path != "exact" or head.path == "exact" else head.path
+    gates = lease.gate_dicts() or head.gate_dicts()
+    computed = head.computed_tokens + max(0, lease.computed_tokens)
+    return CacheInfo(path=path, source=lease.source or head.source, cached_tokens=max(0, lease.tokens - computed),
+                     gates=gates, fallback_reason=lease.fallback_reason or head.fallback_reason,
+                     seconds=head.seconds + lease.seconds)
+
+
+_TRIMMING = threading.Lock()
+
+
+def release_memory() -> None:
+    """Return freed heap memory to the OS, in a thread of its own (glibc only; elsewhere nothing happens).
+
+    A request's K/V copies are megabytes per layer: glibc serves them from its arenas and keeps them there
+    once freed, so without this the server's RSS stays at its busiest level for good, however little the
+    cache then holds. `malloc_trim` gives the free pages back (milliseconds, off the event loop).
+    """
+    if not _TRIMMING.acquire(blocking=False):
+        return  # one is already running
+
+    def trim() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+        finally:
+            _TRIMMING.release()
+
+    threading.Thread(target=trim, name="malloc-trim", daemon=True).start()
 
 
 def _vocab(model: Any) -> int:

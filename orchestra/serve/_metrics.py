@@ -50,8 +50,11 @@ class ServeMetrics:
             self.evictions.inc()
 
     def on_lease(self, model: str, lease: CacheLease, saved_seconds: float) -> None:
-        self.lookups.labels(path=lease.path, model=model).inc()
-        self.cached_tokens.labels(model=model).inc(lease.reused_tokens)
+        self.on_cache(model, lease.path, lease.reused_tokens, saved_seconds)
+
+    def on_cache(self, model: str, path: str, cached_tokens: int, saved_seconds: float) -> None:
+        self.lookups.labels(path=path, model=model).inc()
+        self.cached_tokens.labels(model=model).inc(cached_tokens)
         if saved_seconds > 0:
             self.saved.inc(saved_seconds)
 

@@ -1,4 +1,8 @@
-"""The OpenAI chat-completions wire format, as pydantic models (they also give the OpenAPI schema)."""
+"""The OpenAI chat-completions wire format, as pydantic models (they also give the OpenAPI schema).
+
+Requests are validated strictly, as OpenAI does: a string where a number or a boolean belongs (`"max_tokens": "8"`,
+`"stream": 0`) is a 400, not coerced; unknown fields are ignored.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ INT64 = 2**63
 class TextPart(BaseModel):
     """A text part of a message's content (the only part type a text model reads)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
@@ -43,7 +47,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message of the conversation."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -59,7 +63,7 @@ class ChatMessage(BaseModel):
 class JsonSchemaSpec(BaseModel):
     """`response_format.json_schema`: the schema the reply must follow."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
@@ -69,7 +73,7 @@ class JsonSchemaSpec(BaseModel):
 class ResponseFormat(BaseModel):
     """text (default), json_object (any JSON object) or json_schema (an object following a schema)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaSpec | None = None
 
@@ -81,14 +85,14 @@ class ResponseFormat(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class ChatCompletionRequest(BaseModel):
     """POST /v1/chat/completions. Unknown fields are ignored, as OpenAI-compatible servers do."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(min_length=1, description="A family member by role (root, finetuned, ...) or by name.")
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
@@ -197,7 +201,7 @@ class ModelList(BaseModel):
 class PrefillRequest(BaseModel):
     """POST /v1/cache/prefill: warm the cache with the start of future conversations."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
 

@@ -211,3 +211,39 @@ def test_two_agents_on_one_model_never_run_forward_passes_at_once(fam, mapstore)
         counter.remove()
     assert report.succeeded == ["a", "b", "c"]
     assert len(counter.tokens) > 10 and counter.most == 1
+
+
+def test_concurrent_requests_with_different_questions_prefill_the_document_once(registry, mapstore):
+    """Two questions about one document at once, on one member and on another: one document prefill."""
+    cache = _family_cache(registry, mapstore)
+    doc = _ids(registry, data_text("gfdl-1.3.txt")[:250])
+    asks = [("base", doc + _ids(registry, " First question?")), ("base", doc + _ids(registry, " Other one!")),
+            ("child", doc + _ids(registry, " And on the child?"))]
+    counter = TokenCounter(registry.load("base").model, delay=0.3)  # the first prefill is still running when the others ask
+    leases = {}
+    started = threading.Event()
+
+    def ask(i, member, ids):
+        if i:
+            started.wait()
+            time.sleep(0.05)
+        else:
+            started.set()
+        leases[i] = cache.acquire_sync(member, ids)
+
+    try:
+        threads = [threading.Thread(target=ask, args=(i, m, ids)) for i, (m, ids) in enumerate(asks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        counter.remove()
+    base_tokens = [t for t in counter.tokens if t != 512]  # 512: the mapping store's probe reference windows
+    assert base_tokens[0] == len(asks[0][1])  # the document, once, with the first question
+    assert sum(base_tokens[1:]) < len(doc) // 2  # the second question only computes its own tokens
+    assert leases[1].reused_tokens >= len(doc) and leases[1].path == "exact"
+    assert leases[2].path == "mapped" and leases[2].source == "base"
+    assert any(s.step == "join" for s in leases[1].steps) and any(s.step == "join" for s in leases[2].steps)
+    for lease in leases.values():
+        lease.release()

@@ -1,0 +1,832 @@
+"""The ray executor: family members as Ray actors, KV caches as ObjectRefs in Ray's object store.
+
+Imported only when a pipeline says ``executor: {kind: ray}`` (``pip install 'orchestra[ray]'``). The
+driver keeps everything that decides (the FamilyCache's index, gates and fallback, the DAG, events and
+the report); every forward pass runs in an actor, one per (member, replica), placed by one placement
+group per pipeline:
+
+- **ops** (`familycache._ops`, through the module-level ops of `_core`) are shipped by reference and
+  run in the actor of the member they name, under that model's lock, as `LocalExecutor` runs them;
+- **caches** never come back to the driver: an actor returns each cache it built as a separate
+  return value holding its per-layer K/V as numpy arrays, so the driver owns an ObjectRef
+  (`RemoteKV`) that FamilyCache entries hold, and another actor on the node reads it zero-copy from
+  shared memory. A prefix is a view of the same object (`RemoteKV.view`: no copy, no actor call);
+- **maps** run on the target's actor: the mapping is loaded there (`RemoteMapping` is the driver's
+  proxy: manifest, path, no tensors) and the source's cache arrives by reference. Ops that need two
+  models are split where each model lives: the probe reference (source half, target half) and
+  scattered-token repair (the source ranks positions, the target repairs). On-demand calibration
+  is refused: it streams both models over the calibration corpus in one process; calibrate offline;
+- **generation** runs in the agent's actor; tokens stream back to the driver as they are made
+  (a Ray streaming generator) and a cancelled agent stops at its next token;
+- **faults**: a dead actor fails the work it was running with `ActorLostError` naming the actor and
+  node (a mapped cache then falls back to a re-prefill, an agent fails), Ray restarts it
+  (`max_restarts`), and the next call uses the new one; `close()` kills the actors and removes the
+  placement group (Ray does the same for a driver that dies).
+
+Bytes of K/V (and hidden states) that one process reads from another's output are counted
+(`stats()`): on one node that is a shared-memory read, across nodes a network transfer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import queue
+import threading
+import uuid
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestra.errors import ActorLostError, ExecutorError, ExecutorUnavailableError, MappingUnavailableError
+from orchestra.familycache import _core
+from orchestra.familycache._executor import Executor
+
+if TYPE_CHECKING:
+    from orchestra.pipeline import ExecutorSpec
+    from orchestra.registry import ModelInfo, ModelRegistry
+
+__all__ = ["RayExecutor", "RemoteKV", "RemoteHidden", "RemoteMapping", "NAMESPACE"]
+
+NAMESPACE = "orchestra"
+"""Ray namespace of every actor the executor names (``ray.util.list_named_actors`` finds them there)."""
+
+
+# -- handles the driver holds ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RemoteKV:
+    """A K/V cache in Ray's object store: the first `length` positions of one cache an actor built."""
+
+    ref: Any
+    """ObjectRef of the list of packed caches the op returned (this one is at `index`)."""
+    index: int
+    length: int
+    total: int
+    """Positions the stored cache holds (a view covers the first `length`)."""
+    position_bytes: int
+    """Bytes of K/V per position, over all layers."""
+    layers: int
+    producer: str
+    """The actor that built it."""
+    node: str
+    """The node it was built on (where its bytes live)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.position_bytes * self.length
+
+    def view(self, length: int) -> RemoteKV:
+        """The first `length` positions: the same object, nothing copied."""
+        if not 0 < length <= self.total:
+            raise ValueError(f"cannot view {length} positions of a cache of {self.total}")
+        return replace(self, length=length)
+
+
+@dataclass(frozen=True)
+class RemoteHidden:
+    """Hidden states entering each layer (kept for layer repair) in Ray's object store."""
+
+    ref: Any
+    index: int
+    nbytes: int
+    producer: str
+    node: str
+
+
+@dataclass(frozen=True)
+class RemoteMapping:
+    """The driver's proxy of a mapping loaded in a target's actor: what gates read, never the tensors."""
+
+    key: tuple[str, str]
+    path: str | None
+    manifest: Any
+    residual: Any
+    """True when the mapping has residual maps (layer repair), else None (as `mapping.residual` reads)."""
+    store: dict[str, Any] = field(repr=False)
+    """How the actor finds it again (after a restart, or on another replica)."""
+    source: Any = field(repr=False, default=None)
+    """The source's ModelInfo."""
+
+
+@dataclass
+class _Slot:
+    kind: str
+    index: int
+    length: int = 0
+    total: int = 0
+    position_bytes: int = 0
+    nbytes: int = 0
+    layers: int = 0
+
+
+@dataclass
+class _Packed:
+    """One cache as it travels: per-layer (K, V) as numpy arrays (zero-copy out of the object store)."""
+
+    layers: list[tuple[Any, Any]]
+    dtype: str
+    length: int
+
+
+# -- packing (in the actor) -----------------------------------------------------------------------------
+def _to_numpy(t: Any) -> tuple[Any, str]:
+    import torch
+
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: carry the bits
+        return t.view(torch.int16).numpy(), "bfloat16"
+    return t.numpy(), str(t.dtype).removeprefix("torch.")
+
+
+def _from_numpy(a: Any, dtype: str, device: Any) -> Any:
+    import torch
+
+    with warnings.catch_warnings():  # the object store's arrays are read-only; ops never write into them
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a)
+    if dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t.to(device)
+
+
+def _is_cache(obj: Any) -> bool:
+    return not isinstance(obj, (list, tuple, dict)) and hasattr(obj, "layers") and hasattr(obj, "get_seq_length")
+
+
+def _pack_cache(cache: Any) -> _Packed:
+    from mappings.cache_io import cache_layers
+
+    layers, dtype, length = [], "float32", 0
+    for k, v in cache_layers(cache):
+        (kn, dtype), (vn, _) = _to_numpy(k), _to_numpy(v)
+        layers.append((kn, vn))
+        length = int(k.shape[-2])
+    return _Packed(layers, dtype, length)
+
+
+def _pack_result(result: Any) -> tuple[Any, list[_Packed], list[dict[int, Any]]]:
+    """The op's result with every cache and hidden-state dict replaced by a slot, and those, packed."""
+    import torch
+
+    from orchestra.familycache._ops import Computed
+
+    caches: list[_Packed] = []
+    hiddens: list[dict[int, Any]] = []
+
+    def cache_slot(cache: Any) -> _Slot:
+        packed = _pack_cache(cache)
+        caches.append(packed)
+        nbytes = sum(k.nbytes + v.nbytes for k, v in packed.layers)
+        return _Slot("kv", len(caches) - 1, packed.length, packed.length, nbytes // max(1, packed.length),
+                     nbytes, len(packed.layers))
+
+    def hidden_slot(hidden: dict[int, Any]) -> _Slot:
+        packed = {i: _to_numpy(h) for i, h in hidden.items()}
+        hiddens.append(packed)
+        return _Slot("hidden", len(hiddens) - 1, nbytes=sum(a.nbytes for a, _ in packed.values()))
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, Computed):
+            return Computed(cache=walk(obj.cache), logits=walk(obj.logits), seconds=obj.seconds,
+                            hidden=hidden_slot(obj.hidden) if obj.hidden is not None else None)
+        if _is_cache(obj):
+            return cache_slot(obj)
+        if isinstance(obj, torch.Tensor):
+            return obj.detach().to("cpu")
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(walk(x) for x in obj)
+        if isinstance(obj, list):
+            return [walk(x) for x in obj]
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items()}
+        return obj
+
+    return walk(result), caches, hiddens
+
+
+def _unslot(meta: Any, kv_ref: Any, hidden_ref: Any, producer: str, node: str) -> Any:
+    """The driver's view of a result: slots become handles on the op's two extra return values."""
+    from orchestra.familycache._ops import Computed
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, _Slot):
+            if obj.kind == "kv":
+                return RemoteKV(kv_ref, obj.index, obj.length, obj.total, obj.position_bytes, obj.layers, producer, node)
+            return RemoteHidden(hidden_ref, obj.index, obj.nbytes, producer, node)
+        if isinstance(obj, Computed):
+            return Computed(cache=walk(obj.cache), logits=obj.logits, seconds=obj.seconds, hidden=walk(obj.hidden))
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(walk(x) for x in obj)
+        if isinstance(obj, list):
+            return [walk(x) for x in obj]
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items()}
+        return obj
+
+    return walk(meta)
+
+
+def _handles(obj: Any) -> list[RemoteKV | RemoteHidden]:
+    found: list[RemoteKV | RemoteHidden] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, (RemoteKV, RemoteHidden)):
+            found.append(o)
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                walk(x)
+        elif isinstance(o, dict):
+            for x in o.values():
+                walk(x)
+
+    walk(obj)
+    return found
+
+
+def _tensor_bytes(obj: Any) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return int(obj.numel() * obj.element_size())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(x) for x in obj.values())
+    if hasattr(obj, "logits") and hasattr(obj, "seconds"):  # Computed
+        return _tensor_bytes(obj.logits)
+    return 0
+
+
+# -- the actor ------------------------------------------------------------------------------------------
+class _Done:
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+@ray.remote
+class MemberActor:
+    """One family member's model in its own process; runs ops and agents on it."""
+
+    def __init__(self, name: str, alias: str, target: str, family: Any, device: str, dtype: str,
+                 threads: int | None, agents_at_once: int) -> None:
+        import torch
+
+        from orchestra.registry import ModelRegistry
+
+        torch.set_num_threads(threads or _node_cores())
+        self.name, self.alias = name, alias
+        registry = ModelRegistry({alias: target}, family=family, devices={alias: device}, default_device=device,
+                                 dtype=dtype)
+        self.model = registry.load(alias)
+        context = ray.get_runtime_context()
+        self.node = f"{ray.util.get_node_ip_address()}/{context.get_node_id()[:8]}"
+        self.mappings: dict[tuple[str, str, str], Any] = {}
+        self.mapping_lock = threading.Lock()
+        self.agents = threading.Semaphore(agents_at_once)
+        self.cancels: dict[str, threading.Event] = {}
+
+    def whoami(self) -> dict[str, Any]:
+        import torch
+
+        return {"actor": self.name, "node": self.node, "pid": os.getpid(), "device": self.model.device,
+                "threads": torch.get_num_threads()}
+
+    # resolving what the driver sent
+    def _resolve(self, obj: Any) -> Any:
+        if isinstance(obj, RemoteKV):
+            from mappings.cache_io import build_cache
+
+            packed: _Packed = ray.get(obj.ref)[obj.index]
+            device, config = self.model.device, self.model.model.config
+            layers = [(_from_numpy(k, packed.dtype, device)[..., : obj.length, :],
+                       _from_numpy(v, packed.dtype, device)[..., : obj.length, :]) for k, v in packed.layers]
+            # this model's layer types for its own caches; another member's (a source to map) as plain layers
+            own = len(layers) == getattr(config.get_text_config(), "num_hidden_layers", len(layers))
+            return build_cache(layers, config if own else None)
+        if isinstance(obj, RemoteHidden):
+            packed_h = ray.get(obj.ref)[obj.index]
+            return {i: _from_numpy(a, dtype, self.model.device) for i, (a, dtype) in packed_h.items()}
+        if isinstance(obj, RemoteMapping):
+            return self._mapping(obj.store, obj.source)
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._resolve(x) for x in obj)
+        if isinstance(obj, list):
+            return [self._resolve(x) for x in obj]
+        if isinstance(obj, dict):
+            return {k: self._resolve(v) for k, v in obj.items()}
+        return obj
+
+    def _mapping(self, store: dict[str, Any], source: ModelInfo) -> Any:
+        from orchestra.mapstore import MappingStore
+
+        key = (store["directory"], source.fingerprint, self.model.info.fingerprint)
+        with self.mapping_lock:
+            if key not in self.mappings:
+                mapstore = MappingStore(Path(store["directory"]), on_missing="refuse", method=store["method"],
+                                        tokens=store["tokens"])
+                try:
+                    self.mappings[key], _ = mapstore.get(SimpleNamespace(info=source), self.model)
+                except MappingUnavailableError as exc:
+                    if store["on_missing"] != "calibrate":
+                        raise
+                    raise MappingUnavailableError(
+                        f"{exc}. The ray executor does not calibrate mappings on demand (calibration runs both "
+                        f"models over the calibration corpus in one process): calibrate offline first with "
+                        f"`orchestra family calibrate` or `orchestra calibrate`") from None
+            return self.mappings[key]
+
+    @ray.method(num_returns=3)
+    def run(self, op: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, list[_Packed], list[Any]]:
+        args, kwargs = self._resolve(args), self._resolve(kwargs)
+        with self.model.lock:
+            result = op(self.model, *args, **kwargs)
+        return _pack_result(result)
+
+    def load_mapping(self, store: dict[str, Any], source: ModelInfo) -> RemoteMapping:
+        mapping = self._mapping(store, source)
+        return RemoteMapping((source.fingerprint, self.model.info.fingerprint),
+                             str(mapping.path) if getattr(mapping, "path", None) else None, mapping.manifest,
+                             True if mapping.residual is not None else None, store, source)
+
+    @ray.method(num_returns="streaming")
+    def generate(self, key: str, spec: Any, prefix_ids: list[int], prefix_cache: Any, upstream: dict[str, Any]):
+        from agents.runner import generate
+
+        cache = self._resolve(prefix_cache)
+        cancel = self.cancels[key] = self.cancels.get(key) or threading.Event()
+        items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+        def work() -> None:
+            try:
+                with self.agents:
+                    result = generate(self.model.model, self.model.tokenizer, spec, prefix_ids=prefix_ids,
+                                      prefix_cache=cache, upstream=upstream, on_token=items.put, cancel=cancel,
+                                      lock=self.model.lock)
+                items.put(_Done(result))
+            except BaseException as exc:  # handed to the driver through the stream
+                items.put(_Failed(exc))
+
+        threading.Thread(target=work, name=f"agent-{spec.name}", daemon=True).start()
+        try:
+            while True:
+                item = items.get()
+                if isinstance(item, _Done):
+                    yield item.result
+                    return
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+        finally:
+            cancel.set()
+            self.cancels.pop(key, None)
+
+    def cancel(self, key: str) -> None:
+        """Stop the agent streaming under `key` at its next token (also when it has not started yet)."""
+        self.cancels.setdefault(key, threading.Event()).set()
+
+
+def _node_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# ops the executor ships that are not FamilyCache's own
+def _reference_source_op(model: Any, corpus: list[tuple[str, str]], tokens: int, window: int, windows: int) -> Any:
+    from orchestra.mapstore import MappingStore
+
+    return MappingStore(Path("."), corpus=corpus).reference_source(model, tokens, window, windows)
+
+
+def _reference_target_op(model: Any, mapping: Any, measured: Any, tokens: int) -> Any:
+    from orchestra.mapstore import MappingStore
+
+    return MappingStore.reference_target(model, mapping, measured, tokens)
+
+
+def _importance_op(model: Any, cache: Any, ids: list[int], probe_tokens: int) -> Any:
+    from orchestra.familycache._ops import source_importance
+
+    return source_importance(model, cache, ids, probe_tokens)
+
+
+# -- the driver side ------------------------------------------------------------------------------------
+@dataclass
+class _Actor:
+    member: str
+    replica: int
+    handle: Any
+    ray_name: str
+    node: str = "?"
+    busy: int = 0
+    suspect: bool = False
+    """Its last call failed because it died: wait for Ray to restart it before the next one."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.member}#{self.replica}"
+
+
+class RayExecutor(Executor):
+    """FamilyCache's model work on Ray actors: one per (member, replica), in one placement group.
+
+    `registry` resolves members on the driver (configs and tokenizers, never weights); `spec` is the
+    pipeline's `ExecutorSpec`; `members` the aliases that get actors (default: all of the registry's).
+    Ray is started or joined, and the actors made, at the first op.
+    """
+
+    def __init__(self, registry: ModelRegistry, spec: ExecutorSpec, *, members: Sequence[str] | None = None,
+                 name: str = "pipeline", max_concurrency_per_device: int = 1) -> None:
+        self.registry = registry
+        self.spec = spec
+        self.name = name
+        self._members = list(members) if members is not None else list(registry.aliases)
+        self.max_concurrency_per_device = max_concurrency_per_device
+        self.uid = uuid.uuid4().hex[:8]
+        self._actors: dict[str, list[_Actor]] = {}
+        self._pg: Any = None
+        self._owns_ray = False
+        self._started = False
+        self._start_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._tokenizers: dict[str, Any] = {}
+        self._stats = {"kv_bytes_moved": 0, "kv_bytes_moved_across_nodes": 0, "result_bytes_to_driver": 0,
+                       "remote_calls": 0}
+        self._special: dict[Callable[..., Any], Callable[..., Any]] = {
+            _core._truncate_op: self._truncate,
+            _core._mapping_op: self._load_mapping,
+            _core._reference_op: self._reference,
+            _core._map_op: self._map_with_source,
+        }
+        ref = weakref.ref(self)
+        atexit.register(lambda: (ex := ref()) is not None and ex.close())
+
+    # -- Executor: what the driver knows without actors ---------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return "ray"
+
+    @property
+    def members(self) -> Sequence[str]:
+        return list(self.registry.aliases)
+
+    def info(self, member: str) -> ModelInfo:
+        return self.registry.info(member)
+
+    def dtype(self, member: str) -> str:
+        return self.registry.dtype
+
+    def tokenizer(self, member: str) -> Any:
+        path = str(self.info(member).path)
+        if path not in self._tokenizers:
+            from transformers import AutoTokenizer
+
+            self._tokenizers[path] = AutoTokenizer.from_pretrained(path)
+        return self._tokenizers[path]
+
+    def lock(self, member: str) -> threading.Lock:
+        """A driver-side lock per member (forward passes are serialised inside each actor, not by it)."""
+        with self._lock:
+            return self._locks.setdefault(member, threading.Lock())
+
+    def nbytes(self, cache: Any, *extra: Any) -> int:
+        from orchestra.familycache._ops import nbytes_of
+
+        total = cache.nbytes if isinstance(cache, RemoteKV) else nbytes_of(cache)
+        for item in extra:
+            if isinstance(item, RemoteHidden):
+                total += item.nbytes
+            elif item is not None:
+                total += _tensor_bytes(item)
+        return total
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._stats)
+
+    def placement(self) -> dict[str, list[dict[str, str]]]:
+        """Member -> its actors and their nodes (after the first op)."""
+        return {m: [{"actor": a.name, "node": a.node, "ray_name": a.ray_name} for a in actors]
+                for m, actors in self._actors.items()}
+
+    # -- starting and stopping ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start or join Ray, reserve the placement group and start every actor (model loads included)."""
+        with self._start_lock:
+            if self._started:
+                return
+            self._connect()
+            plan = []
+            for member in self._members:
+                res = self.spec.resources(member)
+                for replica in range(res.replicas):
+                    plan.append((member, replica, res))
+            bundles = [{"CPU": float(res.num_cpus or 1.0), **({"GPU": float(res.num_gpus)} if res.num_gpus else {})}
+                       for _, _, res in plan]
+            pg = placement_group(bundles, strategy=self.spec.placement, name=f"orchestra-{self.name}-{self.uid}")
+            try:
+                ray.get(pg.ready(), timeout=self.spec.ready_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(pg)
+                need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+                raise ExecutorUnavailableError(
+                    f"Ray could not place the pipeline's {len(bundles)} actors ({need['CPU']:g} CPU, {need['GPU']:g} GPU, "
+                    f"strategy {self.spec.placement}) within {self.spec.ready_timeout_s:g}s; the cluster has "
+                    f"{ray.cluster_resources()}: lower executor.num_cpus / members' num_gpus or replicas, or add nodes"
+                ) from None
+            self._pg = pg
+            actors: dict[str, list[_Actor]] = {}
+            for index, (member, replica, res) in enumerate(plan):
+                ray_name = f"orchestra.{self.name}.{self.uid}.{member}.{replica}"
+                device = "cpu" if self.registry.devices.get(member) == "cpu" else ("auto" if res.num_gpus else "cpu")
+                handle = MemberActor.options(
+                    name=ray_name, namespace=NAMESPACE, num_cpus=res.num_cpus, num_gpus=res.num_gpus or 0,
+                    max_restarts=self.spec.max_restarts, max_task_retries=0, max_concurrency=32,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+                ).remote(f"{member}#{replica}", member, self.registry.aliases[member], self.registry.family, device,
+                         self.registry.dtype, res.threads, self.max_concurrency_per_device)
+                actors.setdefault(member, []).append(_Actor(member, replica, handle, ray_name))
+            self._actors = actors
+            self._started = True
+            try:
+                every = [a for group in actors.values() for a in group]
+                for actor, who in zip(every, ray.get([a.handle.whoami.remote() for a in every]), strict=True):
+                    actor.node = who["node"]
+            except ray.exceptions.RayActorError as exc:
+                self._stop()
+                raise ExecutorUnavailableError(f"a member's actor could not start (its model did not load): "
+                                               f"{_first_line(exc)}") from exc
+
+    def _connect(self) -> None:
+        if ray.is_initialized():
+            return
+        address = self.spec.address
+        kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False}
+        if address in (None, "local") and not (address is None and os.environ.get("RAY_ADDRESS")):
+            need = sum((self.spec.resources(m).num_cpus or 1.0) * self.spec.resources(m).replicas for m in self._members)
+            # logical CPUs: enough for every actor's bundle (each actor still runs torch on the node's cores)
+            kwargs.update(address="local", include_dashboard=False, num_cpus=max(_node_cores(), math.ceil(need)))
+        else:
+            kwargs["address"] = address
+        try:
+            _init_from_a_lasting_thread(kwargs)
+        except Exception as exc:  # unreachable cluster, bad address
+            raise ExecutorUnavailableError(f"cannot start or join Ray at {address or 'local'}: {_first_line(exc)}") from exc
+        self._owns_ray = True
+
+    def close(self) -> None:
+        """Kill the actors and remove the placement group (and stop Ray if this executor started it)."""
+        with self._start_lock:
+            self._stop()
+
+    def _stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        if ray.is_initialized():
+            for group in self._actors.values():
+                for actor in group:
+                    try:
+                        ray.kill(actor.handle, no_restart=True)
+                    except Exception:  # already gone
+                        pass
+            if self._pg is not None:
+                try:
+                    remove_placement_group(self._pg)
+                except Exception:  # already removed
+                    pass
+            if self._owns_ray:
+                ray.shutdown()
+                self._owns_ray = False
+        self._actors, self._pg = {}, None
+
+    # -- running ops --------------------------------------------------------------------------------------
+    def actors(self, member: str) -> list[_Actor]:
+        self.start()
+        try:
+            return self._actors[member]
+        except KeyError:
+            raise ExecutorError(f"member {member!r} has no actor: the executor runs {', '.join(self._actors)}") from None
+
+    def _pick(self, member: str) -> _Actor:
+        """The least busy actor of `member` (blocking: a restarting one is waited for)."""
+        group = self.actors(member)
+        with self._lock:
+            actor = min(group, key=lambda a: (a.suspect, a.busy, a.replica))
+            actor.busy += 1
+        if actor.suspect:
+            try:
+                self._revive(actor)
+            except BaseException:
+                self._done(actor)
+                raise
+        return actor
+
+    def _revive(self, actor: _Actor) -> None:
+        """Wait until Ray has restarted a dead actor (its model reloaded); refresh the node it is on."""
+        import time
+
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        while True:
+            try:
+                who = ray.get(actor.handle.whoami.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                actor.node, actor.suspect = who["node"], False
+                return
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    raise self._lost(actor, "restarting", exc) from None
+                time.sleep(0.2)
+            except ray.exceptions.RayActorError as exc:  # dead for good: restarts exhausted
+                raise ActorLostError(
+                    f"actor {actor.name} ({actor.ray_name}) is dead and Ray will not restart it again "
+                    f"(executor.max_restarts: {self.spec.max_restarts}): {_first_line(exc)}; start the run anew",
+                    actor=actor.name, node=actor.node, op="restarting") from None
+
+    def _done(self, actor: _Actor) -> None:
+        with self._lock:
+            actor.busy -= 1
+
+    def _count_in(self, actor: _Actor, payload: Any) -> None:
+        with self._lock:
+            for handle in _handles(payload):
+                size = handle.nbytes
+                if handle.producer != actor.name:
+                    self._stats["kv_bytes_moved"] += size
+                    if handle.node != actor.node:
+                        self._stats["kv_bytes_moved_across_nodes"] += size
+
+    def _lost(self, actor: _Actor, what: str, exc: BaseException) -> ActorLostError:
+        actor.suspect = True
+        return ActorLostError(
+            f"actor {actor.name} ({actor.ray_name}) on node {actor.node} died while running {what}: "
+            f"{_first_line(exc)}; Ray restarts it (up to {self.spec.max_restarts} times) and the next run uses it",
+            actor=actor.name, node=actor.node, op=what)
+
+    def call(self, member: str, op: Callable[..., Any], *args: Any, actor: _Actor | None = None, **kwargs: Any) -> Any:
+        """Run ``op(model, *args, **kwargs)`` in an actor of `member` (the least busy); handles for its caches."""
+        actor = actor or self._pick(member)
+        try:
+            self._count_in(actor, (args, kwargs))
+            meta_ref, kv_ref, hidden_ref = actor.handle.run.remote(op, args, kwargs)
+            meta = self._get(actor, meta_ref, getattr(op, "__name__", "op").strip("_"))
+        finally:
+            self._done(actor)
+        with self._lock:
+            self._stats["remote_calls"] += 1
+            self._stats["result_bytes_to_driver"] += _tensor_bytes(meta)
+        return _unslot(meta, kv_ref, hidden_ref, actor.name, actor.node)
+
+    def _get(self, actor: _Actor, ref: Any, what: str) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            raise self._lost(actor, what, exc) from None
+        except ray.exceptions.RayTaskError as exc:  # the op raised: the same error as a local run's
+            raise _cause(exc) from None
+
+    def run(self, members: Sequence[str], op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        special = self._special.get(op)
+        if special is not None:
+            return special(members, *args, **kwargs)
+        if len(members) != 1:
+            raise ExecutorError(f"op {getattr(op, '__name__', op)!r} needs {', '.join(members)} in one process, "
+                                f"which the ray executor does not do")
+        return self.call(members[0], op, *args, **kwargs)
+
+    # ops with special handling
+    def _truncate(self, members: Sequence[str], cache: Any, length: int) -> Any:
+        if isinstance(cache, RemoteKV):
+            return cache.view(length)
+        return self.call(members[0], _core._truncate_op, cache, length)
+
+    @staticmethod
+    def _store_config(store: Any) -> dict[str, Any]:
+        return {"directory": str(store.directory), "on_missing": store.on_missing, "method": store.method,
+                "tokens": store.tokens}
+
+    def _load_mapping(self, members: Sequence[str], store: Any, cancel: Any = None) -> tuple[RemoteMapping, bool]:
+        source, target = members
+        actor = self._pick(target)
+        try:
+            ref = actor.handle.load_mapping.remote(self._store_config(store), self.info(source))
+            return self._get(actor, ref, f"loading the mapping {source} -> {target}"), False
+        finally:
+            self._done(actor)
+
+    def _reference(self, members: Sequence[str], store: Any, mapping: RemoteMapping, tail: int) -> Any:
+        source, target = members
+
+        def measure(tokens: int, window: int, windows: int) -> Any:
+            measured = self.call(source, _reference_source_op, store.corpus, tokens, window, windows)
+            return self.call(target, _reference_target_op, mapping, measured, tokens)
+
+        s, t = SimpleNamespace(info=self.info(source)), SimpleNamespace(info=self.info(target))
+        return store.probe_reference(s, t, mapping, tail, measure=measure)
+
+    def _map_with_source(self, members: Sequence[str], mapping: Any, src_cache: Any, ids: list[int], tail: int,
+                         repair: Any, hidden: Any) -> Any:
+        """Scattered-token repair: the source ranks positions in its actor, the target maps and repairs in its."""
+        source, target = members
+        importance, seconds = self.call(source, _importance_op, src_cache, ids, repair.probe_tokens)
+        mapped, summary = self.call(target, _core._map_target_op, mapping, src_cache, ids, tail, repair, hidden,
+                                    importance)
+        if summary is not None:
+            summary.setdefault("seconds", {})["rank"] = seconds
+        return mapped, summary
+
+    # -- agents -------------------------------------------------------------------------------------------
+    async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
+                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None,
+                       placement: dict[str, Any] | None = None) -> Any:
+        import inspect
+
+        import anyio.to_thread
+
+        actor = await anyio.to_thread.run_sync(self._pick, member)
+        if placement is not None:
+            placement.update(actor=actor.name, node=actor.node)
+        key = uuid.uuid4().hex
+        finished = False
+        try:
+            self._count_in(actor, prefix_cache)
+            stream = actor.handle.generate.remote(key, spec, list(prefix_ids), prefix_cache, dict(upstream))
+            async for ref in stream:
+                try:
+                    item = await ref
+                except ray.exceptions.RayActorError as exc:
+                    raise self._lost(actor, f"agent {spec.name!r}", exc) from None
+                except ray.exceptions.RayTaskError as exc:
+                    raise _cause(exc) from None
+                if type(item).__name__ == "AgentResult":
+                    finished = True
+                    return item
+                if on_token is not None:
+                    maybe = on_token(item)
+                    if inspect.isawaitable(maybe):
+                        await maybe
+            raise ExecutorError(f"agent {spec.name!r} on {actor.name}: the stream ended without a result")
+        except ray.exceptions.RayActorError as exc:
+            raise self._lost(actor, f"agent {spec.name!r}", exc) from None
+        finally:
+            self._done(actor)
+            if not finished:  # cancelled (timeout, Ctrl-C) or failed: stop decoding at the next token
+                try:
+                    actor.handle.cancel.remote(key)
+                except Exception:  # the actor is gone
+                    pass
+
+
+def _init_from_a_lasting_thread(kwargs: dict[str, Any]) -> None:
+    """`ray.init`, from the main thread or from a daemon thread that lives as long as the process.
+
+    A Ray started here runs its GCS and raylet as children that die with the *thread* that spawned
+    them (Linux's parent-death signal follows threads): started from a pool's worker thread (the
+    FamilyCache's ops run in anyio's), they would be killed when that idle thread is retired.
+    """
+    if threading.current_thread() is threading.main_thread():
+        ray.init(**kwargs)
+        return
+    done = threading.Event()
+    box: dict[str, BaseException] = {}
+
+    def owner() -> None:
+        try:
+            ray.init(**kwargs)
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+        done.set()
+        threading.Event().wait()  # never returns: Ray's processes live as long as this process
+
+    threading.Thread(target=owner, name="orchestra-ray-owner", daemon=True).start()
+    done.wait()
+    if "error" in box:
+        raise box["error"]
+
+
+def _cause(exc: Any) -> BaseException:
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, Exception) else exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return type(exc).__name__

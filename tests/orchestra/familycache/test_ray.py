@@ -1,0 +1,282 @@
+"""The ray executor on a tiny family: one local Ray per module (2 CPUs, no dashboard), actors per member.
+
+Same token ids, cache paths and gate decisions as the local executor; FamilyCache entries hold
+ObjectRefs; an actor killed mid-run fails its agent with a typed error naming actor and node while
+its sibling succeeds, and the next run works; cancelled runs, `close()` and Ctrl-C on a driver leave
+no actors or placement groups behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from orchestra.events import TokenEvent
+from orchestra.family.corpus import data_text
+from orchestra.mapstore import PROBE_FILE, MappingStore
+from orchestra.pipeline import PipelineSpec
+from orchestra.scheduler import Orchestra
+from tests.tiny_family import build_tiny_family
+
+ray = pytest.importorskip("ray")
+
+from orchestra.familycache._ray import NAMESPACE, RemoteKV  # noqa: E402  (needs ray)
+
+DOC = data_text("gpl-3.txt")[:320]
+SHORT = DOC[:100]  # leaves room for long generations (tiny models take 512 positions)
+CORPUS = [("mpl", data_text("mpl-2.0.txt")[:6000]), ("apache", data_text("apache-2.0.txt")[:6000])]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fam(tiny_root):
+    return build_tiny_family(tiny_root, "llama")
+
+
+@pytest.fixture(scope="module")
+def maps(tmp_path_factory, fam):
+    """A store with the parent -> child mapping calibrated (offline, as the ray executor needs)."""
+    from orchestra.registry import ModelRegistry
+
+    directory = tmp_path_factory.mktemp("ray_maps")
+    registry = ModelRegistry({"base": str(fam.parent), "child": str(fam.child)}, default_device="cpu")
+    _store(directory).get(registry.load("base"), registry.load("child"))
+    return directory
+
+
+def _spec(name, model, upstream=(), task="Summarise the document.", max_new_tokens=8):
+    return {"name": name, "model": model, "upstream": list(upstream),
+            "spec": {"role": "You are careful.", "task": task,
+                     "generation": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}}
+
+
+def _pipeline(fam, agents, **extra) -> PipelineSpec:
+    return PipelineSpec.model_validate({
+        "name": "t", "models": {"base": str(fam.parent), "child": str(fam.child)},
+        "source": "base", "default_device": "cpu", "agents": agents, **extra,
+    })
+
+
+def _store(directory, **kw) -> MappingStore:
+    return MappingStore(Path(directory), tokens=2048, corpus=CORPUS, **kw)
+
+
+def _ours() -> list[dict]:
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+
+
+def _live_groups() -> list[str]:
+    return [pg["name"] for pg in ray.util.placement_group_table().values()
+            if pg["name"].startswith("orchestra-") and pg["state"] != "REMOVED"]
+
+
+def _gates(report):
+    return {a.name: [(g["gate"], g["passed"], {k: round(v, 3) for k, v in g["metrics"].items()
+                                                if isinstance(v, float)}) for g in a.gate] for a in report.agents}
+
+
+async def test_ray_matches_local(ray_cluster, fam, maps):
+    """Outputs, token ids, cache paths, gates and repair plans equal the local executor's; entries hold ObjectRefs."""
+    from agents import DocumentPrompt
+
+    agents = [_spec("a", "base"), _spec("b", "child"), _spec("c", "base", upstream=["b"], task="Check {b}")]
+    json_agent = _spec("j", "child", task="List the parties as JSON.")  # a tiny model cannot: a typed failure
+    json_agent["spec"]["output"] = {"kind": "json", "json_schema": {"type": "object", "required": ["parties"]},
+                                    "max_repairs": 0}
+    agents.append(json_agent)
+    extra = {"gate": {"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0}},
+             # scattered-token repair: the source ranks positions in its actor, the target repairs in its own
+             "mapping": {"repair": {"budget": 0.3, "scattered_share": 0.5, "probe_tokens": 8}}}
+    local = Orchestra(_pipeline(fam, agents, **extra), mappings=_store(maps))
+    expected = await local.run(DOC)
+    reference = json.loads(next(maps.glob(f"*/{PROBE_FILE}")).read_text())
+    next(maps.glob(f"*/{PROBE_FILE}")).unlink()  # the ray run measures it again, split over both actors
+
+    remote = Orchestra(_pipeline(fam, agents, executor={"kind": "ray"}, **extra), mappings=_store(maps))
+    try:
+        got = await remote.run(DOC)
+        assert got.executor == "ray" and expected.executor == "local"
+        assert [a.status for a in got.agents] == [a.status for a in expected.agents] == ["succeeded"] * 3 + ["failed"]
+        # the agent's own error crosses the process boundary as itself (type, message)
+        assert (got.agent("j").error_type, got.agent("j").error) == (expected.agent("j").error_type,
+                                                                     expected.agent("j").error)
+        assert got.agent("j").error_type in {"OutputValidationError", "TruncatedOutputError", "ContextOverflowError"}
+        assert [a.output for a in got.agents] == [a.output for a in expected.agents]
+        assert [a.cache_path for a in got.agents] == [a.cache_path for a in expected.agents] == \
+            ["exact", "mapped", "exact", "mapped"]
+        assert _gates(got) == _gates(expected)
+        assert [c.repair["tokens"] for c in got.caches if c.repair] == \
+            [c.repair["tokens"] for c in expected.caches if c.repair] != []
+        assert [(a.actor, bool(a.node)) for a in got.agents] == [("base#0", True), ("child#0", True), ("base#0", True),
+                                                                 ("child#0", True)]
+        assert expected.agents[0].actor is None
+        # base's document cache went into child's actor to be mapped: that crossed processes, and was counted
+        assert got.kv_bytes_moved > 0 and got.kv_bytes_moved_across_nodes == 0 and got.result_bytes_to_driver > 0
+        again = json.loads(next(maps.glob(f"*/{PROBE_FILE}")).read_text())
+        assert again.keys() == reference.keys() and len(again) == 2
+        tail = next(k for k in again if k != "mapping_sha256")
+        assert again[tail] == pytest.approx(reference[tail], rel=1e-4, abs=1e-5)
+
+        entries = remote.cache.pool.entries()
+        assert entries and all(isinstance(e.cache, RemoteKV) and isinstance(e.cache.ref, ray.ObjectRef)
+                               for e in entries)
+        assert {e.cache.producer for e in entries} == {"base#0", "child#0"}
+
+        # the same lease gives the same token ids whichever executor decodes it
+        ids = DocumentPrompt(DOC).token_ids(remote.cache.executor.tokenizer("base"))
+        spec = remote.specs["b"]
+        tokens = []
+        for orch in (local, remote):
+            with orch.cache.acquire_sync("child", ids) as lease:
+                assert lease.hit and lease.path == "mapped"
+                result = await orch.cache.executor.generate("child", spec, prefix_ids=ids, prefix_cache=lease.cache,
+                                                            upstream={})
+            tokens.append(result.token_ids)
+        assert tokens[0] == tokens[1] and tokens[0]
+    finally:
+        remote.close()
+    assert not _ours() and not _live_groups()
+
+
+async def test_killed_actor_fails_its_agent_only_and_restarts(ray_cluster, fam, maps):
+    agents = [_spec("a", "base"), _spec("b", "child", max_new_tokens=200)]
+    pipe = _pipeline(fam, agents, gate={"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0}},
+                     executor={"kind": "ray", "max_restarts": 2})
+    orch = Orchestra(pipe, mappings=_store(maps))
+    killed = []
+
+    def kill_child_mid_generation(event) -> None:
+        if isinstance(event, TokenEvent) and event.agent == "b" and not killed:
+            actor = orch.cache.executor.actors("child")[0]
+            killed.append(actor.node)
+            ray.kill(actor.handle, no_restart=False)
+
+    try:
+        report = await orch.run(SHORT, on_event=kill_child_mid_generation)
+        assert killed, report
+        a, b = report.agent("a"), report.agent("b")
+        assert a.status == "succeeded"
+        assert b.status == "failed" and b.error_type == "ActorLostError", b
+        assert "child#0" in b.error and killed[0] in b.error and b.node == killed[0]
+
+        again = await orch.run(SHORT)  # the actor restarted; its stored caches outlived it
+        assert [x.status for x in again.agents] == ["succeeded", "succeeded"], again.agent("b")
+        assert again.agent("b").cache_path == "mapped" and again.store_hits == 3
+    finally:
+        orch.close()
+    assert not _ours() and not _live_groups()
+
+
+async def test_missing_mapping_is_refused_and_cancelled_runs_leave_nothing(ray_cluster, fam, tmp_path):
+    """No calibration on demand under Ray (a re-prefill, saying why); a cancelled run, then close(): nothing left."""
+    agents = [_spec("a", "base"), _spec("b", "child", max_new_tokens=200)]
+    orch = Orchestra(_pipeline(fam, agents, executor="ray"), mappings=_store(tmp_path / "empty"))
+    try:
+        report = await orch.run(SHORT)
+        b = report.agent("b")
+        assert b.status == "succeeded" and b.cache_path == "reprefilled"
+        assert "does not calibrate mappings on demand" in b.fallback_reason
+        assert not (tmp_path / "empty").exists() or not any((tmp_path / "empty").iterdir())
+
+        first_token = anyio.Event()
+
+        async def on_event(event) -> None:
+            if isinstance(event, TokenEvent) and event.agent == "b":
+                first_token.set()
+
+        async def runner() -> None:
+            await orch.run(SHORT, on_event=on_event)
+            pytest.fail("the run should have been cancelled")
+
+        with anyio.move_on_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(runner)
+                await first_token.wait()
+                tg.cancel_scope.cancel()
+        assert first_token.is_set()
+        assert len(_ours()) == 2 and len(_live_groups()) == 1
+    finally:
+        orch.close()
+    assert not _ours() and not _live_groups()
+
+
+def test_ctrl_c_on_the_cli_leaves_no_actors(ray_cluster, fam, maps, tmp_path):
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(
+        f"name: ctrlc\nmodels: {{base: '{fam.parent}', child: '{fam.child}'}}\nsource: base\ndefault_device: cpu\n"
+        f"mapping: {{directory: '{maps}'}}\n"
+        "agents:\n"
+        "  - {name: a, model: base, spec: {task: Summarise., generation: {max_new_tokens: 200}}}\n"
+        "  - {name: b, model: child, spec: {task: Summarise., generation: {max_new_tokens: 200}}}\n"
+    )
+    document = tmp_path / "doc.txt"
+    document.write_text(SHORT)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestra.cli", "run", str(pipeline), "--document", str(document),
+                             "--executor", "ray", "--ray-address", "auto"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(_ours()) < 2:
+            time.sleep(0.2)
+        assert len(_ours()) == 2, proc.stdout.read1().decode() if proc.poll() is not None else "no actors"
+        time.sleep(1.0)  # the actors load their models and start decoding
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out.decode()[-2000:]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (_ours() or _live_groups()):
+        time.sleep(0.2)
+    assert not _ours() and not _live_groups()
+
+
+def test_executor_settings_validate_and_cli_overrides(fam):
+    from orchestra.builder import Pipeline
+
+    pipe = _pipeline(fam, [_spec("a", "base")], executor={"kind": "ray", "members": {"child": {"num_gpus": 1,
+                                                                                                "replicas": 2}}})
+    assert pipe.executor.resources("child").replicas == 2 and pipe.executor.resources("base").num_cpus == 1.0
+    built = Pipeline.from_spec(pipe).with_executor("local", address="auto")
+    assert built.spec.executor.kind == "local" and built.spec.executor.address == "auto"
+    assert built.spec.executor.members["child"].num_gpus == 1
+    from orchestra.errors import PipelineValidationError
+
+    with pytest.raises(PipelineValidationError, match="executor.members names model 'nope'"):
+        _pipeline(fam, [_spec("a", "base")], executor={"kind": "ray", "members": {"nope": {}}})
+    with pytest.raises(PipelineValidationError, match="executor.kind"):
+        _pipeline(fam, [_spec("a", "base")], executor="dask")
+
+
+def test_ray_started_from_a_worker_thread_outlives_it(tmp_path):
+    """Ray's GCS and raylet die with the thread that spawned them: a private Ray started from an op's
+    worker thread (which anyio retires when idle) must be spawned from a thread that lasts."""
+    script = tmp_path / "start.py"
+    script.write_text(
+        "import threading, time, ray\n"
+        "from orchestra.familycache._ray import _init_from_a_lasting_thread\n"
+        "t = threading.Thread(target=_init_from_a_lasting_thread, args=({'address': 'local', 'num_cpus': 1,\n"
+        "                     'include_dashboard': False, 'log_to_driver': False},))\n"
+        "t.start(); t.join(); time.sleep(1.0)  # the worker thread is gone\n"
+        "print('alive', ray.get(ray.remote(lambda: 41).remote(), timeout=60) + 1)\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert "alive 42" in out.stdout, out.stderr[-2000:]

@@ -1,0 +1,119 @@
+"""Step-level batching on a tiny family: concurrent greedy requests decode together and get exactly their solo replies."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from orchestra.serve import ChatCompletionRequest
+from tests.orchestra.serve.conftest import tiny_engine
+
+# prompts of different lengths (so rows are left-padded differently), on both members
+PROMPTS = [
+    ("root", "The committee reviewed the annual report."),
+    ("root", "Costs fell as the new plant came online, and the board approved a dividend. Revenue grew."),
+    ("finetuned", "def parse(line):"),
+    ("root", "Revenue"),
+    ("finetuned", "Python functions return values; lists hold items in order and dictionaries map keys."),
+    ("root", "The board approved"),
+    ("finetuned", "lists hold"),
+    ("root", "The committee reviewed the annual report and found that revenue grew in every region."),
+]
+
+
+def request(model: str, text: str, max_tokens: int = 24, **extra) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
+                                 temperature=0, **extra)
+
+
+async def replies(engine, requests: list[ChatCompletionRequest]) -> list[tuple[str, list[int], str]]:
+    out: list[tuple[str, list[int], str] | None] = [None] * len(requests)
+
+    async def one(i: int) -> None:
+        async with engine.open(requests[i]) as gen:
+            text = await gen.text()
+        assert gen.result is not None
+        out[i] = (text, list(gen.result.token_ids), gen.finish_reason)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            tg.start_soon(one, i)
+    return out  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_serve_family):
+    engine = tiny_engine(tiny_serve_family, batch_decode=False, max_concurrent=8)
+    return anyio.run(replies, engine, [request(m, t) for m, t in PROMPTS])
+
+
+async def test_concurrent_greedy_requests_batch_and_match_their_solo_replies(tiny_serve_family, solo):
+    engine = tiny_engine(tiny_serve_family, batch_decode=True, max_concurrent=8, max_batch=8)
+    batched = await replies(engine, [request(m, t) for m, t in PROMPTS])
+    assert batched == solo
+    assert all(len(ids) > 0 for _, ids, _ in batched)
+    for member in ("root", "finetuned"):
+        decoder = engine._batchers[member]
+        assert decoder.steps > 0
+        assert decoder.rows_stepped / decoder.steps > 1.0, f"{member} never decoded two rows in one step"
+    engine.close()
+
+
+async def test_a_row_leaving_early_leaves_the_others_exact(tiny_serve_family, solo):
+    """Rows of different max_tokens and stop strings leave at different steps; the rest carry on unchanged."""
+    engine = tiny_engine(tiny_serve_family, batch_decode=True, max_concurrent=8, max_batch=3)
+    lengths = [24, 3, 24, 1, 24, 7, 24, 24]
+    batched = await replies(engine, [request(m, t, n) for (m, t), n in zip(PROMPTS, lengths, strict=True)])
+    for (text, ids, _), (solo_text, solo_ids, _), n in zip(batched, solo, lengths, strict=True):
+        assert ids == solo_ids[:n]
+        assert solo_text.startswith(text) or n < 24
+    engine.close()
+
+
+async def test_a_cancelled_row_stops_and_frees_its_place(tiny_serve_family, solo):
+    engine = tiny_engine(tiny_serve_family, batch_decode=True, max_concurrent=8)
+    results: dict[str, list[int]] = {}
+
+    async def cancelled() -> None:
+        async with engine.open(request("root", PROMPTS[0][1], max_tokens=200)) as gen:
+            async for _ in gen.stream():
+                if gen.completion_tokens >= 2:
+                    gen.cancel.set()
+        results["cancelled"] = list(gen.result.token_ids)
+
+    async def normal() -> None:
+        async with engine.open(request(*PROMPTS[1])) as gen:
+            await gen.text()
+        results["normal"] = list(gen.result.token_ids)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancelled)
+        tg.start_soon(normal)
+    assert len(results["cancelled"]) <= 4
+    assert results["normal"] == solo[1][1]
+    engine.close()
+
+
+async def test_concurrent_questions_about_one_system_document_prefill_it_once(tiny_serve_family):
+    from tests.orchestra.familycache.test_core import TokenCounter
+
+    engine = tiny_engine(tiny_serve_family, max_concurrent=8)
+    document = "The committee reviewed the annual report and found that revenue grew in every region. " * 4
+    system = {"role": "system", "content": document}
+    doc_tokens = len(await engine.prompt_ids("root", [ChatCompletionRequest(model="root", messages=[system]).messages[0]],
+                                             add_generation_prompt=False))
+    requests = [ChatCompletionRequest(model="root", max_tokens=2, temperature=0,
+                                      messages=[system, {"role": "user", "content": f"Question {i}: what grew?"}])
+                for i in range(6)]
+    cached = [len(await engine.prompt_ids("root", r.messages)) - 1 for r in requests]  # each prompt's cache
+    counter = TokenCounter(tiny_serve_family.registry.load("root").model)
+    try:
+        answers = await replies(engine, requests)
+    finally:
+        counter.remove()
+    assert len(answers) == 6 and doc_tokens >= 64
+    prefilled = sum(n for n in counter.tokens if n > 1)  # decoding feeds one token per row
+    # the document once, then each question's own tokens; not the whole prompt six times
+    assert prefilled == doc_tokens + sum(n - doc_tokens for n in cached), (prefilled, doc_tokens, cached)
+    assert prefilled < sum(cached) / 2
+    engine.close()
