@@ -202,15 +202,20 @@ def _pack_result(result: Any) -> tuple[Any, list[_Packed], list[dict[int, Any]]]
             return cache_slot(obj)
         if isinstance(obj, torch.Tensor):
             return obj.detach().to("cpu")
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(walk(x) for x in obj)
-        if isinstance(obj, list):
-            return [walk(x) for x in obj]
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        return obj
+        return _through_containers(obj, walk)
 
     return walk(result), caches, hiddens
+
+
+def _through_containers(obj: Any, walk: Any) -> Any:
+    """`walk` applied inside tuples (not named ones), lists and dicts; anything else as it is."""
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(walk(x) for x in obj)
+    if isinstance(obj, list):
+        return [walk(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: walk(v) for k, v in obj.items()}
+    return obj
 
 
 def _unslot(meta: Any, kv_ref: Any, hidden_ref: Any, producer: str, node: str) -> Any:
@@ -224,13 +229,7 @@ def _unslot(meta: Any, kv_ref: Any, hidden_ref: Any, producer: str, node: str) -
             return RemoteHidden(hidden_ref, obj.index, obj.nbytes, producer, node)
         if isinstance(obj, Computed):
             return Computed(cache=walk(obj.cache), logits=obj.logits, seconds=obj.seconds, hidden=walk(obj.hidden))
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(walk(x) for x in obj)
-        if isinstance(obj, list):
-            return [walk(x) for x in obj]
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        return obj
+        return _through_containers(obj, walk)
 
     return walk(meta)
 
