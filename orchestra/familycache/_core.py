@@ -33,7 +33,7 @@ from orchestra.errors import DocumentError, OrchestraError
 from orchestra.familycache._events import CacheStep
 from orchestra.familycache._executor import Executor, LocalExecutor
 from orchestra.familycache._policy import CachePolicy
-from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats, token_hash
+from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats, common_prefix, token_hash
 from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy, decide_offline, decide_probe
 
 if TYPE_CHECKING:
@@ -290,9 +290,7 @@ class FamilyCache:
         n = len(req.ids)
         ns = self._exact_ns(req.info)
         if not reuse:
-            computed = self.executor.run([req.member], _compute_op, list(req.ids), None, 0, req.tail, None, False)
-            req.prefill_s += computed.seconds
-            req.step(CacheStep(step="prefill", member=req.member, tokens=n, seconds=computed.seconds))
+            computed = self._compute(req, req.ids, None, 0, req.tail)
             self.pool.stats.misses += 1
             return CacheLease(req.member, n, computed.cache, "exact", 0, n)
         base, base_len = self.pool.longest_prefix(ns, req.ids, pin=True)
@@ -351,7 +349,7 @@ class FamilyCache:
         with self._flight_lock:
             flights = [f for f in self._flights.values() if f.ns in spaces and not f.done.is_set()]
         for flight in flights:
-            common = _common_prefix(flight.ids, req.ids)
+            common = common_prefix(flight.ids, req.ids)
             if common >= need and common > best_len:
                 best, best_len = flight, common
         return best
@@ -426,19 +424,25 @@ class FamilyCache:
         def build() -> Entry:
             start = base_len if base is not None and base_len < len(ids) else 0
             hidden = self._wants_hidden(req.member, req.repair) and (start == 0 or (base is not None and base.hidden))
-            computed = self.executor.run([req.member], _compute_op, list(ids), base.cache if start else None, start,
-                                         req.tail, base.hidden if start and base is not None else None, bool(hidden))
-            req.prefill_s += computed.seconds
+            computed = self._compute(req, ids, base.cache if start else None, start, req.tail,
+                                     base.hidden if start and base is not None else None, bool(hidden))
             if start == 0 and len(ids) >= 64:
                 self._rates[req.member] = computed.seconds / len(ids)
-            req.step(CacheStep(step="prefill", member=req.member, tokens=len(ids) - start, reused_tokens=start,
-                               seconds=computed.seconds))
             return Entry(ns, req.member, ids, computed.cache, self._nbytes(computed.cache, computed.logits,
                                                                              computed.hidden),
                          tail_logits=computed.logits, logits_end=len(ids), hidden=computed.hidden,
                          meta={"seconds": computed.seconds})
 
         return self._single_flight(req, ns, ids, build)
+
+    def _compute(self, req: _Request, ids: Sequence[int], base: Any, start: int, keep: int,
+                 base_hidden: dict[int, Any] | None = None, want_hidden: bool = False, over: str | None = None) -> Any:
+        """ids[start:] computed exactly on the member over `base`, charged to the request and reported as a step."""
+        computed = self.executor.run([req.member], _compute_op, list(ids), base, start, keep, base_hidden, want_hidden)
+        req.prefill_s += computed.seconds
+        req.step(CacheStep(step="prefill", member=req.member, tokens=len(ids) - start, reused_tokens=start,
+                           seconds=computed.seconds, detail={"over": over} if over else {}))
+        return computed
 
     def _nbytes(self, cache: Any, *extra: Any) -> int:
         return self.executor.nbytes(cache, *extra)  # a remote executor measures its handles without fetching them
@@ -628,11 +632,7 @@ class FamilyCache:
             cache, logits = mapped.cache, mapped.logits
             extra = len(req.ids) - length
             if extra:
-                more = self.executor.run([req.member], _compute_op, list(req.ids), cache, length, 0, None, False)
-                req.prefill_s += more.seconds
-                req.step(CacheStep(step="prefill", member=req.member, tokens=extra, reused_tokens=length,
-                                   seconds=more.seconds, detail={"over": "mapped"}))
-                cache = more.cache
+                cache = self._compute(req, req.ids, cache, length, 0, over="mapped").cache
             meta = {"source": source, "mapping": str(mapping.path) if getattr(mapping, "path", None) else None,
                     "probe": probe, "repair": summary, "tail": tail, "mapped_tokens": length,
                     "seconds": mapped.seconds}
@@ -647,10 +647,7 @@ class FamilyCache:
             return base, True
 
         def build() -> Entry:
-            more = self.executor.run([req.member], _compute_op, list(req.ids), base.cache, length, 0, None, False)
-            req.prefill_s += more.seconds
-            req.step(CacheStep(step="prefill", member=req.member, tokens=len(req.ids) - length, reused_tokens=length,
-                               seconds=more.seconds, detail={"over": "mapped"}))
+            more = self._compute(req, req.ids, base.cache, length, 0, over="mapped")
             meta = dict(base.meta, mapped_tokens=min(length, base.meta.get("mapped_tokens", length)))
             tail_logits = base.tail_logits if base.logits_end <= length else None
             return Entry(base.namespace, req.member, req.ids, more.cache, self._nbytes(more.cache, tail_logits),
@@ -713,14 +710,6 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, (OrchestraError, MappingError)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _tensor(ids: Sequence[int]) -> Any:

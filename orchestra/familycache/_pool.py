@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["Namespace", "Entry", "EntryPool", "PoolStats", "token_hash"]
+__all__ = ["Namespace", "Entry", "EntryPool", "PoolStats", "common_prefix", "token_hash"]
 
 
 def token_hash(token_ids: Sequence[int]) -> str:
@@ -159,7 +159,7 @@ class EntryPool:
                 entry = self._entries.get(entry_id)
                 if entry is None:
                     continue
-                n = _common(entry.tokens, tokens)  # verifies the block hashes too
+                n = common_prefix(entry.tokens, tokens)  # verifies the block hashes too
                 if n > matched or (n == matched and best is not None and entry.id > best.id):
                     best, matched = entry, n
             if best is None or matched == 0:
@@ -240,10 +240,10 @@ class EntryPool:
                 self._remove(entry)
 
 
-def _common(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
-    """Length of the common prefix of a and b, known to be at least `start`."""
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token sequences."""
     n = min(len(a), len(b))
-    i = start
+    i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i
