@@ -65,7 +65,7 @@ def print_report(report) -> None:
             console.print(a.error or a.skip_reason or "", highlight=False, markup=False)
     console.print(report_table(report))
     console.print(
-        f"prefill seconds spent {report.prefill_s_spent:.2f}, saved {report.prefill_s_saved:.2f}; KV store hit rate "
+        f"prefill seconds spent {report.prefill_s_spent:.2f}, saved {report.prefill_s_saved:.2f}; cache hit rate "
         f"{report.store_hit_rate:.0%}; run {report.seconds:.1f} s"
     )
     if report.executor != "local":
