@@ -38,35 +38,52 @@ def pipeline_errors() -> Iterator[None]:
         raise typer.Exit(2) from exc
 
 
+def _gates(a) -> str:
+    gate = "; ".join(("pass " if g["passed"] else "FAIL ") + g["gate"] for g in a.gate) or "-"
+    return gate + (" -> re-prefill" if a.fallback_reason else "")
+
+
 def report_table(report):
+    """One row per agent: member, status, cache path, gates, first-token time, tokens and prefill seconds."""
     from rich.table import Table
 
-    table = Table(title=f"run {report.run_id}: {report.pipeline} ({report.document_tokens} document tokens)")
-    for col in ("agent", "model", "status", "cache", "gate", "TTFT s", "tokens", "prefill s spent", "saved"):
-        table.add_column(col, justify="right" if col in {"TTFT s", "tokens", "prefill s spent", "saved"} else "left")
+    table = Table(title=f"run {report.run_id}: {report.pipeline} ({report.document_tokens:,} document tokens)")
+    numeric = {"TTFT s", "tokens", "prefill s spent", "prefill s saved"}
+    for col in ("agent", "member", "status", "cache", "gates", "TTFT s", "tokens", "prefill s spent", "prefill s saved"):
+        table.add_column(col, justify="right" if col in numeric else "left")
     for a in report.agents:
-        gate = "; ".join(("pass " if g["passed"] else "FAIL ") + g["gate"] for g in a.gate) or "-"
-        if a.fallback_reason:
-            gate += " -> re-prefill"
+        status = a.status if a.status == "succeeded" else f"[red]{a.status}[/]" + (
+            f" {a.error_type}" if a.status == "failed" else "")
         table.add_row(
-            a.name, a.model, a.status if a.status != "failed" else f"[red]failed[/] {a.error_type}",
-            a.cache_path or "-", gate, f"{a.ttft_s:.2f}" if a.ttft_s is not None else "-", str(a.tokens),
-            f"{a.prefill_s_spent:.2f}", f"{a.prefill_s_saved:.2f}",
+            a.name, a.model, status, a.cache_path or "-", _gates(a), f"{a.ttft_s:.2f}" if a.ttft_s is not None else "-",
+            str(a.tokens), f"{a.prefill_s_spent:.2f}", f"{a.prefill_s_saved:.2f}",
         )
     return table
 
 
+def _answer(a) -> str:
+    import json
+
+    if a.parsed is not None:  # JSON agents: the validated object, indented, rather than the raw reply
+        return json.dumps(a.parsed, indent=2, ensure_ascii=False)
+    return (a.output or "").strip()
+
+
 def print_report(report) -> None:
+    """Each agent's answer, then one table of how every agent got its cache and what that saved."""
     for a in report.agents:
         console.rule(f"[bold]{a.name}[/] on {a.model} ({a.status})")
-        if a.status == "succeeded":
-            console.print(a.output, highlight=False, markup=False)
-        else:
-            console.print(a.error or a.skip_reason or "", highlight=False, markup=False)
+        answer = _answer(a)
+        if answer:
+            console.print(answer, highlight=False, markup=False)
+        if a.status != "succeeded":
+            why = a.error or a.skip_reason or getattr(a, "degenerate_reason", None) or ""
+            if why:
+                console.print(f"[red]{a.status}:[/] {why}", highlight=False)
     console.print(report_table(report))
     console.print(
         f"prefill seconds spent {report.prefill_s_spent:.2f}, saved {report.prefill_s_saved:.2f}; cache hit rate "
-        f"{report.store_hit_rate:.0%}; run {report.seconds:.1f} s"
+        f"{report.store_hit_rate:.0%}; run {report.seconds:.1f} s", highlight=False,
     )
     if report.executor != "local":
         where = ", ".join(f"{a.name} on {a.actor} @ {a.node}" for a in report.agents if a.actor)
@@ -74,7 +91,7 @@ def print_report(report) -> None:
                       f"{report.kv_bytes_moved / 2**20:.1f} MiB ({report.kv_bytes_moved_across_nodes / 2**20:.1f} MiB "
                       f"across nodes), results to the driver {report.result_bytes_to_driver / 2**20:.1f} MiB", highlight=False)
     for warning in report.warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
 AGENTS_FAILED_EXIT = 3
@@ -97,23 +114,21 @@ def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, re
 def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: bool, encoding: str | None):
     import anyio
 
+    from orchestra.commands._live import RunDisplay, quiet_library_output
     from orchestra.files import read_text_file
 
     text = read_text_file(document, encoding=encoding)
-    pipeline.orchestra()  # family, models and devices are checked here, before the event loop starts
+    with quiet_library_output(console):
+        pipeline.orchestra()  # family, models and devices are checked here, before the event loop starts
+        display = RunDisplay(console, [(a.name, a.model) for a in pipeline.agents], lines=stream)
 
-    async def main():
-        if not stream:
-            return await pipeline.run(text)
-        async for event in pipeline.stream(text):
-            if event.kind == "token":
-                continue
-            console.print(f"[dim]{event.kind}[/] " + ", ".join(
-                f"{k}={v}" for k, v in event.model_dump(exclude={"kind", "run_id", "at", "output", "parsed"}).items()
-            ), highlight=False)
-        return pipeline.last_report
+        async def main():
+            with display:
+                async for event in pipeline.stream(text):
+                    display(event)
+            return pipeline.last_report
 
-    report = anyio.run(main)
+        report = anyio.run(main)
     print_report(report)
     if report_out is not None:
         from orchestra.files import write_output
