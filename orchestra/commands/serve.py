@@ -31,6 +31,10 @@ def serve(
     on_missing_mapping: Annotated[str, typer.Option("--on-missing-mapping", help="refuse (re-prefill) or calibrate (minutes, inside the request).")] = "refuse",
     log_format: Annotated[str, typer.Option("--log-format", help="json (one object per line) or console.")] = "json",
     graceful_s: Annotated[float, typer.Option("--graceful-shutdown", min=0.0, help="Seconds in-flight requests get on shutdown.")] = 30.0,
+    executor: Annotated[str, typer.Option("--executor", help="Where the models run: local, ray, or a pipeline-style "
+                                          "executor mapping as JSON/YAML, e.g. '{kind: ray, members: {root: {replicas: 2}}}'.")] = "local",
+    ray_address: Annotated[str | None, typer.Option("--ray-address", help="ray: 'local' (a private Ray), 'auto' "
+                                                    "(the cluster on this machine) or 'ray://host:port'.")] = None,
 ) -> None:
     """Serve the family over the OpenAI chat-completions API; a prompt cached on one member serves them all."""
     import signal
@@ -48,7 +52,8 @@ def serve(
                              cache_mb=cache_mb, max_concurrent=max_concurrent, max_queue=max_queue,
                              max_body_bytes=int(max_body_mb * (1 << 20)), request_timeout_s=request_timeout,
                              max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens,
-                             batch_decode=batch, max_batch=max_batch, on_missing_mapping=on_missing_mapping)
+                             batch_decode=batch, max_batch=max_batch, on_missing_mapping=on_missing_mapping,
+                             executor=_executor_spec(executor, ray_address))
         config.api_key()  # a missing key is a start-up mistake, said before anything loads
         engine = ServeEngine(config)  # a missing family is refused here, not in the first request
         app_ = create_app(engine=engine)
@@ -70,6 +75,23 @@ def serve(
         engine.close()
     if received:
         structlog.get_logger("orchestra.serve").info("shutdown", signal=signal.Signals(received[0]).name)
+
+
+def _executor_spec(executor: str, address: str | None) -> dict:
+    """`--executor` (a kind, or a mapping in JSON/YAML) with `--ray-address` laid over it."""
+    import yaml
+
+    from orchestra.errors import OrchestraError
+
+    text = executor.strip()
+    spec = yaml.safe_load(text) if text.startswith("{") else {"kind": text}
+    if not isinstance(spec, dict):
+        raise OrchestraError(f"--executor: expected local, ray or a mapping, not {executor!r}")
+    if address is not None:
+        if spec.get("kind", "local") != "ray":
+            raise OrchestraError("--ray-address needs --executor ray")
+        spec["address"] = address
+    return spec
 
 
 def _configure_logging(fmt: str) -> None:

@@ -17,7 +17,8 @@ group per pipeline:
   scattered-token repair (the source ranks positions, the target repairs). On-demand calibration
   is refused: it streams both models over the calibration corpus in one process; calibrate offline;
 - **generation** runs in the agent's actor; tokens stream back to the driver as they are made
-  (a Ray streaming generator) and a cancelled agent stops at its next token;
+  (a Ray streaming generator) and a cancelled agent stops at its next token. Other streamed work
+  (`orchestra serve`'s replies, batched per actor) goes the same way through `stream()`;
 - **faults**: a dead actor fails the work it was running with `ActorLostError` naming the actor and
   node (a mapped cache then falls back to a re-prefill, an agent fails), Ray restarts it
   (`max_restarts`), and the next call uses the new one; `close()` kills the actors and removes the
@@ -297,6 +298,7 @@ class MemberActor:
         self.mapping_lock = threading.Lock()
         self.agents = threading.Semaphore(agents_at_once)
         self.cancels: dict[str, threading.Event] = {}
+        self.state: dict[str, Any] = {}
 
     def whoami(self) -> dict[str, Any]:
         import torch
@@ -366,29 +368,53 @@ class MemberActor:
         from agents.runner import generate
 
         cache = self._resolve(prefix_cache)
+
+        def work(emit: Callable[[Any], None], cancel: threading.Event) -> Any:
+            with self.agents:
+                return generate(self.model.model, self.model.tokenizer, spec, prefix_ids=prefix_ids,
+                                prefix_cache=cache, upstream=upstream, on_token=emit, cancel=cancel,
+                                lock=self.model.lock)
+
+        yield from self._streamed(key, work, f"agent-{spec.name}")
+
+    @ray.method(num_returns="streaming")
+    def stream(self, key: str, op: Callable[..., Any], args: tuple, kwargs: dict):
+        """A streaming op: ``op(model, *args, emit=, cancel=, state=, **kwargs)``; what it emits, then its result.
+
+        The op takes the model's lock itself, per forward pass (so ops and other streams interleave with
+        it); `state` is this actor's scratch dict, for what outlives one call (a server's batch decoder).
+        """
+        args, kwargs = self._resolve(args), self._resolve(kwargs)
+
+        def work(emit: Callable[[Any], None], cancel: threading.Event) -> Any:
+            return op(self.model, *args, emit=emit, cancel=cancel, state=self.state, **kwargs)
+
+        yield from self._streamed(key, work, getattr(op, "__name__", "op").strip("_"))
+
+    def _streamed(self, key: str, work: Callable[[Callable[[Any], None], threading.Event], Any], name: str):
+        """Run ``work(emit, cancel)`` in a thread of its own; yield each item it emits as it comes, then `_Done`.
+
+        The one way work streams back to the driver (agents and served replies alike): the driver's
+        `cancel(key)`, or the driver dropping the stream, sets `cancel`, which the work checks per token.
+        """
         cancel = self.cancels[key] = self.cancels.get(key) or threading.Event()
         items: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
-        def work() -> None:
+        def run() -> None:
             try:
-                with self.agents:
-                    result = generate(self.model.model, self.model.tokenizer, spec, prefix_ids=prefix_ids,
-                                      prefix_cache=cache, upstream=upstream, on_token=items.put, cancel=cancel,
-                                      lock=self.model.lock)
-                items.put(_Done(result))
+                items.put(_Done(work(items.put, cancel)))
             except BaseException as exc:  # handed to the driver through the stream
                 items.put(_Failed(exc))
 
-        threading.Thread(target=work, name=f"agent-{spec.name}", daemon=True).start()
+        threading.Thread(target=run, name=name, daemon=True).start()
         try:
             while True:
                 item = items.get()
-                if isinstance(item, _Done):
-                    yield item.result
-                    return
                 if isinstance(item, _Failed):
                     raise item.error
                 yield item
+                if isinstance(item, _Done):
+                    return
         finally:
             cancel.set()
             self.cancels.pop(key, None)
@@ -749,7 +775,7 @@ class RayExecutor(Executor):
             summary.setdefault("seconds", {})["rank"] = seconds
         return mapped, summary
 
-    # -- agents -------------------------------------------------------------------------------------------
+    # -- agents and other streamed work -------------------------------------------------------------------
     async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
                        upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None,
                        placement: dict[str, Any] | None = None) -> Any:
@@ -762,6 +788,7 @@ class RayExecutor(Executor):
             placement.update(actor=actor.name, node=actor.node)
         key = uuid.uuid4().hex
         finished = False
+        what = f"agent {spec.name!r}"
         try:
             self._count_in(actor, prefix_cache)
             stream = actor.handle.generate.remote(key, spec, list(prefix_ids), prefix_cache, dict(upstream))
@@ -769,26 +796,79 @@ class RayExecutor(Executor):
                 try:
                     item = await ref
                 except ray.exceptions.RayActorError as exc:
-                    raise self._lost(actor, f"agent {spec.name!r}", exc) from None
+                    raise self._lost(actor, what, exc) from None
                 except ray.exceptions.RayTaskError as exc:
                     raise _cause(exc) from None
-                if type(item).__name__ == "AgentResult":
+                if isinstance(item, _Done):
                     finished = True
-                    return item
+                    return item.result
                 if on_token is not None:
                     maybe = on_token(item)
                     if inspect.isawaitable(maybe):
                         await maybe
-            raise ExecutorError(f"agent {spec.name!r} on {actor.name}: the stream ended without a result")
+            raise ExecutorError(f"{what} on {actor.name}: the stream ended without a result")
         except ray.exceptions.RayActorError as exc:
-            raise self._lost(actor, f"agent {spec.name!r}", exc) from None
+            raise self._lost(actor, what, exc) from None
         finally:
             self._done(actor)
             if not finished:  # cancelled (timeout, Ctrl-C) or failed: stop decoding at the next token
+                self._cancel(actor, key)
+
+    def stream(self, member: str, op: Callable[..., Any], *args: Any, on_item: Callable[[Any], None],
+               cancel: threading.Event | None = None, placement: dict[str, Any] | None = None,
+               **kwargs: Any) -> Any:
+        """Run a streaming op in an actor of `member` (the least busy); blocking, in the caller's thread.
+
+        ``op(model, *args, emit=, cancel=, state=, **kwargs)`` runs in the actor (a module-level function,
+        shipped by reference; handles in `args` arrive as caches) and each item it emits reaches
+        `on_item` here as it is made; its return value is returned. Setting `cancel` stops it at its
+        next item (checked every 20 ms). A dead actor fails it with `ActorLostError`.
+        """
+        actor = self._pick(member)
+        if placement is not None:
+            placement.update(actor=actor.name, node=actor.node)
+        key = uuid.uuid4().hex
+        what = getattr(op, "__name__", "op").strip("_")
+        over = threading.Event()
+
+        def watch() -> None:  # the driver's cancel reaches the actor while this thread waits on the stream
+            while not over.wait(0.02):
+                if cancel is not None and cancel.is_set():
+                    self._cancel(actor, key)
+                    return
+
+        threading.Thread(target=watch, name=f"cancel-{key[:8]}", daemon=True).start()
+        finished = False
+        try:
+            self._count_in(actor, (args, kwargs))
+            for ref in actor.handle.stream.remote(key, op, args, kwargs):
                 try:
-                    actor.handle.cancel.remote(key)
-                except Exception:  # the actor is gone
-                    pass
+                    item = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise self._lost(actor, what, exc) from None
+                except ray.exceptions.RayTaskError as exc:
+                    raise _cause(exc) from None
+                if isinstance(item, _Done):
+                    finished = True
+                    return item.result
+                on_item(item)
+            raise ExecutorError(f"{what} on {actor.name}: the stream ended without a result")
+        except ray.exceptions.RayActorError as exc:
+            raise self._lost(actor, what, exc) from None
+        finally:
+            over.set()
+            self._done(actor)
+            with self._lock:
+                self._stats["remote_calls"] += 1
+            if not finished:
+                self._cancel(actor, key)
+
+    @staticmethod
+    def _cancel(actor: _Actor, key: str) -> None:
+        try:
+            actor.handle.cancel.remote(key)
+        except Exception:  # the actor is gone
+            pass
 
 
 def _init_from_a_lasting_thread(kwargs: dict[str, Any]) -> None:

@@ -26,9 +26,10 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from orchestra.errors import ActorLostError, ExecutorError
 from orchestra.serve._config import ServeConfig
 from orchestra.serve._engine import Generation, ServeEngine
-from orchestra.serve._errors import ApiError, PayloadTooLarge, Unauthorized
+from orchestra.serve._errors import ApiError, ExecutorFailed, PayloadTooLarge, Unauthorized
 from orchestra.serve._schemas import (
     AssistantMessage,
     ChatCompletion,
@@ -171,6 +172,13 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
         _count(request, exc.status)
         return _error_response(exc)
 
+    @app.exception_handler(ExecutorError)
+    async def executor_failed(request: Request, exc: ExecutorError) -> JSONResponse:
+        # a dead actor while the prompt's cache was built (during decoding it arrives as ExecutorFailed)
+        _count(request, ExecutorFailed.status)
+        code = "actor_lost" if isinstance(exc, ActorLostError) else None
+        return _error_response(ExecutorFailed(str(exc), code=code))
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
@@ -255,7 +263,11 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
                 tg.cancel_scope.cancel()
         except BaseException as exc:
             await opened.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
+            inner = _sole(exc)
+            if inner is exc:
+                raise
+            # the task group wraps the generation's own error (a timeout, a dead actor): answer that one
+            raise inner from inner.__cause__
         await opened.__aexit__(None, None, None)
         _count(request, 200)
         completion = ChatCompletion(
@@ -314,6 +326,13 @@ def _local_path(request: Request) -> str:
     """The path inside this app, also when it is mounted under a prefix in another one."""
     path, root = request.url.path, request.scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
+
+
+def _sole(exc: BaseException) -> BaseException:
+    """The one error inside (nested) single-member exception groups, else `exc` itself."""
+    while isinstance(getattr(exc, "exceptions", None), tuple) and len(exc.exceptions) == 1:  # type: ignore[attr-defined]
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc
 
 
 async def _watch_disconnect(request: Request, gen: Generation) -> None:

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestra.gates import GatePolicy
+from orchestra.pipeline import ExecutorSpec
 
 __all__ = ["ServeConfig"]
 
@@ -52,6 +53,10 @@ class ServeConfig(BaseModel):
     """Rows in one member's decoding batch; more requests wait for a row to finish."""
     on_missing_mapping: Literal["refuse", "calibrate"] = "refuse"
     """A pair without a calibrated mapping is re-prefilled (refuse) or calibrated inside the request (minutes)."""
+    executor: ExecutorSpec = Field(default_factory=ExecutorSpec)
+    """Where the models run: ``local`` (this process) or ``ray`` (one actor per member and replica, the
+    caches in Ray's object store, each reply decoded and batched in its member's actor); the same shape
+    as a pipeline's ``executor:`` (``{kind: ray, address: auto, members: {finetuned: {num_gpus: 1}}}``)."""
 
     def api_key(self) -> str | None:
         """The configured key, read from the environment now (so it is never logged or stored)."""

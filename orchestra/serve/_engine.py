@@ -15,7 +15,6 @@ member's lock. Backends that do not want HTTP use this class directly:
 from __future__ import annotations
 
 import math
-import re
 import threading
 import time
 import uuid
@@ -35,6 +34,7 @@ from orchestra.serve._config import ServeConfig
 from orchestra.serve._errors import (
     BadRequest,
     ContextLengthExceeded,
+    ExecutorFailed,
     ModelNotFound,
     RateLimited,
     RequestTimeout,
@@ -136,7 +136,9 @@ class Generation:
     timed_out: bool = False
     completion_tokens: int = 0
     constraint: Any = None
-    """The request's JSON constraint (response_format), compiled before it was admitted."""
+    """The request's JSON constraint (response_format), compiled before it was admitted (local executor)."""
+    placement: dict[str, Any] = field(default_factory=dict)
+    """Where it was decoded under the ray executor: ``{"actor": "root#0", "node": ...}``."""
     _thread: threading.Thread | None = None
 
     async def stop(self) -> None:
@@ -221,20 +223,23 @@ class ServeEngine:
 
             family = load_family(self.config.home)
         self.family = family
+        self._owns_cache = cache is None
         if cache is None:
+            from pathlib import Path
+
             from orchestra.mapstore import MappingStore
             from orchestra.registry import ModelRegistry
 
             aliases = {record.role: name for name, record in family.members.items()}
             registry = ModelRegistry(aliases, family=family, default_device=self.config.device, dtype=self.config.dtype)
             registry.check_family(self.config.source)
-            from pathlib import Path
-
             store = MappingStore(Path(family.home) / "mappings", on_missing=self.config.on_missing_mapping)
-            cache = FamilyCache(registry, store, source=self.config.source,
+            cache = FamilyCache(_executor(registry, self.config), store, source=self.config.source,
                                 policy=CachePolicy(budget_bytes=self.config.cache_mb << 20, gate=self.config.gate,
                                                    tail_tokens=self.config.tail_tokens))
         self.cache = cache
+        self.remote = cache.executor.kind != "local"
+        """Models live in Ray actors: replies are decoded there, tokens streamed back."""
         self.metrics = metrics or ServeMetrics()
         self.metrics.bind_cache(cache)
         self._names = {name: record.role for name, record in family.members.items()}
@@ -282,7 +287,7 @@ class ServeEngine:
 
     async def prompt_ids(self, member: str, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                          response_format: ResponseFormat | None = None) -> list[int]:
-        tokenizer = (await anyio.to_thread.run_sync(self.cache.executor.registry.load, member)).tokenizer  # type: ignore[attr-defined]
+        tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, member)
         return await anyio.to_thread.run_sync(
             lambda: render_messages(tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                     response_format=response_format))
@@ -342,7 +347,7 @@ class ServeEngine:
                 log.info("completion", id=gen.id, model=member, cache=info.path, cached_tokens=info.cached_tokens,
                          prompt_tokens=len(ids), completion_tokens=gen.usage().completion_tokens,
                          finish=gen.result.finish_reason if gen.result else None, timed_out=gen.timed_out,
-                         seconds=round(time.perf_counter() - started, 3))
+                         seconds=round(time.perf_counter() - started, 3), **gen.placement)
         except TimeoutError as exc:
             raise RequestTimeout(f"the prompt's cache was not ready within the server's "
                                  f"{self.config.request_timeout_s:g} s timeout") from exc
@@ -357,30 +362,45 @@ class ServeEngine:
 
     def _decode(self, gen: Generation, on_token) -> Continuation:
         """Decode `gen`'s reply (in a worker thread) over its lease: batched with the member's other requests,
-        or alone, holding the member's lock per step either way."""
-        from agents.continuation import TokenStream, continue_ids
-        from agents.runner import eos_token_ids
-        from orchestra.serve._batch import BatchDecoder, batchable
+        or alone, holding the member's lock per step either way; in the member's actor under the ray executor."""
+        from orchestra.serve._decode import decode
 
         req = gen.request
-        loaded = self.cache.executor.registry.load(gen.member)  # type: ignore[attr-defined]
         settings = {"max_new_tokens": gen.max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
-                    "top_p": req.top_p or 1.0, "seed": req.seed, "stop": req.stop_list(), "on_token": on_token,
-                    "constraint": gen.constraint}
+                    "top_p": req.top_p or 1.0, "seed": req.seed, "stop": req.stop_list()}
         prefix_len, new = len(gen.prompt_ids) - 1, gen.prompt_ids[-1:]
+        if self.remote:
+            return self._decode_remote(gen, on_token, prefix_len, new, settings)
+        loaded = self.cache.executor.registry.load(gen.member)  # type: ignore[attr-defined]
         lock = self.cache.lock(gen.member)
-        if self.config.batch_decode and batchable(gen.lease.cache):
-            from agents.kv import check_context
 
-            check_context(loaded.model, prefix_len, len(new), gen.max_tokens)
+        def batcher() -> Any:
+            from orchestra.serve._batch import BatchDecoder
+
             with self._batch_lock:
-                batcher = self._batchers.get(gen.member)
-                if batcher is None:
-                    batcher = self._batchers[gen.member] = BatchDecoder(loaded, lock, max_batch=self.config.max_batch)
-            stream = TokenStream(loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer), **settings)
-            return batcher.decode(gen.lease.cache, prefix_len, new, stream, gen.cancel)
-        return continue_ids(loaded.model, loaded.tokenizer, gen.lease.cache, prefix_len, new, cancel=gen.cancel,
-                            lock=lock, **settings)
+                found = self._batchers.get(gen.member)
+                if found is None:
+                    found = self._batchers[gen.member] = BatchDecoder(loaded, lock, max_batch=self.config.max_batch)
+                return found
+
+        return decode(loaded, lock, gen.lease.cache, prefix_len, new, settings, gen.cancel, on_token=on_token,
+                      constraint=gen.constraint, batcher=batcher if self.config.batch_decode else None)
+
+    def _decode_remote(self, gen: Generation, on_token, prefix_len: int, new: list[int],
+                       settings: dict[str, Any]) -> Continuation:
+        """The reply decoded in the member's actor (the lease's cache is an ObjectRef there), tokens streamed here."""
+        from orchestra.errors import ActorLostError, ExecutorError
+        from orchestra.serve._decode import remote_decode_op
+
+        try:
+            return self.cache.executor.stream(  # type: ignore[attr-defined]
+                gen.member, remote_decode_op, gen.lease.cache, prefix_len, new, settings, gen.request.response_format,
+                self.config.batch_decode, self.config.max_batch, on_item=lambda item: on_token(*item),
+                cancel=gen.cancel, placement=gen.placement)
+        except ActorLostError as exc:
+            raise ExecutorFailed(str(exc), code="actor_lost") from exc
+        except ExecutorError as exc:
+            raise ExecutorFailed(str(exc)) from exc
 
     async def _shared_prefix(self, member: str, messages: Sequence[ChatMessage], ids: list[int]) -> int:
         """Tokens of the prompt's leading system messages (where a shared document lives), or 0 when too short.
@@ -403,28 +423,29 @@ class ServeEngine:
         return n if SHARED_MIN_TOKENS <= n < len(ids) - 1 else 0
 
     def _json_constraint(self, member: str, req: ChatCompletionRequest) -> Any:
-        """The request's JSON constraint, or None for text; a schema xgrammar cannot compile is the client's 400."""
-        fmt = req.response_format
-        if fmt is None or fmt.type == "text":
-            return None
-        from agents.constrained import JsonConstraint
+        """The request's JSON constraint, or None for text; a schema xgrammar cannot compile is the client's 400.
 
+        Under the ray executor the schema is only checked here (so a bad one is refused before admission);
+        the constraint that steers decoding is compiled in the member's actor, beside the model.
+        """
+        from orchestra.serve._decode import json_constraint, vocab_size
+
+        if self.remote:
+            config = self.cache.info(member).config
+            text = config.get("text_config") or config
+            size = int(text.get("vocab_size") or len(self.cache.executor.tokenizer(member)))
+            json_constraint(self.cache.executor.tokenizer(member), size, req.response_format)
+            return None
         loaded = self.cache.executor.registry.load(member)  # type: ignore[attr-defined]
-        schema = fmt.json_schema.schema_ if fmt.json_schema else None
-        if schema is None:
-            return JsonConstraint.for_tokenizer(loaded.tokenizer, None, vocab_size=_vocab(loaded.model))
-        try:
-            return JsonConstraint.for_tokenizer(loaded.tokenizer, schema, vocab_size=_vocab(loaded.model))
-        except Exception as exc:  # xgrammar refuses the schema (RuntimeError, ValueError, ...)
-            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)[:300]  # xgrammar's "[time] file.cc:N: "
-            raise BadRequest(f"response_format.json_schema.schema is not a JSON schema this server can follow: "
-                             f"{reason}", param="response_format") from exc
+        return json_constraint(loaded.tokenizer, vocab_size(loaded.model), req.response_format)
 
     def close(self) -> None:
-        """Stop the decoding threads (in-flight replies finish first)."""
+        """Stop the decoding threads (in-flight replies finish first); release an executor this engine made
+        (a ray executor's actors and placement group). Idempotent."""
         for batcher in self._batchers.values():
             batcher.close()
+        if self._owns_cache:
+            self.cache.executor.close()
 
     async def prefill(self, model: str, messages: Sequence[ChatMessage | dict[str, Any]]) -> tuple[str, int, CacheLease]:
         """Warm the cache with the rendered `messages` (no generation prompt): later requests starting so reuse it."""
@@ -439,6 +460,28 @@ class ServeEngine:
         lease.release()
         self.metrics.on_lease(member, lease, self.cache.prefill_estimate(member, lease.reused_tokens))
         return member, len(ids), lease
+
+
+def _executor(registry: Any, config: ServeConfig) -> Any:
+    """The executor `config.executor` names; a ray one is started here (Ray joined, actors placed, models
+    loaded), so a server that answers /readyz can serve, and a cluster that cannot place it fails the start."""
+    from orchestra.familycache import LocalExecutor
+
+    if config.executor.kind == "local":
+        return LocalExecutor(registry)
+    try:
+        from orchestra.familycache._ray import RayExecutor
+    except ImportError as exc:
+        from orchestra.errors import ExecutorUnavailableError
+
+        raise ExecutorUnavailableError(f"the ray executor needs Ray ({exc}): pip install 'orchestra[ray]'") from exc
+    executor = RayExecutor(registry, config.executor, name="serve")
+    try:
+        executor.start()
+    except BaseException:
+        executor.close()
+        raise
+    return executor
 
 
 def _cache_info(head: CacheLease | None, lease: CacheLease) -> CacheInfo:
@@ -479,7 +522,3 @@ def release_memory() -> None:
             _TRIMMING.release()
 
     threading.Thread(target=trim, name="malloc-trim", daemon=True).start()
-
-
-def _vocab(model: Any) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])

@@ -11,6 +11,7 @@ __all__ = [
     "BadRequest",
     "ConfigError",
     "ContextLengthExceeded",
+    "ExecutorFailed",
     "ModelNotFound",
     "PayloadTooLarge",
     "RateLimited",
@@ -67,6 +68,13 @@ class RequestTimeout(ApiError):
 
 class Unavailable(ApiError):
     status, type, code = 503, "service_unavailable", "not_ready"
+
+
+class ExecutorFailed(ApiError):
+    """The executor could not do the request's model work: under the ray executor, a member's actor died
+    (its message names the actor and node; Ray restarts it and the next request uses it) or cannot start."""
+
+    status, type, code = 503, "server_error", "executor_failed"
 
 
 class ConfigError(OrchestraError):
