@@ -31,14 +31,19 @@ __all__ = ["KeyFacts", "summarizer", "key_facts", "question_answerer", "critic",
 AgentName = Annotated[str, Field(pattern=AGENT_NAME_PATTERN)]
 """An agent name as a template can reference it (letters, digits, _ or -; not starting with a digit)."""
 
-_GROUNDED = "Use only information from the document. Do not invent facts."
+_ONLY_DOCUMENT = "Use only what the document says."
+
+# Repetition control for free-text built-ins: a 135M model left alone loops on a phrase or pads with blank
+# lines. The penalty only sees the reply, so quoting the document stays free; 6 tokens still allow short
+# recurring phrases ("the Program", "you must") while a copied sentence cannot come back.
+_TEXT = {"repetition_penalty": 1.15, "no_repeat_ngram_size": 6}
 
 
 class KeyFacts(BaseModel):
     """The key-facts extractor's structured output."""
 
-    facts: list[str] = Field(min_length=1)
-    """Short, self-contained factual statements taken from the document."""
+    facts: list[Annotated[str, StringConstraints(min_length=1, max_length=300)]] = Field(min_length=1, max_length=32)
+    """Short, self-contained factual statements taken from the document (a grammar bounds the list)."""
 
 
 @validate_call
@@ -47,32 +52,40 @@ def summarizer(name: AgentName = "summarizer", *, max_words: Annotated[int, Fiel
     """Summarizes the whole document in at most ``max_words`` words."""
     return AgentSpec(
         name=name,
-        role=f"You are a precise summarizer. {_GROUNDED}",
+        role=f"You write short, accurate summaries. {_ONLY_DOCUMENT}",
         task=(
-            f"Summarize the document above in at most {max_words} words. Cover its main points in the "
-            f"order they appear. Write plain prose."
+            f"Summarize the document above in {max_words} words or fewer. Say what kind of document it is, "
+            f"then its main points, in plain sentences."
         ),
-        generation=GenerationSettings(max_new_tokens=max_new_tokens),
+        generation=GenerationSettings(max_new_tokens=max_new_tokens, **_TEXT),
     )
 
 
 @validate_call
-def key_facts(name: AgentName = "key_facts", *, max_facts: Annotated[int, Field(ge=1)] = 8,
-              max_new_tokens: MaxNewTokens = 320, max_repairs: Annotated[int, Field(ge=0, le=5)] = 2) -> AgentSpec:
-    """Extracts the document's key facts as a validated JSON object ``{"facts": [...]}`` (`KeyFacts`)."""
+def key_facts(name: AgentName = "key_facts", *, max_facts: Annotated[int, Field(ge=1, le=32)] = 8,
+              max_new_tokens: MaxNewTokens = 320, max_repairs: Annotated[int, Field(ge=0, le=5)] = 2,
+              grounded: bool = True) -> AgentSpec:
+    """Extracts the document's key facts as a validated JSON object ``{"facts": [...]}`` (`KeyFacts`).
+
+    The reply is decoded under a grammar of `KeyFacts`' schema, so it is always well-formed; no literal
+    example is shown (small models copy it). ``grounded`` (default): each fact must be a sentence copied
+    from the document; facts that are not verbatim spans are dropped and reported (`agents.grounding`).
+    """
+    how = "Copy each fact word for word from the document." if grounded else "Write each fact as one short sentence."
     return AgentSpec(
         name=name,
-        role=f"You extract key facts from documents and reply in JSON. {_GROUNDED}",
-        task=f"List the {max_facts} most important facts stated in the document above, one short sentence each.",
-        generation=GenerationSettings(max_new_tokens=max_new_tokens),
+        role=f"You pick out the key facts of documents. {_ONLY_DOCUMENT}",
+        task=f"List the {max_facts} most important facts in the document above. {how}",
+        # a 4-token n-gram ban: without it SmolLM2-135M under the grammar repeats one word as every item
+        # ("facts", "facts", ...); no penalty, since JSON structure tokens repeat by design
+        generation=GenerationSettings(max_new_tokens=max_new_tokens, no_repeat_ngram_size=4),
         output=OutputSpec(
             kind="json",
             model=KeyFacts,
             max_repairs=max_repairs,
-            instructions=(
-                'Reply with only a JSON object of this form and nothing else: '
-                '{"facts": ["first fact", "second fact"]}'
-            ),
+            grounded=grounded,
+            max_items=max_facts,
+            instructions='Reply in JSON: an object with one key, "facts", whose value is a list of strings.',
         ),
     )
 
@@ -83,13 +96,13 @@ def question_answerer(question: Annotated[str, StringConstraints(strip_whitespac
     """Answers ``question`` from the document, or says that the document does not answer it."""
     return AgentSpec(
         name=name,
-        role=f"You answer questions about documents accurately and briefly. {_GROUNDED}",
+        role=f"You answer questions about documents. {_ONLY_DOCUMENT}",
         task=(
-            "Answer the question below using only the document above. If the document does not contain "
-            "the answer, reply exactly: The document does not say.\n\n"
-            f"Question: {escape_template(question.strip())}"
+            f"Question: {escape_template(question.strip())}\n\n"
+            "Answer this question from the document above in one to three sentences. If the document does not "
+            "answer it, say so."
         ),
-        generation=GenerationSettings(max_new_tokens=max_new_tokens),
+        generation=GenerationSettings(max_new_tokens=max_new_tokens, **_TEXT),
     )
 
 
@@ -98,15 +111,14 @@ def critic(target_agent: AgentName, name: AgentName | None = None, *, max_new_to
     """Checks ``target_agent``'s output against the document and lists unsupported or wrong statements."""
     return AgentSpec(
         name=name or f"{target_agent}_critic",
-        role=f"You are a careful fact-checker. {_GROUNDED}",
+        role=f"You check texts against documents. {_ONLY_DOCUMENT}",
         task=(
-            "Another assistant wrote the following text about the document above:\n\n"
+            "Here is a text written about the document above:\n\n"
             f"{{{target_agent}}}\n\n"
-            "Check that text against the document. List every statement that is wrong or not supported by "
-            "the document, and say what the document actually says. If every statement is supported, "
-            "reply exactly: No problems found."
+            "Check this text against the document. Name each statement in it that is wrong or not in the "
+            "document, and say what the document says instead. If every statement is correct, say so."
         ),
-        generation=GenerationSettings(max_new_tokens=max_new_tokens),
+        generation=GenerationSettings(max_new_tokens=max_new_tokens, **_TEXT),
     )
 
 
@@ -115,17 +127,17 @@ def report_writer(upstream: Annotated[Sequence[AgentName], Field(min_length=1)],
                   max_new_tokens: MaxNewTokens = 400) -> AgentSpec:
     """Merges the outputs of the ``upstream`` agents into one final report about the document."""
     names = list(dict.fromkeys(upstream))
-    notes = "\n\n".join(f"### Notes from {escape_template(n)}\n{{{n}}}" for n in names)
+    notes = "\n\n".join(f"Notes from {escape_template(n)}:\n{{{n}}}" for n in names)
     return AgentSpec(
         name=name,
-        role=f"You write clear, well-organised reports. {_GROUNDED}",
+        role=f"You write clear reports about documents. {_ONLY_DOCUMENT}",
         task=(
-            "Other assistants analysed the document above and wrote these notes:\n\n"
+            "Here are notes about the document above:\n\n"
             f"{notes}\n\n"
-            "Write one final report about the document that merges these notes. Keep what the document "
-            "supports, remove repetition, and put the most important points first."
+            "Write a short report about the document that combines these notes. Put the most important points "
+            "first and do not repeat yourself."
         ),
-        generation=GenerationSettings(max_new_tokens=max_new_tokens),
+        generation=GenerationSettings(max_new_tokens=max_new_tokens, **_TEXT),
     )
 
 

@@ -22,11 +22,10 @@ import torch
 from agents.constrained import TokenConstraint
 from agents.detok import TextAssembler
 from agents.kv import check_context, check_prefix_cache, forward_tokens
-from agents.runner import eos_token_ids
 from agents.sampling import Sampler
 from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
 
-__all__ = ["Continuation", "ContinuationFinish", "TokenStream", "continue_ids"]
+__all__ = ["Continuation", "ContinuationFinish", "TokenStream", "continue_ids", "eos_token_ids"]
 
 ContinuationFinish = Literal["eos", "stop", "length", "cancelled"]
 
@@ -53,6 +52,19 @@ class Continuation:
         return len(self.token_ids) / self.generation_s if self.generation_s > 0 else 0.0
 
 
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """Token ids that end generation: from the generation config, the model config and the tokenizer."""
+    found: set[int] = set()
+    sources = (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer)
+    for source in sources:
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, (list, tuple)):
+            found.update(int(v) for v in value)
+    return frozenset(found)
+
+
 def _cancel_check(cancel: threading.Event | Callable[[], bool] | None) -> Callable[[], bool]:
     if isinstance(cancel, threading.Event):
         return cancel.is_set
@@ -60,33 +72,49 @@ def _cancel_check(cancel: threading.Event | Callable[[], bool] | None) -> Callab
 
 
 class TokenStream:
-    """One reply being decoded: sampling, constraint, EOS, stop strings, max tokens and streaming-safe text.
+    """One reply being decoded: repetition control, sampling, constraint, EOS, stop strings, max tokens, text.
 
-    The decoding loop (single sequence here, or a batch decoder with one stream per row) hands it each
-    step's logits; it picks the token, calls ``on_token(text, token_id, index)`` and sets ``finish``
-    when the reply is over.
+    The decoding loop (single sequence here, a batch decoder with one stream per row, or an agent's
+    runner) hands it each step's logits; it picks the token, calls ``on_token(text, token_id, index)``
+    and sets ``finish`` when the reply is over. Repetition control is off by default (OpenAI semantics
+    for the server); agents turn it on through their `GenerationSettings`. ``ends(new_text)``, if
+    given, is fed each step's newly decoded text and ends the reply ('stop') when it returns True
+    (an agent's JSON-object tracker when no grammar constrains the reply).
     """
 
     def __init__(self, tokenizer: Any, eos: frozenset[int], *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int | None = None, seed: int | None = None, stop: Sequence[str] = (),
                  on_token: Callable[[str, int, int], None] | None = None,
-                 constraint: TokenConstraint | None = None) -> None:
+                 constraint: TokenConstraint | None = None, repetition_penalty: float = 1.0,
+                 no_repeat_ngram_size: int = 0, sampler: Sampler | None = None,
+                 ends: Callable[[str], bool] | None = None) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-        self.sampler = Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        self.sampler = sampler or Sampler(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                          repetition_penalty=repetition_penalty,
+                                          no_repeat_ngram_size=no_repeat_ngram_size)
         self.assembler = TextAssembler(tokenizer, tuple(stop))
         self.eos = eos
         self.max_new_tokens = max_new_tokens
         self.on_token = on_token
         self.constraint = constraint
+        self.ends = ends
         self.ids: list[int] = []
         self.finish: ContinuationFinish | None = None
 
+    def _choose(self, logits: torch.Tensor) -> int:
+        adjusted = self.sampler.adjust(logits, self.ids)  # a new tensor whenever it changes anything
+        if self.constraint is None:
+            return self.sampler(adjusted)
+        self.constraint.mask(adjusted)
+        if adjusted is not logits and not bool(torch.isfinite(adjusted).any()):
+            adjusted = logits  # repetition control banned every token the grammar allows: the grammar wins
+            self.constraint.mask(adjusted)
+        return self.sampler(adjusted)
+
     def push(self, logits: torch.Tensor) -> int:
         """Choose the next token from ``logits`` ([vocab]); sets ``finish`` if it ends the reply."""
-        if self.constraint is not None:
-            self.constraint.mask(logits)
-        token = self.sampler(logits)
+        token = self._choose(logits)
         index = len(self.ids)
         self.ids.append(token)
         if self.constraint is not None:
@@ -95,10 +123,13 @@ class TokenStream:
         if token in self.eos:
             self.finish, text = "eos", assembler.finish()
         else:
+            before = len(assembler.decoded)
             text = assembler.push(token)
             if assembler.stopped:
                 self.finish = "stop"
             elif self.constraint is not None and self.constraint.finished():
+                self.finish, text = "stop", text + assembler.finish()
+            elif self.ends is not None and self.ends(assembler.decoded[before:]):
                 self.finish, text = "stop", text + assembler.finish()
             elif index == self.max_new_tokens - 1:
                 self.finish, text = "length", text + assembler.finish()
@@ -132,6 +163,8 @@ def continue_ids(
     cancel: threading.Event | Callable[[], bool] | None = None,
     lock: Any = None,
     constraint: TokenConstraint | None = None,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
 ) -> Continuation:
     """Feed ``new_ids`` after a cached prefix and decode up to ``max_new_tokens`` tokens.
 
@@ -142,7 +175,8 @@ def continue_ids(
     safe to stream, possibly ''). ``cancel`` (an Event or a callable) is checked before the prompt and
     between tokens; a cancelled continuation returns what it has with finish_reason 'cancelled'.
     ``constraint`` (e.g. `agents.constrained.JsonConstraint`) masks the logits at every step and ends
-    the reply (finish_reason 'stop') once its output is complete.
+    the reply (finish_reason 'stop') once its output is complete. ``repetition_penalty`` /
+    ``no_repeat_ngram_size`` control repetition within the reply (off by default; see `Sampler`).
     Raises ContextOverflowError before any compute when prefix + new ids + max_new_tokens do not fit.
     """
     new = [int(t) for t in new_ids]
@@ -160,7 +194,8 @@ def continue_ids(
     held = lock if lock is not None else contextlib.nullcontext()
     stream = TokenStream(tokenizer, eos_token_ids(model, tokenizer), max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                         on_token=on_token, constraint=constraint)
+                         on_token=on_token, constraint=constraint, repetition_penalty=repetition_penalty,
+                         no_repeat_ngram_size=no_repeat_ngram_size)
     device = model_device(model)
     t0 = time.perf_counter()
     if cancelled():

@@ -1,13 +1,27 @@
-"""Prompt layout: a shared, model-independent document prefix, then a per-agent suffix.
+"""Prompt layout: a shared document prefix, identical for every agent and family member, then a per-agent suffix.
 
-The prefix is a fixed preamble, the document between markers, and a final newline. It never depends on
-the agent or the model, so its token ids (and so its KV cache) are identical for every agent and every
-family member sharing the tokenizer. Everything agent-specific (role, task, upstream outputs, repair
-turns) goes in the suffix. When the tokenizer has a chat template it is applied to the suffix only.
+Two layouts, chosen by a deterministic function of the tokenizer (`chat_native`), so that the prefix
+(`DocumentPrompt.token_ids`) and every suffix (`build_suffix`) always agree:
+
+* **chat-native** (the tokenizer has a chat template that renders a content-independent head): the
+  prefix is the template's head (a generic system message and an opened first user turn) followed by
+  the document between markers; the suffix continues that user turn with the agent's role and task,
+  closes it with the template's own end-of-turn, and opens the assistant turn. JSON repair turns
+  follow as further assistant / user turns. Instruct models are trained on exactly this shape; a
+  document outside any chat turn (the old layout) made small models ignore it.
+* **raw** (base models without a template, or a template whose head depends on the content): a
+  plain-text preamble, the document between markers, and ``### Instructions`` / ``### Response``
+  sections in the suffix.
+
+The chat-native split is found by rendering the template with a placeholder where the document goes
+and cutting at the placeholder; the head must come out identical for different agent texts and with
+repair turns, otherwise the raw layout is used. Nothing agent- or member-specific is in the prefix,
+so its token ids (and so its KV cache) are shared by every agent and every member with this tokenizer.
 
 Prefix and suffix are tokenized separately and their ids concatenated; the joined string is never
 re-tokenized, so the token boundary at the end of the prefix is the same for the cached path and the
-re-prefill path.
+re-prefill path. The document is tokenized with ``split_special_tokens=True``: a document containing
+``<|im_end|>`` cannot close the turn or inject any control token.
 """
 
 from __future__ import annotations
@@ -24,12 +38,16 @@ __all__ = [
     "DEFAULT_PREAMBLE",
     "DOCUMENT_START",
     "DOCUMENT_END",
+    "SYSTEM_MESSAGE",
+    "CHAT_DOCUMENT_INTRO",
     "DocumentPrompt",
     "RepairTurn",
     "Suffix",
     "build_suffix",
     "suffix_ids",
     "has_chat_template",
+    "chat_native",
+    "document_span",
 ]
 
 DEFAULT_PREAMBLE = (
@@ -38,6 +56,17 @@ DEFAULT_PREAMBLE = (
 )
 DOCUMENT_START = "=== DOCUMENT START ===\n"
 DOCUMENT_END = "\n=== DOCUMENT END ===\n"
+
+SYSTEM_MESSAGE = (
+    "You are a careful assistant. You read the document the user gives you and follow the user's "
+    "instructions about it, using only what the document says."
+)
+"""The chat-native system message: generic, because it precedes the document and is shared by every agent."""
+CHAT_DOCUMENT_INTRO = "Here is a document. My instructions follow after it.\n\n"
+"""Opens the first user turn, before the document markers (chat-native layout)."""
+
+_PLACEHOLDER = "\u0000ORCHESTRA-DOCUMENT\u0000"  # where the document goes when the template is rendered
+_PROBES = ("Write one word.", "Answer the question in two sentences, please.")  # two different agent texts
 
 
 # Fast tokenizers may re-configure themselves while encoding; agents encode from worker threads.
@@ -71,11 +100,104 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class _ChatLayout:
+    """How a tokenizer's chat template is split around the document."""
+
+    head: str
+    """Rendered template text before the document (system message, opened user turn)."""
+    system_role: bool
+    """False when the template refuses a system message: the system text then leads the user turn."""
+
+
+_LAYOUTS: dict[tuple[int, str], _ChatLayout | None] = {}
+_LAYOUT_LOCK = threading.Lock()
+
+
+def _messages(system_role: bool, agent_text: str, repairs: Sequence[RepairTurn]) -> list[dict[str, str]]:
+    user = f"{_PLACEHOLDER}{agent_text}"
+    first = [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": user}] if system_role else [
+        {"role": "user", "content": f"{SYSTEM_MESSAGE}\n\n{user}"}]
+    for turn in repairs:
+        first += [{"role": "assistant", "content": turn.previous_output}, {"role": "user", "content": turn.instruction}]
+    return first
+
+
+def _render(tokenizer: Any, system_role: bool, agent_text: str, repairs: Sequence[RepairTurn]) -> str:
+    with _ENCODE_LOCK:
+        return str(tokenizer.apply_chat_template(_messages(system_role, agent_text, repairs), tokenize=False,
+                                                 add_generation_prompt=True))
+
+
+def _find_layout(tokenizer: Any) -> _ChatLayout | None:
+    probe_repair = (RepairTurn(previous_output="{}", instruction="Try again."),)
+    for system_role in (True, False):
+        try:
+            renders = [_render(tokenizer, system_role, f"\n{probe}", ()) for probe in _PROBES]
+            renders.append(_render(tokenizer, system_role, f"\n{_PROBES[0]}", probe_repair))
+        except Exception:  # e.g. raise_exception('system role not supported'): try the next shape
+            continue
+        parts = [text.split(_PLACEHOLDER) for text in renders]
+        if any(len(p) != 2 for p in parts):
+            return None  # the template drops, repeats or escapes the content: no clean split
+        heads = {p[0] for p in parts}
+        if len(heads) != 1 or not all(probe in p[1] for probe, p in zip(_PROBES, parts, strict=False)):
+            return None  # the head depends on the content: it could not be shared
+        return _ChatLayout(head=parts[0][0], system_role=system_role)
+    return None
+
+
+def _chat_layout(tokenizer: Any) -> _ChatLayout | None:
+    """The tokenizer's chat-native layout, or None for the raw layout (cached per tokenizer and template)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template or not isinstance(template, str):
+        return None  # no template (or several named ones): raw layout
+    key = (id(tokenizer), template)
+    with _LAYOUT_LOCK:
+        if key in _LAYOUTS:
+            return _LAYOUTS[key]
+    layout = _find_layout(tokenizer)
+    with _LAYOUT_LOCK:
+        _LAYOUTS[key] = layout
+    return layout
+
+
+def chat_native(tokenizer: Any) -> bool:
+    """Whether prompts for this tokenizer use the chat-native layout (the same answer for prefix and suffix)."""
+    return _chat_layout(tokenizer) is not None
+
+
+def _resolve(tokenizer: Any, use_chat_template: bool | None) -> _ChatLayout | None:
+    if use_chat_template is False:
+        return None
+    layout = _chat_layout(tokenizer)
+    if use_chat_template and layout is None:
+        raise ValueError("use_chat_template=True but the tokenizer has no chat template that can hold a shared "
+                         "document prefix (none, or its head depends on the content)")
+    return layout
+
+
+def _document_block(document: str) -> str:
+    return f"{DOCUMENT_START}{document.strip()}{DOCUMENT_END}"
+
+
+def document_span(prompt_text: str) -> str:
+    """The document inside a decoded prefix (between the markers), or the whole text if the markers are absent."""
+    start = prompt_text.find(DOCUMENT_START)
+    end = prompt_text.rfind(DOCUMENT_END)
+    if start < 0 or end < start:
+        return prompt_text
+    return prompt_text[start + len(DOCUMENT_START): end]
+
+
+@dataclass(frozen=True)
 class DocumentPrompt:
-    """The shared prefix: fixed preamble + the document between markers, ending at a newline."""
+    """The shared prefix: the document between markers, after a chat template's head or a plain preamble."""
 
     document: str
     preamble: str = DEFAULT_PREAMBLE
+    """Raw layout only: the text before the document."""
+    use_chat_template: bool | None = None
+    """None: chat-native when the tokenizer allows it (`chat_native`); False: always the raw layout."""
 
     def __post_init__(self) -> None:
         if not self.document.strip():
@@ -83,16 +205,29 @@ class DocumentPrompt:
 
     @property
     def text(self) -> str:
-        """The prefix as text (without any BOS token the tokenizer may add)."""
-        return f"{self.preamble}{DOCUMENT_START}{self.document.strip()}{DOCUMENT_END}"
+        """The raw-layout prefix as text (without any BOS token the tokenizer may add)."""
+        return f"{self.preamble}{_document_block(self.document)}"
+
+    def text_for(self, tokenizer: Any) -> str:
+        """The prefix as text in the layout this tokenizer gets (without a BOS the tokenizer adds by itself)."""
+        layout = _resolve(tokenizer, self.use_chat_template)
+        if layout is None:
+            return self.text
+        return f"{layout.head}{CHAT_DOCUMENT_INTRO}{_document_block(self.document)}"
 
     def token_ids(self, tokenizer: Any) -> list[int]:
-        """The prefix token ids: [BOS if the tokenizer adds one] + ids of ``text``.
+        """The prefix token ids (identical for every agent; for every member sharing the tokenizer).
 
         Special-token strings inside the document are tokenized as plain text, so a document cannot
         inject control tokens (e.g. a chat template's end-of-turn marker).
         """
-        return _leading_bos(tokenizer) + _encode(tokenizer, self.text, split_special_tokens=True)
+        layout = _resolve(tokenizer, self.use_chat_template)
+        if layout is None:
+            return _leading_bos(tokenizer) + _encode(tokenizer, self.text, split_special_tokens=True)
+        head = _encode(tokenizer, layout.head + CHAT_DOCUMENT_INTRO)  # the template's control tokens are real
+        bos = getattr(tokenizer, "bos_token_id", None)
+        lead = _leading_bos(tokenizer) if head[:1] != [bos] else []  # the model expects BOS; never twice
+        return lead + head + _encode(tokenizer, _document_block(self.document), split_special_tokens=True)
 
 
 @dataclass(frozen=True)
@@ -110,6 +245,7 @@ class Suffix:
     text: str
     ids: tuple[int, ...]
     chat_template: bool
+    """True for the chat-native layout (the suffix closes the document's user turn)."""
 
 
 def _user_message(spec: AgentSpec, upstream: Mapping[str, Any] | None) -> str:
@@ -125,22 +261,16 @@ def _plain_suffix(spec: AgentSpec, user: str, repairs: Sequence[RepairTurn]) -> 
     return text
 
 
-def _chat_suffix(tokenizer: Any, spec: AgentSpec, user: str, repairs: Sequence[RepairTurn]) -> str:
-    turns: list[dict[str, str]] = [{"role": "user", "content": user}]
-    for turn in repairs:
-        turns += [{"role": "assistant", "content": turn.previous_output},
-                  {"role": "user", "content": turn.instruction}]
-    messages = [{"role": "system", "content": spec.role.strip()}, *turns]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception:  # templates without a system role: put the instructions in the first user turn
-        merged = [dict(t) for t in turns]
-        merged[0]["content"] = f"{spec.role.strip()}\n\n{merged[0]['content']}"
-        text = tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
-    bos_text = getattr(tokenizer, "bos_token", None)
-    if bos_text and _leading_bos(tokenizer) and text.startswith(bos_text):
-        text = text[len(bos_text):]  # the prefix already starts with BOS; never repeat it mid-sequence
-    return text
+def _chat_suffix(tokenizer: Any, layout: _ChatLayout, spec: AgentSpec, user: str,
+                 repairs: Sequence[RepairTurn]) -> str:
+    role = spec.role.strip()
+    agent_text = f"\n{role}\n\n{user}" if role else f"\n{user}"
+    rendered = _render(tokenizer, layout.system_role, agent_text, repairs)
+    head, sep, tail = rendered.partition(_PLACEHOLDER)
+    if not sep or head != layout.head:  # checked when the layout was found; a template with state could still differ
+        raise ValueError("the chat template rendered a different head for this agent; the document prefix cannot be "
+                         "shared (pass use_chat_template=False to use the raw layout)")
+    return tail
 
 
 def build_suffix(
@@ -151,15 +281,19 @@ def build_suffix(
     repairs: Sequence[RepairTurn] = (),
     use_chat_template: bool | None = None,
 ) -> Suffix:
-    """The agent's suffix: role, rendered task (+ format instructions) and any repair turns.
+    """The agent's suffix: role, rendered task (+ format instructions), the turn close and any repair turns.
 
-    ``use_chat_template``: None applies the tokenizer's chat template when it has one.
-    Raises UnknownUpstreamError when the task references an upstream output not in ``upstream``.
+    ``use_chat_template``: None follows `chat_native(tokenizer)` (as `DocumentPrompt` does); it must
+    match what the prefix was built with. Raises UnknownUpstreamError when the task references an
+    upstream output not in ``upstream``.
     """
     user = _user_message(spec, upstream)
-    chat = has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
-    text = _chat_suffix(tokenizer, spec, user, repairs) if chat else _plain_suffix(spec, user, repairs)
-    return Suffix(text=text, ids=tuple(_encode(tokenizer, text)), chat_template=chat)
+    layout = _resolve(tokenizer, use_chat_template)
+    if layout is None:
+        text = _plain_suffix(spec, user, repairs)
+    else:
+        text = _chat_suffix(tokenizer, layout, spec, user, repairs)
+    return Suffix(text=text, ids=tuple(_encode(tokenizer, text)), chat_template=layout is not None)
 
 
 def suffix_ids(tokenizer: Any, spec: AgentSpec, upstream: Mapping[str, Any] | None = None) -> list[int]:

@@ -5,7 +5,10 @@ serve many agents, even concurrently), prefills the agent's suffix on the copy, 
 token: greedy or seeded sampling, stop strings, EOS, a callback per token, cancellation between
 tokens. With ``prefix_cache=None`` it re-prefills prefix + suffix in one pass instead: the baseline that
 cache reuse is measured against, and the fallback when no trustworthy cache exists.
-JSON agents go through the bounded repair loop of `agents.structured`.
+JSON agents decode under a grammar of their schema (`agents.constrained`, xgrammar) and go through the
+bounded repair loop of `agents.structured` for what a grammar cannot check (validation, degenerate
+content, grounding). Text replies are checked by `agents.degenerate`; a degenerate one is returned with
+``degenerate`` set so that the caller (the scheduler) never passes it downstream as an answer.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from agents.detok import TextAssembler
+from agents.continuation import TokenStream, eos_token_ids
+from agents.degenerate import Degeneracy, check_text
 from agents.errors import GenerationCancelledError
+from agents.grounding import Grounding
 from agents.kv import check_context, check_prefix_cache, forward_tokens
-from agents.prompt import RepairTurn, Suffix, build_suffix
+from agents.prompt import RepairTurn, Suffix, build_suffix, document_span
 from agents.sampling import Sampler
 from agents.spec import AgentSpec
 from agents.structured import JsonObjectTracker, run_with_repairs
@@ -91,6 +96,12 @@ class AgentResult(BaseModel):
     reprefilled: bool
     """True when no prefix cache was given and the whole prompt was prefilled."""
     timings: AgentTimings
+    constrained: bool = False
+    """True when a JSON grammar (xgrammar) constrained the accepted attempt's tokens."""
+    degenerate: Degeneracy | None = None
+    """Why the output is degenerate (empty, whitespace, a loop, a copied example); None for a real answer."""
+    grounding: Grounding | None = None
+    """For grounded JSON agents: how many items are verbatim spans of the document; ungrounded ones were dropped."""
 
     def downstream_text(self) -> str:
         """What downstream agents see: canonical JSON for JSON agents, the text otherwise."""
@@ -101,19 +112,6 @@ class AgentResult(BaseModel):
 
             return json.dumps(self.parsed, ensure_ascii=False)
         return self.text
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """Token ids that end generation: from the generation config, the model config and the tokenizer."""
-    found: set[int] = set()
-    sources = (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer)
-    for source in sources:
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            found.add(value)
-        elif isinstance(value, (list, tuple)):
-            found.update(int(v) for v in value)
-    return frozenset(found)
 
 
 CancelCheck = Callable[[], bool]
@@ -143,6 +141,38 @@ class _Generation:
     finish_reason: FinishReason
     token_ids: list[int] = field(default_factory=list)
     suffix: Suffix | None = None
+    constrained: bool = False
+
+
+def _json_constraint(model: Any, tokenizer: Any, spec: AgentSpec, document: str | None = None) -> Any | None:
+    """A fresh grammar constraint for a JSON agent's reply, or None (free text, or xgrammar unavailable).
+
+    For grounded agents with the ``document`` given, list items are limited to its sentences first.
+    """
+    output = spec.output
+    if output.kind != "json" or not output.constrained:
+        return None
+    from agents.constrained import JsonConstraint
+
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None) or None
+    schema = output.schema_dict()
+    if schema is not None and (output.grounded and document is not None or output.max_items is not None):
+        from agents.grounding import grounded_schema
+
+        limited = grounded_schema(schema, document if output.grounded else None, max_items=output.max_items)
+        if limited is not None:
+            try:
+                return JsonConstraint.for_tokenizer(tokenizer, limited, vocab_size=vocab, fixed_layout=True)
+            except Exception:  # noqa: BLE001 - too large for the grammar: the schema alone, checked after decoding
+                pass
+    try:
+        return JsonConstraint.for_tokenizer(tokenizer, schema, vocab_size=vocab, fixed_layout=True)
+    except Exception:  # noqa: BLE001 - a schema feature xgrammar cannot compile: any JSON object, then the tracker
+        try:
+            return JsonConstraint.for_tokenizer(tokenizer, None, vocab_size=vocab, fixed_layout=True)
+        except Exception:  # noqa: BLE001 - no xgrammar / unsupported tokenizer: unconstrained + repair loop
+            return None
 
 
 def _decode_once(
@@ -159,6 +189,7 @@ def _decode_once(
     cancelled: CancelCheck,
     clock: _Clock,
     lock: Any = None,
+    document: str | None = None,
 ) -> _Generation:
     settings = spec.generation
     n_prefix = len(prefix_ids)
@@ -168,13 +199,20 @@ def _decode_once(
     if cancelled():
         raise GenerationCancelledError(spec.name, 0)
     device = model_device(model)
-    sampler = Sampler.from_settings(settings)
-    if settings.seed is not None and attempt:
-        sampler = Sampler(settings.temperature, settings.top_p, settings.top_k, settings.seed + attempt)
-    assembler = TextAssembler(tokenizer, settings.stop)
-    tracker = JsonObjectTracker() if spec.output.kind == "json" else None
-    ids: list[int] = []
-    finish: FinishReason = "length"
+    constraint = _json_constraint(model, tokenizer, spec, document)
+    tracker = JsonObjectTracker() if spec.output.kind == "json" and constraint is None else None
+
+    def emit(text: str, token: int, index: int) -> None:
+        if clock.first_token_s is None:
+            clock.first_token_s = time.perf_counter() - clock.start
+        clock.generated += 1
+        if on_token is not None:
+            on_token(TokenEvent(agent=spec.name, text=text, token_id=token, index=index, attempt=attempt))
+
+    # repair attempts of a seeded agent draw with seed + attempt: a retry must not replay the rejected reply
+    stream = TokenStream(tokenizer, eos, max_new_tokens=settings.max_new_tokens, stop=settings.stop, on_token=emit,
+                         constraint=constraint, sampler=Sampler.from_settings(settings, seed_offset=attempt),
+                         ends=tracker.feed if tracker is not None else None)
 
     held = lock if lock is not None else contextlib.nullcontext()
     t0 = time.perf_counter()
@@ -193,38 +231,20 @@ def _decode_once(
     clock.prefill_s += t2 - t1
 
     position = n_prefix + len(suffix.ids)
-    for index in range(settings.max_new_tokens):
-        token = sampler(logits)
-        if clock.first_token_s is None:
-            clock.first_token_s = time.perf_counter() - clock.start
-        ids.append(token)
-        clock.generated += 1
-        last = True
-        if token in eos:
-            finish, text = "eos", assembler.finish()
-        else:
-            before = len(assembler.decoded)
-            text = assembler.push(token)
-            if assembler.stopped:
-                finish = "stop"
-            elif tracker is not None and tracker.feed(assembler.decoded[before:]):
-                finish, text = "stop", text + assembler.finish()
-            elif index == settings.max_new_tokens - 1:
-                finish, text = "length", text + assembler.finish()
-            else:
-                last = False
-        if on_token is not None:
-            on_token(TokenEvent(agent=spec.name, text=text, token_id=token, index=index, attempt=attempt))
-        if last:
+    while True:
+        token = stream.push(logits)
+        if stream.finish is not None:
             break
         if cancelled():
             clock.generation_s += time.perf_counter() - t2
-            raise GenerationCancelledError(spec.name, len(ids))
+            raise GenerationCancelledError(spec.name, len(stream.ids))
         with held:  # per step, so agents sharing a model interleave their tokens
             logits = forward_tokens(model, [token], cache, position)
         position += 1
     clock.generation_s += time.perf_counter() - t2
-    return _Generation(text=assembler.text, finish_reason=finish, token_ids=ids, suffix=suffix)
+    finish: FinishReason = stream.finish if stream.finish in ("eos", "stop", "length") else "length"  # type: ignore[assignment]
+    return _Generation(text=stream.assembler.text, finish_reason=finish, token_ids=list(stream.ids), suffix=suffix,
+                       constrained=constraint is not None)
 
 
 def generate(
@@ -260,17 +280,25 @@ def generate(
     cancelled = _as_check(cancel)
     eos = eos_token_ids(model, tokenizer)
 
+    # grounding compares against the document as the model saw it: the prefix, decoded, between the markers
+    document = (document_span(tokenizer.decode(prefix)) if spec.output.kind == "json" and spec.output.grounded
+                else None)
+
     def attempt(index: int, repairs: Sequence[RepairTurn]) -> _Generation:
         suffix = build_suffix(tokenizer, spec, upstream, repairs=repairs, use_chat_template=use_chat_template)
         return _decode_once(model, tokenizer, spec, prefix, prefix_cache, suffix, attempt=index, eos=eos,
-                            on_token=on_token, cancelled=cancelled, clock=clock, lock=lock)
+                            on_token=on_token, cancelled=cancelled, clock=clock, lock=lock, document=document)
 
+    degenerate: Degeneracy | None = None
+    grounding: Grounding | None = None
     with torch.no_grad():
         if spec.output.kind == "json":
-            structured = run_with_repairs(spec, attempt)
+            structured = run_with_repairs(spec, attempt, document=document)
             result, parsed, attempts = structured.generation, structured.value, structured.attempts
+            degenerate, grounding = structured.degenerate, structured.grounding
         else:
             result, parsed, attempts = attempt(0, ()), None, 1
+            degenerate = check_text(result.text, spec=spec)
 
     total = time.perf_counter() - clock.start
     assert result.suffix is not None
@@ -294,4 +322,7 @@ def generate(
         suffix_tokens=len(result.suffix.ids),
         reprefilled=prefix_cache is None,
         timings=timings,
+        constrained=result.constrained,
+        degenerate=degenerate,
+        grounding=grounding,
     )

@@ -162,6 +162,10 @@ class GenerationSettings(BaseModel):
     """Strings that end generation; the output is cut before the first one."""
     seed: int | None = None
     """Seed of the sampling generator (same seed, same model, same prompt: same tokens); None: random."""
+    repetition_penalty: float = Field(1.0, ge=1.0, le=2.0)
+    """Penalty on tokens this reply already generated (CTRL-style; 1.0: off); the document is never penalized."""
+    no_repeat_ngram_size: int = Field(0, ge=0, le=64)
+    """Forbid generating any n-gram of this many tokens twice in one reply (0: off); stops verbatim loops."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -212,6 +216,12 @@ class OutputSpec(BaseModel):
     """How many times an invalid or truncated JSON reply is re-generated with a repair instruction."""
     instructions: str | None = None
     """Format instructions appended to the task; default: generated from the model or schema."""
+    constrained: bool = True
+    """Decode under a grammar of the JSON schema (xgrammar), so the reply cannot be malformed JSON."""
+    grounded: bool = False
+    """Every string item must be a verbatim span of the document; ungrounded list items are dropped (agents.grounding)."""
+    max_items: int | None = Field(None, ge=1)
+    """Under the grammar, lists in the reply end after this many items (None: as the schema allows)."""
 
     @field_validator("model", mode="before")
     @classmethod
@@ -231,6 +241,8 @@ class OutputSpec(BaseModel):
             raise ValueError("a model or json_schema needs kind='json'")
         if self.model is not None and self.json_schema is not None:
             raise ValueError("give either a pydantic model or a json_schema, not both")
+        if self.grounded and self.kind != "json":
+            raise ValueError("grounded=True needs kind='json' (it checks the reply's string items)")
         return self
 
     @field_serializer("model")
@@ -247,13 +259,14 @@ class OutputSpec(BaseModel):
         """Text appended to the task that says how to format the reply ('' for free text)."""
         if self.kind == "text":
             return ""
+        copy = " Copy each item word for word from the document." if self.grounded else ""
         if self.instructions is not None:
-            return self.instructions
+            return self.instructions + copy
         schema = self.schema_dict()
         if schema is None:
-            return "Reply with only a JSON object and nothing else."
+            return "Reply with only a JSON object and nothing else." + copy
         compact = json.dumps(_strip_titles(schema), separators=(",", ":"), ensure_ascii=False)
-        return f"Reply with only a JSON object that follows this JSON schema, and nothing else:\n{compact}"
+        return f"Reply with only a JSON object that follows this JSON schema, and nothing else:\n{compact}{copy}"
 
     def validate_value(self, value: Any) -> Any:
         """Validate a parsed JSON object: a model instance, or the object itself; ValueError if invalid."""
@@ -291,7 +304,7 @@ class AgentSpec(BaseModel):
     template_syntax: TemplateSyntax = "format"
     """'format' for {name} placeholders, 'dollar' for $name / ${name} placeholders."""
     generation: GenerationSettings = GenerationSettings()
-    """Decoding settings (max tokens, temperature, top-p/top-k, stop strings, seed)."""
+    """Decoding settings (max tokens, temperature, top-p/top-k, stop strings, seed, repetition control)."""
     output: OutputSpec = OutputSpec()
     """Output kind (text or validated JSON) and the repair budget."""
 

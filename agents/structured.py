@@ -12,7 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from agents.degenerate import Degeneracy, check_value
 from agents.errors import OutputValidationError, TruncatedOutputError
+from agents.grounding import Grounding, ground_value
 from agents.prompt import RepairTurn
 from agents.spec import AgentSpec, OutputSpec
 
@@ -23,6 +25,7 @@ __all__ = [
     "extract_json_object",
     "parse_output",
     "run_with_repairs",
+    "salvage_truncated",
     "Structured",
 ]
 
@@ -93,6 +96,54 @@ def extract_json_object(text: str) -> dict[str, Any] | None:
     return None
 
 
+def salvage_truncated(text: str) -> dict[str, Any] | None:
+    """The complete part of a JSON object cut off at max_new_tokens: drop the unfinished item, close the rest.
+
+    Only values inside arrays are dropped (a list of facts cut mid-fact keeps the facts before it);
+    None when nothing complete can be recovered.
+    """
+    start = text.find("{")
+    if start < 0:
+        return None
+    stack: list[str] = []
+    in_string = escaped = False
+    best: dict[str, Any] | None = None
+    for pos in range(start, len(text)):
+        ch = text[pos]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if stack and stack[-1] == "[":
+                    best = _closed(text[start:pos + 1], stack) or best
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in "[{":
+            stack.append(ch)
+        elif ch in "]}":
+            if not stack:
+                return best
+            stack.pop()
+            if not stack:
+                return best  # a complete object: not truncated
+            if stack[-1] == "[":
+                best = _closed(text[start:pos + 1], stack) or best
+    return best
+
+
+def _closed(head: str, stack: list[str]) -> dict[str, Any] | None:
+    closing = "".join("]" if c == "[" else "}" for c in reversed(stack))
+    try:
+        value = json.loads(head + closing)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 @dataclass(frozen=True)
 class OutputProblem:
     """Why a reply was rejected and what to tell the model."""
@@ -106,6 +157,13 @@ def parse_output(text: str, output: OutputSpec, finish_reason: str) -> tuple[Any
     """(validated value, None) on success, else (None, problem)."""
     fmt = output.format_instructions()
     value = extract_json_object(text)
+    if value is None and finish_reason == "length":
+        salvaged = salvage_truncated(text)
+        if salvaged is not None:
+            try:
+                return output.validate_value(salvaged), None
+            except ValueError:
+                pass  # what was complete is not valid on its own: report the truncation below
     if value is None:
         tracker = JsonObjectTracker()
         tracker.feed(text)
@@ -151,14 +209,52 @@ class Structured(Generic[G]):
     generation: G
     value: Any
     attempts: int
+    degenerate: Degeneracy | None = None
+    """Set when the last attempt was valid JSON but degenerate (see agents.degenerate); the run reports it."""
+    grounding: Grounding | None = None
+    """For grounded outputs: the accepted attempt's grounded / ungrounded items (ungrounded ones dropped)."""
+
+
+def _review(spec: AgentSpec, value: Any, document: str | None
+            ) -> tuple[Any, Grounding | None, Degeneracy | None, OutputProblem | None]:
+    """Semantic checks after validation: degenerate content, then grounding (which may drop items)."""
+    fmt = spec.output.format_instructions()
+    degenerate = check_value(value, spec=spec)
+    if degenerate is not None:
+        return value, None, degenerate, OutputProblem(
+            error=f"degenerate reply ({degenerate})", truncated=False,
+            instruction=f"Your previous reply was not a real answer ({degenerate.detail}). Do the task for the "
+                        f"document above with its own content. {fmt}")
+    if not spec.output.grounded or document is None:
+        return value, None, None, None
+    raw = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    kept, grounding = ground_value(raw, document)
+    if grounding.grounded == 0:
+        return value, grounding, None, OutputProblem(
+            error=f"none of the {grounding.checked} items is a verbatim span of the document", truncated=False,
+            instruction=f"None of the items in your previous reply appears in the document word for word. Copy "
+                        f"whole sentences from the document exactly as they are written. {fmt}")
+    try:
+        return spec.output.validate_value(kept), grounding, None, None
+    except ValueError as exc:  # dropping ungrounded items broke the schema (e.g. a minimum length)
+        return value, grounding, None, OutputProblem(
+            error=f"after dropping ungrounded items the object is invalid: {_short_error(exc)}", truncated=False,
+            instruction=f"Some items in your previous reply do not appear in the document word for word. Copy "
+                        f"whole sentences from the document exactly as they are written. {fmt}")
 
 
 def run_with_repairs(
     spec: AgentSpec,
     attempt: Callable[[int, Sequence[RepairTurn]], G],
+    *,
+    document: str | None = None,
 ) -> Structured[G]:
-    """Generate, parse and validate; on failure retry with repair turns, up to spec.output.max_repairs times.
+    """Generate, parse, validate and review; on failure retry with repair turns, up to spec.output.max_repairs times.
 
+    Review: a degenerate value (`agents.degenerate.check_value`) is repaired; if the last attempt is
+    still degenerate it is returned with ``degenerate`` set rather than raised, so the run can report
+    it as such. With ``spec.output.grounded`` and a ``document``, ungrounded list items are dropped
+    (`agents.grounding`); a reply with none grounded is repaired like an invalid one.
     Raises TruncatedOutputError if the last attempt stopped at max_new_tokens inside an unfinished JSON
     object, OutputValidationError if it was otherwise invalid.
     """
@@ -167,8 +263,13 @@ def run_with_repairs(
     for index in range(total):
         generation = attempt(index, tuple(repairs))
         value, problem = parse_output(generation.text, spec.output, generation.finish_reason)
+        grounding = degenerate = None
         if problem is None:
-            return Structured(generation=generation, value=value, attempts=index + 1)
+            value, grounding, degenerate, problem = _review(spec, value, document)
+            if problem is None:
+                return Structured(generation=generation, value=value, attempts=index + 1, grounding=grounding)
+            if degenerate is not None and index + 1 == total:
+                return Structured(generation=generation, value=value, attempts=total, degenerate=degenerate)
         if index + 1 == total:
             if problem.truncated:
                 raise TruncatedOutputError(agent=spec.name, raw_output=generation.text,

@@ -22,6 +22,7 @@ __all__ = [
     "AgentFinished",
     "AgentFailed",
     "AgentSkipped",
+    "AgentDegenerate",
     "RunFinished",
     "AnyEvent",
 ]
@@ -120,16 +121,27 @@ class AgentSkipped(Event):
     reason: str
 
 
+class AgentDegenerate(Event):
+    """The agent finished but its output is degenerate; downstream agents that need it are skipped."""
+
+    kind: Literal["agent_degenerate"] = "agent_degenerate"
+    agent: str
+    reason: str
+    """Which check fired and why (agents.degenerate)."""
+    output: str
+
+
 class RunFinished(Event):
     kind: Literal["run_finished"] = "run_finished"
     succeeded: list[str]
     failed: list[str]
     skipped: list[str]
     seconds: float
+    degenerate: list[str] = Field(default_factory=list)
 
 
 AnyEvent = Annotated[
     RunStarted | DocumentPrefilled | CacheReady | CacheStepEvent | AgentStarted | TokenEvent | GateResult | Fallback
-    | AgentFinished | AgentFailed | AgentSkipped | RunFinished,
+    | AgentFinished | AgentFailed | AgentSkipped | AgentDegenerate | RunFinished,
     Field(discriminator="kind"),
 ]

@@ -28,7 +28,9 @@ class AgentReport(BaseModel):
 
     name: str
     model: str
-    status: Literal["succeeded", "failed", "skipped", "cancelled"]
+    status: Literal["succeeded", "failed", "skipped", "cancelled", "degenerate"]
+    """degenerate: the agent ran but its output is not a real answer (empty, whitespace, a loop, a copied
+    example); it is kept in ``output`` for inspection and never passed to downstream agents."""
     cache_path: Literal["exact", "mapped", "reprefilled"] | None = None
     gate: list[dict[str, Any]] = Field(default_factory=list, description="Each gate's decision, reason and metrics.")
     fallback_reason: str | None = None
@@ -37,6 +39,13 @@ class AgentReport(BaseModel):
     error_type: str | None = None
     error: str | None = None
     skip_reason: str | None = None
+    degenerate_reason: str | None = Field(
+        None, description="Why the output is degenerate (the rule that fired and its numbers), for status 'degenerate'.")
+    attempts: int = Field(1, description="Generations it took (1 + JSON repairs).")
+    constrained: bool = Field(False, description="A JSON grammar constrained the agent's decoding (xgrammar).")
+    grounding: dict[str, Any] | None = Field(
+        None, description="Grounded JSON agents: items checked, grounded (verbatim in the document), and the "
+        "ungrounded ones (dropped from the output).")
     ttft_s: float | None = Field(None, description="Seconds from the run start to this agent's first token.")
     tokens: int = 0
     suffix_tokens: int = 0
@@ -77,3 +86,7 @@ class RunReport(BaseModel):
     @property
     def succeeded(self) -> list[str]:
         return [a.name for a in self.agents if a.status == "succeeded"]
+
+    @property
+    def degenerate(self) -> list[str]:
+        return [a.name for a in self.agents if a.status == "degenerate"]

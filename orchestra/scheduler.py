@@ -201,6 +201,7 @@ class Orchestra:
             run_id=run.run_id, succeeded=[r.name for r in reports if r.status == "succeeded"],
             failed=[r.name for r in reports if r.status == "failed"],
             skipped=[r.name for r in reports if r.status == "skipped"], seconds=seconds,
+            degenerate=[r.name for r in reports if r.status == "degenerate"],
         ))
         builders: dict[int, CacheLease] = {}
 
@@ -272,7 +273,7 @@ class Orchestra:
             bad = [up for up in agent.upstream if run.reports[up].status != "succeeded"]
             if bad:
                 report.status = "skipped"
-                report.skip_reason = f"upstream {', '.join(bad)} did not succeed"
+                report.skip_reason = _skip_reason([run.reports[up] for up in bad])
                 await run.emit(ev.AgentSkipped(run_id=run.run_id, agent=name, reason=report.skip_reason))
                 return
             await run.emit(ev.AgentStarted(run_id=run.run_id, agent=name, model=agent.model))
@@ -297,16 +298,26 @@ class Orchestra:
                     )
                 finally:
                     report.actor, report.node = where.get("actor"), where.get("node")
-            run.outputs[name] = result.downstream_text()
-            report.status = "succeeded"
             report.output = result.text
             report.parsed = _jsonable(result.parsed)
+            report.attempts = result.attempts
+            report.constrained = result.constrained
+            report.grounding = _jsonable(result.grounding)
             report.tokens = result.generated_tokens
             report.suffix_tokens = result.suffix_tokens
             report.generation_s = result.timings.generation_s
             report.ttft_s = (first_token[0] - run.started) if first_token else None
             estimate = self.cache.prefill_estimate(agent.model, len(run.prefix_ids))
             report.prefill_s_saved = max(0.0, estimate - report.prefill_s_spent) if self.share_prefill else 0.0
+            if result.degenerate is not None:
+                # never handed downstream as an answer: dependants are skipped, naming this agent and why
+                report.status = "degenerate"
+                report.degenerate_reason = str(result.degenerate)
+                await run.emit(ev.AgentDegenerate(run_id=run.run_id, agent=name, reason=report.degenerate_reason,
+                                                  output=result.text))
+                return
+            run.outputs[name] = result.downstream_text()
+            report.status = "succeeded"
             await run.emit(ev.AgentFinished(run_id=run.run_id, agent=name, output=result.text,
                                             parsed=report.parsed))
         except Exception as exc:
@@ -344,6 +355,15 @@ def _step_event(run_id: str, agent: str | None, step: CacheStep) -> ev.Event:
     if step.step == "fallback" and agent is not None:
         return ev.Fallback(run_id=run_id, agent=agent, model=step.member, reason=step.reason or "")
     return ev.CacheStepEvent(run_id=run_id, agent=agent, step=step)
+
+
+def _skip_reason(bad: list[AgentReport]) -> str:
+    """Why a downstream agent is skipped, naming each upstream whose output it cannot use."""
+    failed = [up.name for up in bad if up.status != "degenerate"]
+    parts = [f"upstream {', '.join(failed)} did not succeed"] if failed else []
+    parts += [f"upstream {up.name} produced degenerate output ({up.degenerate_reason})"
+              for up in bad if up.status == "degenerate"]
+    return "; ".join(parts)
 
 
 def _jsonable(value: Any) -> Any:

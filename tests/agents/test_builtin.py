@@ -11,7 +11,7 @@ from agents.builtin import KeyFacts, critic, key_facts, question_answerer, repor
 
 def test_builtins_render_with_their_inputs():
     assert summarizer().required_inputs() == ()
-    assert "at most 80 words" in summarizer(max_words=80).render_task()
+    assert "in 80 words or fewer" in summarizer(max_words=80).render_task()
     facts = key_facts(max_facts=5)
     assert facts.output.kind == "json" and facts.output.model is KeyFacts and facts.output.max_repairs == 2
     assert "5 most important facts" in facts.render_task()
@@ -23,7 +23,10 @@ def test_builtins_render_with_their_inputs():
     report = report_writer(["summarizer", "key_facts", "summarizer_critic", "summarizer"])
     assert report.required_inputs() == ("summarizer", "key_facts", "summarizer_critic")
     text = report.render_task({"summarizer": "S", "key_facts": KeyFacts(facts=["F"]), "summarizer_critic": "C"})
-    assert "### Notes from key_facts\n{\"facts\":[\"F\"]}" in text and "### Notes from summarizer\nS" in text
+    assert "Notes from key_facts:\n{\"facts\":[\"F\"]}" in text and "Notes from summarizer:\nS" in text
+    # no literal reply or format example for a small model to parrot (issue 14)
+    assert "first fact" not in facts.output.format_instructions() and facts.output.grounded
+    assert "exactly" not in qa.render_task() and "exactly" not in check.render_task({"summarizer": "S"})
     with pytest.raises(UnknownUpstreamError):
         report.render_task({"summarizer": "S"})
 

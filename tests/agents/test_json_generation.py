@@ -76,7 +76,8 @@ def test_invalid_json_is_repaired_over_the_shared_cache(llama_tiny, prefix):
     events = []
     spec = AgentSpec(name="facts", role="Be exact.", task="List facts.",
                      generation=GenerationSettings(max_new_tokens=40),
-                     output=OutputSpec(kind="json", model=KeyFacts, max_repairs=1, instructions="JSON only."))
+                     output=OutputSpec(kind="json", model=KeyFacts, max_repairs=1, instructions="JSON only.",
+                                       constrained=False))  # the unconstrained path: tracker + repairs
     out = generate(forced, tok, spec, prefix_ids=ids, prefix_cache=prefill.cache, on_token=events.append)
     assert out.attempts == 2 and out.parsed == KeyFacts(facts=["Revenue grew."])
     assert out.finish_reason == "stop" and out.text.strip().endswith("]}") and "more text" not in out.text
@@ -95,7 +96,8 @@ def test_json_cut_off_by_max_new_tokens_is_a_truncation(llama_tiny, prefix):
     endless = _ids(tok, '{"facts": ["the committee reviewed the annual report and found')
     forced = Forced(llama_tiny.model, [endless, endless])
     spec = AgentSpec(name="facts", task="List the facts.", generation=GenerationSettings(max_new_tokens=8),
-                     output=OutputSpec(kind="json", model=KeyFacts, max_repairs=1, instructions="JSON only."))
+                     output=OutputSpec(kind="json", model=KeyFacts, max_repairs=1, instructions="JSON only.",
+                                       constrained=False))  # the unconstrained path: tracker + repairs
     with pytest.raises(TruncatedOutputError) as info:
         generate(forced, tok, spec, prefix_ids=ids, prefix_cache=prefill.cache)
     assert info.value.attempts == 2 and info.value.max_new_tokens == 8
@@ -108,6 +110,7 @@ def test_json_agent_with_reprefill_baseline(llama_tiny, prefix):
     ids, _ = prefix
     forced = Forced(llama_tiny.model, [_ids(tok, '{"n": 3} trailing')])
     spec = AgentSpec(name="count", task="Count.", generation=GenerationSettings(max_new_tokens=16), output=OutputSpec(
-        kind="json", json_schema={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
+        kind="json", json_schema={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        constrained=False))
     out = generate(forced, tok, spec, prefix_ids=ids, prefix_cache=None)
     assert out.parsed == {"n": 3} and out.reprefilled and out.attempts == 1

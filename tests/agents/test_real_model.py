@@ -27,17 +27,27 @@ def smol(smollm_root):
     return model, tok
 
 
-def test_chat_template_suffix_and_stable_prefix(smol):
+def test_chat_native_prefix_identical_for_every_agent_and_member(smol, real_family):
+    from transformers import AutoTokenizer
+
+    from agents.prompt import SYSTEM_MESSAGE, chat_native
+
     _, tok = smol
     doc = DocumentPrompt(DOCUMENT)
     ids = doc.token_ids(tok)
-    assert ids == DocumentPrompt(DOCUMENT).token_ids(tok)
-    assert tok.decode(ids) == doc.text
+    assert chat_native(tok)
+    text = doc.text_for(tok)
+    # the document sits inside the first user turn, after our system message (not SmolLM2's default one)
+    assert text.startswith(f"<|im_start|>system\n{SYSTEM_MESSAGE}<|im_end|>\n<|im_start|>user\n")
+    assert "SmolLM" not in text and tok.decode(ids) == text
+    for role in ("root", "finetuned", "quantized", "distilled"):
+        member_tok = AutoTokenizer.from_pretrained(real_family.member_path(role))
+        assert DocumentPrompt(DOCUMENT).token_ids(member_tok) == ids, role
     for spec in (summarizer(), key_facts(), question_answerer("When will the library open?"), critic("summarizer")):
         suffix = build_suffix(tok, spec, {"summarizer": "The library opens in March."})
-        assert suffix.chat_template
-        assert suffix.text.startswith("<|im_start|>system\n") and suffix.text.endswith("<|im_start|>assistant\n")
-        assert tok.decode(ids + list(suffix.ids)) == doc.text + suffix.text
+        assert suffix.chat_template and suffix.text.startswith("\n" + spec.role)
+        assert suffix.text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert tok.decode(ids + list(suffix.ids)) == text + suffix.text
 
 
 def test_summary_over_the_shared_cache_matches_reprefill(smol):
@@ -51,3 +61,14 @@ def test_summary_over_the_shared_cache_matches_reprefill(smol):
     assert cached.token_ids == baseline.token_ids
     # the cached run prefilled only its suffix over the shared cache; the baseline the whole prompt
     assert not cached.reprefilled and baseline.reprefilled
+
+
+def test_grounded_key_facts_over_the_shared_cache_match_reprefill(smol):
+    model, tok = smol
+    ids = DocumentPrompt(DOCUMENT).token_ids(tok)
+    prefill = prefill_document(model, ids)
+    spec = key_facts(max_facts=2, max_new_tokens=48, max_repairs=0, grounded=False)
+    cached = generate(model, tok, spec, prefix_ids=ids, prefix_cache=prefill.cache)
+    baseline = generate(model, tok, spec, prefix_ids=ids)
+    assert cached.constrained and cached.token_ids == baseline.token_ids
+    assert cached.text.startswith('{\n  "facts": [')  # grammar-constrained: well-formed by construction

@@ -227,3 +227,51 @@ def test_cuda_cache_reuse_matches_reprefill_and_cpu_cache_is_moved(llama_tiny):
     cpu_cache = prefill_document(llama_tiny.model, ids).cache  # a cache from another device is moved on copy
     moved = generate(model, tok, _spec(), prefix_ids=ids, prefix_cache=cpu_cache)
     assert len(moved.token_ids) == len(cached.token_ids)
+
+
+@pytest.fixture(scope="module")
+def chat_llama(llama_tiny):
+    import copy
+
+    from tests.agents.conftest import CHATML_TEMPLATE
+
+    tok = copy.deepcopy(llama_tiny.tokenizer)
+    tok.chat_template = CHATML_TEMPLATE
+    return llama_tiny.model, tok
+
+
+def test_chat_native_cached_path_equals_full_reprefill(chat_llama):
+    from agents import build_suffix
+    from agents.builtin import summarizer
+
+    model, tok = chat_llama
+    ids = DocumentPrompt(DOCUMENT[:90]).token_ids(tok)  # the tiny model has 512 positions
+    prefill = prefill_document(model, ids)
+    short = AgentSpec(name="c", role="Be brief.", task="Improve: {summarizer}",  # 512 positions, char-level vocab
+                      generation=GenerationSettings(max_new_tokens=10, repetition_penalty=1.3, no_repeat_ngram_size=2))
+    for spec in (summarizer(max_new_tokens=10), short):
+        up = {"summarizer": "The board approved a dividend."}
+        assert build_suffix(tok, spec, up).chat_template
+        cached = generate(model, tok, spec, prefix_ids=ids, prefix_cache=prefill.cache, upstream=up)
+        full = generate(model, tok, spec, prefix_ids=ids, upstream=up)
+        assert cached.token_ids == full.token_ids and full.reprefilled and not cached.reprefilled
+        assert cached.prefix_tokens == len(ids)
+
+
+def test_json_agent_decodes_under_the_grammar(chat_llama):
+    """A random tiny model cannot write valid JSON by chance: only the grammar makes this parse."""
+    import json
+
+    from agents import OutputSpec
+
+    model, tok = chat_llama
+    ids = DocumentPrompt(DOCUMENT[:40]).token_ids(tok)
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6}}, "required": ["word"],
+              "additionalProperties": False}
+    spec = AgentSpec(name="j", task="Name one word from the document.",
+                     generation=GenerationSettings(max_new_tokens=40),
+                     output=OutputSpec(kind="json", json_schema=schema, max_repairs=0, instructions="JSON."))
+    result = generate(model, tok, spec, prefix_ids=ids)
+    assert result.constrained and result.finish_reason in ("stop", "eos")  # the grammar ends with EOS
+    assert json.loads(result.text) == result.parsed and set(result.parsed) == {"word"}
+    assert result.text.startswith('{\n  "word": "')  # the fixed 2-space layout: no free whitespace to pad with

@@ -122,3 +122,16 @@ def test_schema_subset():
     assert any("longer than 3" in e for e in errors)
     assert any("score" in e and "none of" in e for e in errors)
     assert schema_errors(True, {"type": "integer"}) != []
+
+
+def test_truncated_list_keeps_its_complete_items():
+    from agents.builtin import key_facts
+    from agents.structured import parse_output, salvage_truncated
+
+    cut = '{"facts": ["The licence is free.", "You may copy it \\" verbatim.", "You may not'
+    assert salvage_truncated(cut) == {"facts": ["The licence is free.", 'You may copy it " verbatim.']}
+    assert salvage_truncated('{"facts": ["only one unfinished') is None
+    value, problem = parse_output(cut, key_facts().output, "length")
+    assert problem is None and value.facts[0] == "The licence is free."
+    # a reply that ended by itself is not salvaged: an unclosed object there is a real error
+    assert parse_output(cut, key_facts().output, "eos")[1] is not None

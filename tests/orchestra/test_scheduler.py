@@ -215,3 +215,24 @@ async def test_repair_policy_repairs_mapped_caches_and_reports_it(fam, mapstore)
     assert rep.namespace != pure.namespace
     rep_layers, map_layers = cache_layers(rep.cache), cache_layers(pure.cache)
     assert not torch.allclose(rep_layers[0][0][..., :4, :], map_layers[0][0][..., :4, :])
+
+
+async def test_degenerate_output_is_reported_and_never_passed_downstream(fam, mapstore):
+    from transformers import AutoTokenizer
+
+    from orchestra.events import AgentDegenerate
+
+    tok = AutoTokenizer.from_pretrained(fam.parent)
+    # a stop string for every character a token can start with: whatever "a" generates is cut to ''
+    starts = sorted({text[0] for i in range(len(tok)) if (text := tok.decode([i]))})
+    blank = _spec("a", "base")
+    blank["spec"]["generation"]["stop"] = starts
+    pipe = _pipeline(fam, [blank, _spec("b", "base", upstream=["a"], task="Improve: {a}"), _spec("c", "base")])
+    events = []
+    report = await Orchestra(pipe, mappings=mapstore).run(DOC, on_event=events.append)
+    a, b = report.agent("a"), report.agent("b")
+    assert a.status == "degenerate" and a.degenerate_reason.startswith("empty") and a.output == ""
+    assert b.status == "skipped" and "upstream a produced degenerate output (empty" in b.skip_reason
+    assert report.agent("c").status == "succeeded" and report.degenerate == ["a"]
+    assert [e.agent for e in events if isinstance(e, AgentDegenerate)] == ["a"]
+    assert events[-1].degenerate == ["a"] and not any(isinstance(e, AgentSkipped) and e.agent == "c" for e in events)

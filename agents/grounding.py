@@ -1,0 +1,142 @@
+"""Grounded extraction: items of a JSON reply must be verbatim spans of the document.
+
+With ``OutputSpec(grounded=True)`` (the ``key_facts`` built-in's default) every string item of the
+reply's lists must appear in the document word for word, compared after normalising case, whitespace
+and punctuation (a fact copied with a different comma or line break still counts). The policy is
+**drop**: ungrounded items are removed from the accepted value and listed in the `Grounding` result
+(and the run report), so downstream agents only ever see text the document contains. A reply with no
+grounded item at all is a validation failure and goes through the repair loop with an instruction
+to copy sentences verbatim. Bare string fields outside lists are counted but never dropped.
+
+Under grammar-constrained decoding the check is made at the source as well: `grounded_schema` turns
+every list of strings in the schema into a list of the document's own sentences (a JSON-schema
+``enum``), so a small model *chooses* sentences instead of writing them, and cannot invent one. The
+check after decoding stays, for unconstrained decoding and for schemas the grammar cannot express.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["Grounding", "normalize", "is_grounded", "ground_value", "document_sentences", "grounded_schema"]
+
+
+class Grounding(BaseModel):
+    """How many extracted items are verbatim spans of the document, and which are not."""
+
+    model_config = ConfigDict(frozen=True)
+
+    checked: int
+    """String items checked."""
+    grounded: int
+    """Items found verbatim (case/whitespace/punctuation-normalised) in the document."""
+    ungrounded: list[str]
+    """The items not found; dropped from list fields of the accepted value."""
+    repeated: int = 0
+    """List items dropped because an earlier item of the same list says the same (normalised) thing."""
+
+
+def normalize(text: str) -> str:
+    """Casefolded, punctuation replaced by spaces, whitespace collapsed: the form spans are compared in."""
+    return " ".join(re.sub(r"[^\w\s]", " ", text.casefold()).split())
+
+
+def is_grounded(item: str, normalized_document: str) -> bool:
+    """Whether ``item`` (non-blank) occurs in the document (given already normalised)."""
+    norm = normalize(item)
+    return bool(norm) and f" {norm} " in f" {normalized_document} "  # whole words only
+
+
+def ground_value(value: dict[str, Any], document: str) -> tuple[dict[str, Any], Grounding]:
+    """``value`` with ungrounded string items removed from its lists, and the grounding counts."""
+    doc = normalize(document)
+    checked = grounded = 0
+    ungrounded: list[str] = []
+    repeated = 0
+
+    def visit(node: Any) -> Any:
+        nonlocal checked, grounded, repeated
+        if isinstance(node, dict):
+            return {k: visit(v) for k, v in node.items()}
+        if isinstance(node, list):
+            kept = []
+            seen: set[str] = set()
+            for item in node:
+                if isinstance(item, str):
+                    if normalize(item) in seen:  # a small model picks one sentence again: say it once
+                        repeated += 1
+                        continue
+                    seen.add(normalize(item))
+                    checked += 1
+                    if is_grounded(item, doc):
+                        grounded += 1
+                        kept.append(item)
+                    else:
+                        ungrounded.append(item)
+                else:
+                    kept.append(visit(item))
+            return kept
+        if isinstance(node, str):
+            checked += 1
+            if is_grounded(node, doc):
+                grounded += 1
+            else:
+                ungrounded.append(node)
+        return node
+
+    return visit(value), Grounding(checked=checked, grounded=grounded, ungrounded=ungrounded, repeated=repeated)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+|\n\s*\n")
+MAX_SENTENCES = 512
+"""Sentences offered to the grammar at most (the first ones): bounds grammar size and compile time."""
+
+
+def document_sentences(document: str, *, min_chars: int = 24, max_chars: int = 300) -> list[str]:
+    """The document's sentences (and paragraph-sized lines), whitespace collapsed, in order, without repeats.
+
+    Pieces shorter than ``min_chars`` (headings, numbering) or longer than ``max_chars`` are left out:
+    the former are not facts, the latter would not fit a fact's length limit.
+    """
+    seen: set[str] = set()
+    out: list[str] = []
+    for piece in _SENTENCE_END.split(document):
+        text = " ".join(piece.split())
+        if min_chars <= len(text) <= max_chars and text not in seen:
+            seen.add(text)
+            out.append(text)
+            if len(out) == MAX_SENTENCES:
+                break
+    return out
+
+
+def grounded_schema(schema: dict[str, Any], document: str | None = None, *, max_items: int | None = None,
+                    min_chars: int = 24) -> dict[str, Any] | None:
+    """``schema`` for the grammar: each array-of-strings property limited to the document's sentences
+    (when ``document`` is given) and every array to ``max_items``; None when nothing changes.
+
+    Only top-level ``properties`` are rewritten (the shape of every built-in JSON agent); string
+    length limits are dropped there since every choice is a whole sentence of bounded length.
+    """
+    sentences = document_sentences(document, min_chars=min_chars) if document is not None else []
+    props = schema.get("properties")
+    if not isinstance(props, dict):
+        return None
+    rewritten = dict(props)
+    changed = False
+    for name, prop in props.items():
+        if not isinstance(prop, dict) or prop.get("type") != "array":
+            continue
+        new = dict(prop)
+        items = prop.get("items")
+        if sentences and isinstance(items, dict) and items.get("type") == "string":
+            new["items"] = {"type": "string", "enum": sentences}
+        if max_items is not None:
+            new["maxItems"] = min(int(prop.get("maxItems", max_items)), max_items)
+        if new != prop:
+            rewritten[name] = new
+            changed = True
+    return {**schema, "properties": rewritten} if changed else None
