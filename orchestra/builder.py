@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Pipeline", "BUNDLED_ROLES"]
 
-BUNDLED_ROLES: tuple[str, ...] = ("root", "finetuned", "quantized", "distilled")
+BUNDLED_ROLES: tuple[str, ...] = ("root", "finetuned", "quantized", "distilled", "int8")
 """The roles of the bundled family's members; without a loaded family, a Pipeline's default aliases."""
 
 

@@ -53,7 +53,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _calibration_corpus() -> list[tuple[str, str]]:
-    from orchestra.family.corpus import CALIBRATION_TEXTS, data_text
+    from orchestra.texts import CALIBRATION_TEXTS, data_text
 
     return [(name, data_text(name)) for name in CALIBRATION_TEXTS]
 

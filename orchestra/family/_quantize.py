@@ -1,13 +1,19 @@
-"""Weight-only symmetric group quantization (simulated: weights are stored dequantized)."""
+"""Weight-only symmetric quantization (simulated: weights are stored dequantized).
+
+Two granularities: groups of `group_size` inputs (the 4-bit member) and one scale per output
+channel, ``group_size=None`` (int8 weight-only, what production serving typically deploys).
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def quantize_dequantize(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """Round each group of `group_size` input weights to `bits`-bit symmetric integers and back."""
+def quantize_dequantize(weight: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
+    """Round each group of `group_size` input weights (a whole output row when None) to `bits`-bit symmetric
+    integers and back."""
     out_features, in_features = weight.shape
+    group_size = in_features if group_size is None else group_size
     if in_features % group_size:
         raise ValueError(f"in_features {in_features} is not a multiple of group size {group_size}")
     w = weight.detach().to(torch.float32).reshape(out_features, in_features // group_size, group_size)
@@ -17,7 +23,7 @@ def quantize_dequantize(weight: torch.Tensor, bits: int, group_size: int) -> tor
     return (q * scale).reshape(out_features, in_features).to(weight.dtype)
 
 
-def quantize_linear_layers(model: torch.nn.Module, bits: int, group_size: int) -> int:
+def quantize_linear_layers(model: torch.nn.Module, bits: int, group_size: int | None) -> int:
     """Quantize every nn.Linear inside the decoder layers in place; returns how many were changed."""
     count = 0
     with torch.no_grad():

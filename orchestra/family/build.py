@@ -1,4 +1,7 @@
-"""`orchestra family build`: the SmolLM2 root and its three derived members, reproducibly.
+"""`orchestra family build`: the SmolLM2 root and its four derived members, reproducibly.
+
+By default the build also calibrates the root -> member mappings into ``<home>/mappings``
+(:mod:`orchestra.family.calibrate`), so a pipeline run on the family never calibrates on demand.
 
 Every member is written to a temporary folder next to its destination and renamed into place
 only after its weights, tokenizer and ``member.json`` are complete, so an interrupted or failed
@@ -10,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,10 +56,46 @@ MEMBERS: tuple[MemberSpec, ...] = (
                {"method": "weight-only symmetric quantization", "bits": 4, "group_size": 64,
                 "modules": "all decoder-layer linear layers", "storage": "dequantized fp32"}),
     MemberSpec("smollm2-20l-distilled", "distilled", ROOT,
-               {"method": "drop-layers + lora distillation", "delta": "distilled"}),
+               {"method": "drop-layers + lora distillation", "delta": "distilled",
+                "layers": "the 10 with the smallest skip KL on the root (measured importance)"}),
+    # What production serving deploys: int8 weight-only, one scale per output channel. Listed last, so
+    # code that takes the first members keeps the original four.
+    MemberSpec("smollm2-135m-w8", "int8", ROOT,
+               {"method": "weight-only symmetric quantization", "bits": 8, "group_size": None,
+                "granularity": "per output channel", "modules": "all decoder-layer linear layers",
+                "storage": "dequantized fp32"}),
 )
 
 Log = Callable[[str], None]
+
+
+def made_by(spec: MemberSpec) -> dict[str, Any]:
+    """The member's full recipe, as recorded in its ``member.json``.
+
+    For a member made with a shipped delta it names the delta file's sha256 and the training recipe,
+    so a member built from an older delta (or another layer choice) no longer matches and is rebuilt
+    by the next ``family build``, without ``--force`` (which would also rebuild the root).
+    """
+    recipe = dict(spec.recipe)
+    delta = recipe.get("delta")
+    if delta:
+        import hashlib
+
+        from orchestra.family.train import DELTAS_DIR, RECIPES
+
+        weights = DELTAS_DIR / delta / "adapter_model.safetensors"
+        recipe["delta_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest() if weights.is_file() else None
+        trained = RECIPES[delta]
+        recipe.update(lora_rank=trained.rank, steps=trained.steps)
+        if trained.drop_layers:
+            recipe["drop_layers"] = list(trained.drop_layers)
+    return recipe
+
+
+def _current(member_dir: Path, spec: MemberSpec) -> MemberRecord | None:
+    """The built member in `member_dir` when it is whole and made by the current recipe, else None."""
+    record = _read_valid_record(member_dir)
+    return record if record is not None and record.made_by == made_by(spec) else None
 
 
 def _save_member(model, tokenizer, spec: MemberSpec, dest: Path, divergence: Divergence | None) -> MemberRecord:
@@ -73,7 +112,7 @@ def _save_member(model, tokenizer, spec: MemberSpec, dest: Path, divergence: Div
         fp = fingerprint_dir(tmp)
         weights_bytes = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
         record = MemberRecord(
-            name=spec.name, role=spec.role, path=str(dest), parent=spec.parent, made_by=spec.recipe,
+            name=spec.name, role=spec.role, path=str(dest), parent=spec.parent, made_by=made_by(spec),
             fingerprint=fp.as_dict(), num_layers=model.config.num_hidden_layers,
             num_parameters=sum(p.numel() for p in model.parameters()), bytes=weights_bytes, divergence=divergence,
         )
@@ -105,7 +144,7 @@ def _derive(spec: MemberSpec, root_dir: Path):
     model = AutoModelForCausalLM.from_pretrained(str(root_dir), dtype=torch.float32)
     if spec.role == "finetuned":
         model = apply_delta(model, spec.recipe["delta"])
-    elif spec.role == "quantized":
+    elif spec.role in ("quantized", "int8"):
         quantize_linear_layers(model, bits=spec.recipe["bits"], group_size=spec.recipe["group_size"])
     elif spec.role == "distilled":
         from orchestra.family.train import RECIPES
@@ -123,15 +162,47 @@ def build_family(
     allow_download: bool = True,
     force: bool = False,
     log: Log | None = None,
+    calibrate: bool | Sequence[str] = True,
+    calibration_tokens: int | None = None,
+    repair: bool = True,
+    progress: bool = True,
 ) -> FamilyManifest:
-    """Build (or reuse) the root and its members under ``<home>/family`` and write ``family.json``."""
+    """Build (or reuse) the root and its members under ``<home>/family`` and write ``family.json``.
+
+    `calibrate`: also calibrate root -> member mappings into ``<home>/mappings`` (every member when
+    True, the named members or roles when a list, none when False), each at `calibration_tokens`
+    (default: :data:`orchestra.family.calibrate.CALIBRATION_TOKENS`, what pipelines would use), with
+    residual maps when `repair`. Mappings that already exist and load are kept, so a rebuild is quick.
+    """
+    manifest = _build_members(home, gguf=gguf, allow_download=allow_download, force=force, log=log)
+    if calibrate is not False:
+        from orchestra.family.calibrate import CALIBRATION_TOKENS, calibrate_members
+
+        results = calibrate_members(manifest, None if calibrate is True else list(calibrate),
+                                    tokens=calibration_tokens or CALIBRATION_TOKENS, repair=repair, log=log,
+                                    progress=progress)
+        say = log or (lambda _msg: None)
+        for r in results:
+            say(f"mapping root -> {r.member}: {'calibrated' if r.made else 'kept'} ({r.method}, held-out KL "
+                f"{r.heldout_kl:.4f}{', residual maps' if r.residual else ''}, {r.seconds:.0f}s)")
+    return manifest
+
+
+def _build_members(
+    home: str | os.PathLike[str] | None,
+    *,
+    gguf: str | os.PathLike[str] | None,
+    allow_download: bool,
+    force: bool,
+    log: Log | None,
+) -> FamilyManifest:
     home_path = resolve_home(home)
     fam = family_dir(home_path)
     fam.mkdir(parents=True, exist_ok=True)
     say = log or (lambda _msg: None)
 
     records: dict[str, MemberRecord] = {}
-    existing = {spec.name: _read_valid_record(fam / spec.name) for spec in MEMBERS}
+    existing = {spec.name: _current(fam / spec.name, spec) for spec in MEMBERS}
     if not force and all(r is not None and (r.role == "root" or r.divergence) for r in existing.values()):
         manifest = FamilyManifest(home=str(home_path), members={n: r for n, r in existing.items() if r})
         _save_manifest(manifest, fam / MANIFEST_NAME)

@@ -11,16 +11,10 @@ import ast
 import sysconfig
 from pathlib import Path
 
-__all__ = ["DATA_DIR", "stdlib_docstrings", "data_text", "HELDOUT_TEXT", "CALIBRATION_TEXTS"]
+# The shipped texts are named in orchestra.texts, which the runtime mapping store reads too.
+from orchestra.texts import CALIBRATION_TEXTS, DATA_DIR, HELDOUT_TEXT, data_text
 
-DATA_DIR = Path(__file__).parent / "data"
-HELDOUT_TEXT = "gpl-3.txt"
-CALIBRATION_TEXTS = ("mpl-2.0.txt", "apache-2.0.txt", "gfdl-1.3.txt")
-
-
-def data_text(name: str) -> str:
-    """A text shipped in orchestra/family/data."""
-    return (DATA_DIR / name).read_text(encoding="utf-8")
+__all__ = ["DATA_DIR", "stdlib_docstrings", "data_text", "training_text", "HELDOUT_TEXT", "CALIBRATION_TEXTS"]
 
 
 def stdlib_docstrings(max_chars: int = 400_000, min_len: int = 200) -> str:
@@ -44,3 +38,20 @@ def stdlib_docstrings(max_chars: int = 400_000, min_len: int = 200) -> str:
                     if total >= max_chars:
                         return "\n\n".join(chunks)
     return "\n\n".join(chunks)
+
+
+def training_text(corpus: str) -> str:
+    """A training corpus by name: ``+``-joined parts, ``stdlib_docstrings`` and/or ``licences``.
+
+    ``licences`` is the calibration licence texts (MPL, Apache, GFDL): English prose of the kind the
+    demo document is, but never the held-out GPL text the divergence is measured on.
+    """
+    parts = []
+    for part in corpus.split("+"):
+        if part == "stdlib_docstrings":
+            parts.append(stdlib_docstrings())
+        elif part == "licences":
+            parts.extend(data_text(name) for name in CALIBRATION_TEXTS if name != HELDOUT_TEXT)
+        else:
+            raise ValueError(f"unknown training corpus part {part!r}; use stdlib_docstrings and/or licences")
+    return "\n\n".join(parts)

@@ -17,7 +17,9 @@ __all__ = ["Divergence", "MemberRecord", "FamilyManifest", "Role", "MANIFEST_NAM
 
 MANIFEST_NAME = "family.json"
 MEMBER_MARKER = "member.json"
-Role = Literal["root", "finetuned", "quantized", "distilled", "external"]
+# One role per bundled member: pipelines, the cache and the server address members by role, so two
+# members never share one ("quantized" is the 4-bit member, "int8" the int8 per-channel one).
+Role = Literal["root", "finetuned", "quantized", "int8", "distilled", "external"]
 
 
 class Divergence(BaseModel):
@@ -55,7 +57,7 @@ class FamilyManifest(BaseModel):
     members: dict[str, MemberRecord]
 
     def member(self, key: str) -> MemberRecord:
-        """Look a member up by name or by role (``root``, ``finetuned``, ``quantized``, ``distilled``)."""
+        """Look a member up by name or by role (``root``, ``finetuned``, ``quantized``, ``int8``, ``distilled``)."""
         if key in self.members:
             return self.members[key]
         for record in self.members.values():

@@ -20,6 +20,7 @@ import pytest
 from mappings.atomic import _tag, clean_stale, install_dir
 from mappings.store import load_mapping
 from orchestra.errors import FamilyError
+from orchestra.family.build import MEMBERS
 from orchestra.family.manifest import MANIFEST_NAME, _read_valid_record, family_dir, load_family
 from tests.fault_driver import Zygote
 from tests.tiny_family import build_tiny_family
@@ -189,7 +190,7 @@ def test_first_family_build_killed_leaves_whole_members_or_none(fam, zygote, tmp
     # building again finishes the job (reusing the whole members, cleaning the dead run's leftovers)
     again = zygote.run(["family", "build", "--home", home], tiny_build=fam.parent)
     assert again["code"] == 0, again["output"]
-    assert len(load_family(home).members) == 4
+    assert len(load_family(home).members) == len(MEMBERS)
     assert not [p for p in family_dir(home).iterdir() if p.name.startswith(".")]
 
 

@@ -46,3 +46,40 @@ def test_only_decoder_linear_layers_are_quantized(tiny_family):
     assert torch.equal(before["lm_head.weight"], after["lm_head.weight"])
     q = after["model.layers.0.self_attn.q_proj.weight"]
     assert len(torch.unique(q.view(q.shape[0], -1, 32)[0, 0])) <= 8
+
+
+def test_int8_per_channel_has_one_scale_per_output_row():
+    torch.manual_seed(0)
+    w = torch.randn(6, 576)
+    w[3] *= 100.0  # a loud channel must not coarsen the others' grid (it would with one scale per tensor)
+    q = quantize_dequantize(w, bits=8, group_size=None)
+    for r in range(6):
+        scale = w[r].abs().max() / 127
+        levels = torch.round(q[r] / scale)
+        assert torch.allclose(levels * scale, q[r], atol=1e-6 * float(scale))  # on this row's own grid
+        assert levels.abs().max() == 127  # the row's largest weight sets its scale and is kept exactly
+        assert len(torch.unique(levels)) <= 255
+        assert (w[r] - q[r]).abs().max() <= scale / 2 + 1e-6
+    quiet_err = (w[0] - q[0]).abs().max()
+    assert quiet_err <= w[0].abs().max() / 127 / 2 + 1e-6
+    assert quiet_err < (w[3] - q[3]).abs().max() / 20
+
+
+def test_int8_is_far_closer_than_4bit():
+    torch.manual_seed(1)
+    w = torch.randn(64, 576) * 0.02
+    err8 = (quantize_dequantize(w, 8, None) - w).pow(2).mean()
+    err4 = (quantize_dequantize(w, 4, 64) - w).pow(2).mean()
+    assert err8 < err4 / 50
+
+
+def test_per_channel_quantization_of_decoder_layers(tiny_family):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_family.parent)
+    before = model.state_dict()["model.layers.1.mlp.up_proj.weight"].clone()
+    assert quantize_linear_layers(model, bits=8, group_size=None) == 7 * model.config.num_hidden_layers
+    after = model.state_dict()["model.layers.1.mlp.up_proj.weight"]
+    scale = before.abs().amax(dim=1, keepdim=True) / 127
+    assert not torch.equal(before, after)
+    assert ((before - after).abs() <= scale / 2 + 1e-7).all()
