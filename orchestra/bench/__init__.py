@@ -5,7 +5,7 @@ section; add a section by following the same shape and registering it in ``_run.
 
 - ``quality``: every row of :func:`mappings.evaluate.evaluate` per pair and document length;
 - ``timing``: target prefill vs map + inject, side by side, and growth with length;
-- ``tasks``: built-in agents on a mapped vs a re-prefilled cache (ROUGE-L, exact match);
+- ``tasks``: QA accuracy of every member on its own prefill, a mapped and a mapped + repaired cache (retention);
 - ``pipeline``: N-agent pipelines, prefill once vs per-agent re-prefill;
 - ``calibration``: seconds, tokens and artifact bytes of calibrations;
 - ``crossfamily``: a model with another tokenizer is refused with a typed error.
@@ -27,6 +27,7 @@ from orchestra.bench.pipeline import (
     compare_pipeline,
     run_pipeline,
 )
+from orchestra.bench.qa import QASet, is_correct, load_qa, normalize
 from orchestra.bench.quality import QualityConfig, QualitySection, run_quality
 from orchestra.bench.report import BenchResults, render_markdown, write_plots, write_results
 from orchestra.bench.tasks import TaskConfig, TaskSection, rouge_l, run_tasks
@@ -37,7 +38,7 @@ __all__ = [
     "MachineInfo", "machine_info",
     "QualityConfig", "QualitySection", "run_quality",
     "TimingConfig", "TimingSection", "run_timing",
-    "TaskConfig", "TaskSection", "run_tasks", "rouge_l",
+    "TaskConfig", "TaskSection", "run_tasks", "rouge_l", "QASet", "load_qa", "normalize", "is_correct",
     "PipelineConfig", "PipelineSection", "PipelineComparison", "compare_pipeline", "run_pipeline",
     "CalibrationBenchConfig", "CalibrationSection", "run_calibration",
     "CrossFamilyConfig", "CrossFamilySection", "run_crossfamily",

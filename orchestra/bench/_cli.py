@@ -39,7 +39,9 @@ def _command() -> str:
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="A few minutes: lengths 512/1k, one window, forward pairs + "
                                         "one reverse, a 2-agent pipeline, short agent outputs.")] = False,
-    out: Annotated[Path, typer.Option("--out", help="Folder for bench.json, bench.md and the PNG plots.")] = _DEFAULT_OUT,
+    out: Annotated[Path, typer.Option("--out", help="Folder for bench.json, bench.md and the PNG plots; or a file "
+                                      "NAME.json: the results go to NAME.json and NAME.md beside it (e.g. "
+                                      "benchmarks/results/qa.json for a tasks-only run).")] = _DEFAULT_OUT,
     pairs: Annotated[str | None, typer.Option("--pairs", help="Comma-separated SOURCE>TARGET aliases (root, finetuned, "
                                               "quantized, distilled), e.g. 'root>finetuned,finetuned>root'.")] = None,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Comma-separated document lengths in tokens, e.g. "
@@ -49,6 +51,20 @@ def bench(
     repeats: Annotated[int | None, typer.Option("--repeats", min=1, help="Timing repetitions (median).")] = None,
     windows: Annotated[int | None, typer.Option("--windows", min=1, help="Quality windows per length.")] = None,
     agents: Annotated[str | None, typer.Option("--agents", help="Pipeline sizes, e.g. '2,4,8'.")] = None,
+    qa_window: Annotated[int | None, typer.Option("--qa-window", min=16, help="Tasks: document tokens of the window "
+                                                  "around each question's passage (default 512).")] = None,
+    qa_lengths: Annotated[str | None, typer.Option("--qa-lengths", help="Tasks: also measure the source's own-prefill "
+                                                   "accuracy at these window lengths, e.g. '256,512,1k,2k'.")] = None,
+    qa_limit: Annotated[int | None, typer.Option("--qa-limit", min=1, help="Tasks: ask only the first N questions "
+                                                 "(default: all; 12 with --quick).")] = None,
+    qa_questions: Annotated[str | None, typer.Option("--qa-questions", help="Tasks: comma-separated question ids "
+                                                     "(orchestra/bench/data/qa.json) to ask.")] = None,
+    qa_file: Annotated[Path | None, typer.Option("--qa-file", help="Tasks: a QA set of your own (the format of "
+                                                 "orchestra/bench/data/qa.json) instead of the bundled one.")] = None,
+    qa_max_new_tokens: Annotated[int | None, typer.Option("--qa-max-new-tokens", min=1, help="Tasks: tokens per "
+                                                          "answer (default 24).")] = None,
+    qa_repair_budget: Annotated[float, typer.Option("--qa-repair-budget", min=0.0, max=1.0, help="Tasks: repair "
+                                                    "budget of the mapped+repair condition.")] = 0.1,
     home: Annotated[Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or "
                                               "~/.cache/orchestra).")] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device for every model.")] = "cpu",
@@ -64,6 +80,9 @@ def bench(
         config = BenchConfig(
             quick=quick, pairs=_split(pairs), lengths=_ints(lengths, "--lengths"),
             repeats=repeats, windows=windows, pipeline_agents=_ints(agents, "--agents"), device=device,
+            task_tokens=qa_window, task_max_new_tokens=qa_max_new_tokens, qa_lengths=_ints(qa_lengths, "--qa-lengths"),
+            qa_limit=qa_limit, qa_questions=_split(qa_questions), qa_file=str(qa_file) if qa_file else None,
+            qa_repair_budget=qa_repair_budget,
             **({"sections": _split(sections)} if sections else {}),
         )
         result = run_bench(config, out, home=home, command=_command(), progress=not quiet,
@@ -79,5 +98,8 @@ def bench(
         else:
             err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from exc
-    console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" +
+    from orchestra.bench.report import result_paths
+
+    json_path, md_path = result_paths(out)
+    console.print(f"wrote {json_path}, {md_path}" +
                   (f" and {', '.join(result.plots)}" if result.plots else "") + f" in {result.seconds:.0f} s")

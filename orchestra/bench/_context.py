@@ -100,7 +100,16 @@ class BenchFamily:
         from orchestra.family.corpus import HELDOUT_TEXT, data_text
 
         family = load_family(home)
-        return cls.from_models(dict(BUNDLED_ALIASES), Path(family.home) / "mappings", document=data_text(HELDOUT_TEXT),
+        # The bundled roles first (their order is the tables' order), then every other member the manifest lists
+        # (e.g. one added after this code was written): by role, or by name when an earlier member has that role.
+        first: dict[str, str] = {}
+        for record in family.members.values():
+            first.setdefault(record.role, record.name)
+        aliases = {role: name for role, name in BUNDLED_ALIASES.items() if role in first}
+        for record in family.members.values():
+            alias = record.role if first[record.role] == record.name else record.name
+            aliases.setdefault(alias, alias)
+        return cls.from_models(aliases, Path(family.home) / "mappings", document=data_text(HELDOUT_TEXT),
                                document_name=HELDOUT_TEXT, family=family, device=device,
                                calibration_tokens=calibration_tokens)
 

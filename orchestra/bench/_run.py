@@ -32,9 +32,15 @@ class BenchConfig(BaseModel):
     suffix_tokens: int = Field(32, ge=1)
     greedy_tokens: int | None = Field(None, ge=0)
     tail_tokens: int = Field(32, ge=0)
-    task_pairs: list[str] | None = Field(None, description="pairs for the task section (default: forward pairs)")
-    task_tokens: int | None = Field(None, ge=16)
-    task_max_new_tokens: int | None = Field(None, ge=1)
+    task_pairs: list[str] | None = Field(None, description="SOURCE>TARGET pairs of the task section (default: the "
+                                         "first pair's source into every other family member)")
+    task_tokens: int | None = Field(None, ge=16, description="document tokens of each QA window")
+    task_max_new_tokens: int | None = Field(None, ge=1, description="tokens each QA answer may generate")
+    qa_lengths: list[int] | None = Field(None, description="window lengths of the source's QA accuracy sweep")
+    qa_limit: int | None = Field(None, ge=1, description="ask only the first N questions of the QA set")
+    qa_questions: list[str] | None = Field(None, description="ask only these question ids")
+    qa_file: str | None = Field(None, description="a QA set (JSON, the bundled one's format) instead of the bundled one")
+    qa_repair_budget: float = Field(0.1, gt=0.0, le=1.0, description="repair budget of the mapped+repair condition")
     pipeline_agents: list[int] | None = None
     pipeline_tokens: int | None = Field(None, ge=16)
     pipeline_max_new_tokens: int | None = Field(None, ge=1)
@@ -58,15 +64,19 @@ class BenchConfig(BaseModel):
         q = self.quick
         pairs = self.pairs or (list(FORWARD_PAIRS) + ([REVERSE_PAIRS[0]] if q else list(REVERSE_PAIRS)))
         forward = [p for p in pairs if p.split(">")[0].strip() == pairs[0].split(">")[0].strip()]
+        # tasks: explicit pairs, else forward pairs when --pairs was given, else (None) every member of the family
+        task_pairs = self.task_pairs or ((forward[:1] if q else forward) if self.pairs else None)
         return self.model_copy(update={
             "pairs": pairs,
             "lengths": self.lengths or list(QUICK_LENGTHS if q else FULL_LENGTHS),
             "repeats": self.repeats or 3,
             "windows": self.windows or (1 if q else 2),
             "greedy_tokens": self.greedy_tokens if self.greedy_tokens is not None else (16 if q else 32),
-            "task_pairs": self.task_pairs or (forward[:1] if q else forward),
-            "task_tokens": self.task_tokens or (512 if q else 2048),
-            "task_max_new_tokens": self.task_max_new_tokens or (64 if q else 128),
+            "task_pairs": task_pairs,
+            "task_tokens": self.task_tokens or 512,
+            "task_max_new_tokens": self.task_max_new_tokens or 24,
+            "qa_lengths": self.qa_lengths if self.qa_lengths is not None else [],
+            "qa_limit": self.qa_limit or (12 if q else None),
             "pipeline_agents": self.pipeline_agents or ([2] if q else [2, 4, 8]),
             "pipeline_tokens": self.pipeline_tokens or (1024 if q else 2048),
             "pipeline_max_new_tokens": self.pipeline_max_new_tokens or (8 if q else 24),
@@ -103,7 +113,8 @@ def run_bench(
     started = time.perf_counter()
     fam = family or BenchFamily.bundled(home, device=cfg.device)
     pairs: list[Pair] = parse_pairs(cfg.pairs or [])
-    unknown = sorted({a for p in pairs for a in (p.source, p.target)} - set(fam.aliases))
+    named = pairs + (parse_pairs(cfg.task_pairs or []) if "tasks" in cfg.sections else [])
+    unknown = sorted({a for p in named for a in (p.source, p.target)} - set(fam.aliases))
     if unknown:
         raise ValueError(f"unknown model alias(es) {', '.join(unknown)}; known: {', '.join(fam.aliases)}")
     lengths = sorted(set(cfg.lengths or []))
@@ -128,9 +139,16 @@ def run_bench(
             results[name] = run_timing(TimingConfig(pairs=pairs, lengths=lengths, repeats=cfg.repeats or 3,
                                                     tail_tokens=cfg.tail_tokens), fam, progress=progress)
         elif name == "tasks":
+            task_pairs = parse_pairs(cfg.task_pairs or [])
+            source = task_pairs[0].source if task_pairs else (pairs[0].source if pairs else next(iter(fam.aliases)))
+            targets = ([p.target for p in task_pairs if p.source == source] if task_pairs
+                       else [a for a in fam.aliases if a != source])
             results[name] = run_tasks(TaskConfig(
-                pairs=parse_pairs(cfg.task_pairs or []), document_tokens=cfg.task_tokens or 512,
-                max_new_tokens=cfg.task_max_new_tokens or 64, tail_tokens=cfg.tail_tokens), fam, progress=progress)
+                source=source, members=targets, window_tokens=cfg.task_tokens or 512,
+                max_new_tokens=cfg.task_max_new_tokens or 24, tail_tokens=max(2, cfg.tail_tokens),
+                repair_budget=cfg.qa_repair_budget, questions=cfg.qa_questions, limit=cfg.qa_limit,
+                qa_file=cfg.qa_file, lengths=cfg.qa_lengths or []),
+                fam, progress=progress)
         elif name == "pipeline":
             members = list(dict.fromkeys([pairs[0].source, *fam.aliases])) if pairs else list(fam.aliases)
             results[name] = run_pipeline(PipelineConfig(

@@ -13,12 +13,12 @@ from orchestra.bench.crossfamily import CrossFamilySection
 from orchestra.bench.pipeline import PipelineSection, pipeline_markdown
 from orchestra.bench.quality import QualitySection
 from orchestra.bench.repair import RepairSection, repair_markdown
-from orchestra.bench.tasks import TaskSection
+from orchestra.bench.tasks import TaskSection, tasks_markdown
 from orchestra.bench.timing import TimingSection
 
-__all__ = ["BenchResults", "write_results", "render_markdown", "write_plots", "SCHEMA_VERSION"]
+__all__ = ["BenchResults", "write_results", "result_paths", "render_markdown", "write_plots", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the tasks section is the QA accuracy table
 
 
 class BenchResults(BaseModel):
@@ -128,21 +128,8 @@ def render_markdown(r: BenchResults) -> str:
             lines.append(f"| {g.pair} | {g.quantity} | {_f(g.exponent, 2)} | {_f(g.per_doubling, 2)} | "
                          f"{', '.join(map(str, g.lengths))} |")
         lines += _skipped(t.skipped)
-    k = r.tasks
-    if k is not None:
-        lines += [
-            "## Task level: built-in agents on a mapped vs a re-prefilled cache", "",
-            f"{k.document_tokens}-token prompt prefix, greedy, up to {k.config.max_new_tokens} new tokens; mapped = the "
-            f"FamilyCache's mapped lease, gates open ({k.config.tail_tokens}-token tail recomputed: what every agent runs on). "
-            "1.0 = identical output.", "",
-            "| pair | agent | metric | score | tokens agreeing | tokens (truth / mapped) | errors |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for x in k.rows:
-            errs = "; ".join(e.split(":")[0] for e in (x.truth_error, x.mapped_error) if e) or "-"
-            lines.append(f"| {x.pair} | {x.agent} | {x.metric} | {_f(x.score, 3)} | {x.token_agreement} | "
-                         f"{x.tokens_truth} / {x.tokens_mapped} | {errs} |")
-        lines += _skipped(k.skipped)
+    if r.tasks is not None:
+        lines += tasks_markdown(r.tasks)
     p = r.pipeline
     if p is not None:
         lines += [
@@ -281,14 +268,24 @@ def write_plots(r: BenchResults, out: Path) -> list[str]:
     return names
 
 
-def write_results(r: BenchResults, out: str | Path, *, plots: bool = True) -> BenchResults:
-    """Write plots, ``bench.json`` and ``bench.md`` into ``out``; returns the results with plot names."""
+def result_paths(out: str | Path) -> tuple[Path, Path]:
+    """Where results go: ``<out>/bench.json`` and ``bench.md`` for a folder, or ``<x>.json`` and ``<x>.md``
+    for ``out = <x>.json`` (so a one-section run can be kept beside the full one without overwriting it)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".json":
+        return out, out.with_suffix(".md")
+    return out / "bench.json", out / "bench.md"
+
+
+def write_results(r: BenchResults, out: str | Path, *, plots: bool = True) -> BenchResults:
+    """Write plots, the JSON and the Markdown (see :func:`result_paths`); returns the results with plot names."""
+    json_path, md_path = result_paths(out)
+    folder = json_path.parent
+    folder.mkdir(parents=True, exist_ok=True)
     if plots:
-        r = r.model_copy(update={"plots": write_plots(r, out)})
+        r = r.model_copy(update={"plots": write_plots(r, folder)})
     from mappings.atomic import write_atomic
 
-    write_atomic(out / "bench.json", r.model_dump_json(indent=2) + "\n")  # temporary siblings, then renames
-    write_atomic(out / "bench.md", render_markdown(r))
+    write_atomic(json_path, r.model_dump_json(indent=2) + "\n")  # temporary siblings, then renames
+    write_atomic(md_path, render_markdown(r))
     return r

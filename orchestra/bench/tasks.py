@@ -1,23 +1,40 @@
-"""Task level: do built-in agents say the same thing on a mapped cache as on the target's own prefill?
+"""Task level: do members answer questions about a document as well on a mapped cache as on their own prefill?
 
-For each pair, the document prefix is prefilled on the target (the truth) and, separately, on the
-source and mapped into the target the way the scheduler does it (the mapping's own method, then
-the last ``tail_tokens`` recomputed on the target). Each agent then runs greedily on both caches;
-summaries are compared with ROUGE-L (F1 of the longest common token subsequence), extracted
-facts by exact match, and both by how many generated tokens agree before the first difference.
+The QA set (:mod:`orchestra.bench.qa`) asks extractive questions over windows of the bundled
+licenses. For every window, the ``question_answerer`` built-in answers each of its questions
+greedily on four caches, all from one :class:`orchestra.familycache.FamilyCache`:
+
+- ``source``: the source member (the root) on its own prefill, which every map starts from;
+- ``own``: each other member on its own prefill (``allow_mapped=False``);
+- ``mapped``: the source's cache mapped into the member, gates open (the pure map + the cache's
+  recomputed tail: what an agent runs on when the gates pass);
+- ``mapped+repair``: the same map, repaired at ``repair_budget`` of a prefill.
+
+Accuracy is normalised containment of a reference answer (:func:`orchestra.bench.qa.is_correct`);
+retention = accuracy on the mapped (or repaired) cache / accuracy on the member's own prefill. The
+member's default gates (``gate``) are also asked about the same map, to report how many windows
+would have fallen back to a re-prefill. Optionally (``lengths``) the source's own-prefill accuracy
+is measured at several window lengths, to size a demo to what the model can answer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestra.bench._context import BenchFamily, Pair
+from orchestra.gates import GatePolicy
 
-__all__ = ["TaskConfig", "TaskRow", "TaskSection", "run_tasks", "rouge_l", "lcs_length", "TASK_AGENTS"]
+if TYPE_CHECKING:
+    from orchestra.bench.qa import QAQuestion
 
-TASK_AGENTS = ("summarizer", "key_facts")
+__all__ = ["TaskConfig", "QAAnswer", "QAScore", "GateSummary", "LengthRow", "TaskSection", "run_tasks",
+           "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS"]
+
+Condition = Literal["source", "own", "mapped", "mapped+repair"]
+CONDITIONS: tuple[Condition, ...] = ("own", "mapped", "mapped+repair", "source")
 
 
 class _Model(BaseModel):
@@ -25,35 +42,94 @@ class _Model(BaseModel):
 
 
 class TaskConfig(_Model):
-    pairs: list[Pair]
-    document_tokens: int = Field(1024, ge=16, description="held-out document tokens the agents read")
-    max_new_tokens: int = Field(48, ge=1, description="tokens each agent may generate")
-    tail_tokens: int = Field(32, ge=0, description="prefix tokens recomputed on the target after mapping")
-    agents: list[str] = Field(default_factory=lambda: list(TASK_AGENTS))
+    source: str = Field(description="the member whose prefill is mapped into the others (and answers itself)")
+    members: list[str] = Field(description="members the source's cache is mapped into")
+    window_tokens: int = Field(512, ge=16, description="document tokens around each passage (never fewer than it has)")
+    max_new_tokens: int = Field(24, ge=1, description="tokens each answer may generate (greedy)")
+    tail_tokens: int = Field(32, ge=2, description="prefix tokens the FamilyCache recomputes on the target after a map")
+    repair_budget: float = Field(0.1, gt=0.0, le=1.0, description="repair budget of the mapped+repair condition")
+    stop: list[str] = Field(default_factory=lambda: ["\n\n", "Question:"],
+                            description="stop strings: the answer is one reply, not the next question a small model "
+                                        "goes on to invent")
+    gate: GatePolicy = Field(default_factory=GatePolicy, description="the gates whose decision on the map is reported")
+    questions: list[str] | None = Field(None, description="question ids to ask (default: all)")
+    limit: int | None = Field(None, ge=1, description="ask only the first N (selected) questions")
+    lengths: list[int] = Field(default_factory=list, description="window lengths of the source's accuracy sweep")
+    qa_file: str | None = Field(None, description="a QA set other than the bundled one")
 
 
-class TaskRow(_Model):
-    pair: str
-    agent: str
-    metric: str = Field(description="rouge_l (summaries), exact_match (parsed facts) or exact_match_raw (raw replies, "
-                        "when either side's JSON did not validate)")
-    score: float | None = Field(description="agreement of the mapped run with the re-prefilled run (1 = identical)")
-    token_agreement: int = Field(description="generated tokens identical before the first difference")
-    tokens_truth: int
-    tokens_mapped: int
-    truth: str
-    mapped: str
-    truth_error: str | None = None
-    mapped_error: str | None = None
+class QAAnswer(_Model):
+    """One question answered by one member on one cache."""
+
+    question: str
+    member: str
+    condition: Condition
+    window_tokens: int = Field(description="document tokens in the window")
+    prefix_tokens: int = Field(description="prompt prefix tokens (preamble + window) the cache holds")
+    path: str = Field(description="the FamilyCache lease's path: exact, mapped or reprefilled")
+    prediction: str
+    correct: bool
+    error: str | None = None
+
+
+class QAScore(_Model):
+    member: str
+    condition: Condition
+    n: int
+    correct: int
+    accuracy: float
+    retention: float | None = Field(None, description="accuracy / the member's own-prefill accuracy (None if that is 0)")
+    agreement: float | None = Field(None, description="share of answers equal (normalised) to the own-prefill answer")
+    rouge_l: float | None = Field(None, description="mean ROUGE-L of the answers against the own-prefill answers")
+    paths: dict[str, int] = Field(default_factory=dict, description="lease paths the answers ran on")
+
+
+class GateSummary(_Model):
+    """What the member's gates decided about the pure map, window by window."""
+
+    member: str
+    windows: int
+    passed: int
+    fell_back: int = Field(description="windows that would have been re-prefilled instead of mapped")
+    failed_gates: dict[str, int] = Field(default_factory=dict, description="first failing gate -> windows")
+    reasons: list[str] = Field(default_factory=list, description="distinct fallback reasons (first few)")
+
+
+class LengthRow(_Model):
+    """The source's own-prefill accuracy at one window length."""
+
+    length: int
+    member: str
+    n: int
+    correct: int
+    accuracy: float
+    mean_window_tokens: float
+    mean_prefix_tokens: float
+    skipped: int = 0
+    by_type: dict[str, float] = Field(default_factory=dict, description="accuracy per answer type")
+    correct_ids: list[str] = Field(default_factory=list)
 
 
 class TaskSection(_Model):
     config: TaskConfig
-    document_tokens: int = Field(description="prefix tokens (preamble + document) the agents ran on")
-    rows: list[TaskRow] = Field(default_factory=list)
+    dataset: str = Field(description="QA set name and version")
+    questions: int
+    passages: int
+    mean_prefix_tokens: float = 0.0
+    scores: list[QAScore] = Field(default_factory=list)
+    gates: list[GateSummary] = Field(default_factory=list)
+    lengths: list[LengthRow] = Field(default_factory=list)
+    answers: list[QAAnswer] = Field(default_factory=list)
     skipped: list[str] = Field(default_factory=list)
 
+    def score(self, member: str, condition: str) -> QAScore:
+        for s in self.scores:
+            if s.member == member and s.condition == condition:
+                return s
+        raise KeyError((member, condition))
 
+
+# -- agreement between two answers (the earlier task metric, kept: it is free) ------------------------
 def _words(text: str) -> list[str]:
     return text.lower().split()
 
@@ -83,99 +159,248 @@ def rouge_l(reference: str, candidate: str) -> float:
     return 2 * p * r / (p + r)
 
 
-def _facts(parsed: Any) -> list[str] | None:
-    if parsed is None:
-        return None
-    facts = getattr(parsed, "facts", None)
-    if facts is None and isinstance(parsed, dict):
-        facts = parsed.get("facts")
-    return [" ".join(str(f).split()) for f in facts] if facts is not None else None
+# -- running ----------------------------------------------------------------------------------------
+class _Asker:
+    """Answers questions with the question_answerer built-in over a lease's cache; memoises exact caches."""
+
+    def __init__(self, fam: BenchFamily, cache: Any, max_new_tokens: int, stop: list[str]) -> None:
+        self.fam, self.cache, self.max_new, self.stop = fam, cache, max_new_tokens, tuple(stop)
+        self._memo: dict[tuple[str, tuple[int, ...], str], tuple[str, str | None]] = {}
+
+    def spec(self, q: QAQuestion) -> Any:
+        from agents import BUILTINS
+
+        spec = BUILTINS["question_answerer"](question=q.question, max_new_tokens=self.max_new)
+        if not self.stop:
+            return spec
+        return spec.model_copy(update={"generation": spec.generation.model_copy(update={"stop": self.stop})})
+
+    def fits(self, member: str, prefix: list[int], questions: list[QAQuestion]) -> str | None:
+        """Why the longest prompt would not fit the member, or None."""
+        from agents import suffix_ids
+
+        limit = self.fam.max_positions(member)
+        if limit is None:
+            return None
+        tok = self.fam.loaded(member).tokenizer
+        need = len(prefix) + max(len(suffix_ids(tok, self.spec(q))) for q in questions) + self.max_new
+        return None if need <= limit else f"{need} positions needed, {member} has {limit}"
+
+    def ask(self, member: str, lease: Any, prefix: list[int], q: QAQuestion) -> tuple[str, str | None]:
+        from agents import generate
+        from agents.errors import AgentError
+
+        key = (member, tuple(prefix), q.id)
+        if lease.path == "exact" and key in self._memo:  # the same exact cache and prompt: greedy gives the same
+            return self._memo[key]
+        lm = self.fam.loaded(member)
+        try:
+            result = generate(lm.model, lm.tokenizer, self.spec(q), prefix_ids=prefix, prefix_cache=lease.cache,
+                              lock=self.cache.lock(member))
+            out: tuple[str, str | None] = (result.text.strip(), None)
+        except AgentError as exc:  # e.g. a context overflow: recorded as a wrong answer, not fatal
+            out = ("", f"{type(exc).__name__}: {exc}")
+        if lease.path == "exact":
+            self._memo[key] = out
+        return out
 
 
-def _spec(agent: str, max_new_tokens: int):
-    from agents import builtin
+def _score(member: str, condition: Condition, answers: list[QAAnswer], own: dict[str, QAAnswer] | None) -> QAScore:
+    from orchestra.bench.qa import normalize
 
-    if agent == "summarizer":
-        return builtin.summarizer(max_words=60, max_new_tokens=max_new_tokens)
-    if agent == "key_facts":
-        # no repairs: a repair turn would compare two different prompts
-        return builtin.key_facts(max_facts=4, max_new_tokens=max_new_tokens, max_repairs=0)
-    factory = builtin.BUILTINS.get(agent)
-    if factory is None:
-        raise ValueError(f"unknown agent {agent!r}; use one of {', '.join(builtin.BUILTINS)}")
-    return factory(max_new_tokens=max_new_tokens)
-
-
-def _run(model: Any, tokenizer: Any, spec: Any, prefix_ids: list[int], cache: Any) -> tuple[Any, str | None]:
-    from agents import generate
-    from agents.errors import AgentError
-
-    try:
-        return generate(model, tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=cache), None
-    except AgentError as exc:  # e.g. invalid JSON from a small model: recorded, not fatal
-        return exc, f"{type(exc).__name__}: {exc}"
-
-
-def _output(result: Any, tokenizer: Any) -> tuple[str, list[int]]:
-    """Text and generated ids of a result, or of the raw reply an output error carries."""
-    if hasattr(result, "token_ids"):
-        return result.text, list(result.token_ids)
-    raw = getattr(result, "raw_output", "") or ""
-    return raw, list(tokenizer(raw, add_special_tokens=False)["input_ids"]) if raw else []
-
-
-def _first_divergence(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
+    n = len(answers)
+    correct = sum(a.correct for a in answers)
+    score = QAScore(member=member, condition=condition, n=n, correct=correct, accuracy=correct / n if n else 0.0,
+                    paths=dict(Counter(a.path for a in answers)))
+    if own is not None and condition in ("mapped", "mapped+repair"):
+        pairs = [(own[a.question], a) for a in answers if a.question in own]
+        if pairs:
+            score.agreement = sum(normalize(o.prediction) == normalize(a.prediction) for o, a in pairs) / len(pairs)
+            score.rouge_l = sum(rouge_l(o.prediction, a.prediction) for o, a in pairs) / len(pairs)
+        own_correct = sum(o.correct for o, _ in pairs)
+        score.retention = (sum(a.correct for _, a in pairs) / own_correct) if own_correct else None
+    return score
 
 
 def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) -> TaskSection:
     from tqdm.auto import tqdm
 
-    from agents import DocumentPrompt, suffix_ids
+    from agents import DocumentPrompt
+    from mappings.repair import RepairPolicy
+    from orchestra.bench.qa import is_correct, load_qa, passage_window, token_offsets
 
-    text = fam.text(config.document_tokens)
-    section = TaskSection(config=config, document_tokens=0)
-    bar = tqdm(config.pairs, desc="tasks", disable=not progress)
-    for pair in bar:
-        bar.set_postfix_str(pair.label)
-        target = fam.loaded(pair.target)
-        prefix = DocumentPrompt(text).token_ids(target.tokenizer)
-        section.document_tokens = len(prefix)
-        limit = fam.max_positions(pair.target)
-        fam.mapping(pair)  # calibrated into the store first when missing
-        cache = fam.family_cache(pair.source, tail_tokens=max(2, min(config.tail_tokens, len(prefix) - 1)))
-        truth_lease = cache.acquire_sync(pair.target, prefix, allow_mapped=False, reuse=False)
-        cache.acquire_sync(pair.source, prefix).release()
-        mapped_lease = cache.acquire_sync(pair.target, prefix)
-        if mapped_lease.path != "mapped":
-            section.skipped.append(f"{pair.label}: no mapped cache ({mapped_lease.fallback_reason})")
+    qa = load_qa(config.qa_file)
+    chosen = [q for q in qa.questions if config.questions is None or q.id in config.questions]
+    if config.questions is not None:
+        unknown = sorted(set(config.questions) - {q.id for q in qa.questions})
+        if unknown:
+            raise ValueError(f"unknown question id(s) {', '.join(unknown)}")
+    chosen = chosen[: config.limit] if config.limit else chosen
+    groups = qa.by_passage(chosen)
+    section = TaskSection(config=config, dataset=f"{qa.name} v{qa.version}", questions=len(chosen),
+                          passages=len(groups))
+    source = config.source
+    tok = fam.loaded(source).tokenizer
+    members: list[str] = []
+    for m in dict.fromkeys(config.members):
+        if m == source:
             continue
-        truth_cache, mapped_cache = truth_lease.cache, mapped_lease.cache
-        for agent in config.agents:
-            spec = _spec(agent, config.max_new_tokens)
-            need = len(prefix) + len(suffix_ids(target.tokenizer, spec)) + config.max_new_tokens
-            if limit is not None and need > limit:
-                section.skipped.append(f"{pair.label} {agent}: prompt + {config.max_new_tokens} new tokens need {need} "
-                                       f"positions, the target has {limit}")
-                continue
-            truth, t_err = _run(target.model, target.tokenizer, spec, prefix, truth_cache)
-            got, m_err = _run(target.model, target.tokenizer, spec, prefix, mapped_cache)
-            t_text, t_ids = _output(truth, target.tokenizer)
-            m_text, m_ids = _output(got, target.tokenizer)
-            if spec.output is not None and spec.output.kind == "json":
-                tf = _facts(getattr(truth, "parsed", None))
-                mf = _facts(getattr(got, "parsed", None))
-                # both parsed: compare the facts; otherwise the raw replies (a small model's JSON can fail on both)
-                metric, score = ("exact_match", float(tf == mf)) if tf is not None and mf is not None else (
-                    "exact_match_raw", float(t_text == m_text))
-            else:
-                metric, score = "rouge_l", rouge_l(t_text, m_text)
-            section.rows.append(TaskRow(
-                pair=pair.label, agent=agent, metric=metric, score=score,
-                token_agreement=_first_divergence(t_ids, m_ids), tokens_truth=len(t_ids), tokens_mapped=len(m_ids),
-                truth=t_text, mapped=m_text, truth_error=t_err, mapped_error=m_err,
-            ))
+        try:
+            fam.mapping(Pair(source=source, target=m))  # calibrated into the store first when missing
+        except Exception as exc:  # a member the source cannot map into: reported, the others still run
+            section.skipped.append(f"{source}>{m}: no mapping ({type(exc).__name__}: {exc})")
+            continue
+        members.append(m)
+    # Gates open for the measured conditions: the map itself is what is scored; `config.gate` is asked separately.
+    cache = fam.family_cache(source, tail_tokens=config.tail_tokens)
+    open_gate = GatePolicy(offline=None, probe=None)
+    repair = RepairPolicy(budget=config.repair_budget)
+    asker = _Asker(fam, cache, config.max_new_tokens, config.stop)
+    offsets: dict[str, list[tuple[int, int]]] = {}
+
+    def window(pid: str, tokens: int) -> tuple[list[int], int]:
+        p = qa.passage(pid)
+        doc = qa.document_text(p.document)
+        if p.document not in offsets:
+            offsets[p.document] = token_offsets(doc, tok)
+        text, n = passage_window(doc, p.start, p.end, tokens, tok, offsets[p.document])
+        return DocumentPrompt(text).token_ids(tok), n
+
+    def answer(member: str, condition: Condition, lease: Any, prefix: list[int], n: int,
+               qs: list[QAQuestion]) -> list[QAAnswer]:
+        out = []
+        for q in qs:
+            text, err = asker.ask(member, lease, prefix, q)
+            out.append(QAAnswer(question=q.id, member=member, condition=condition, window_tokens=n,
+                                prefix_tokens=len(prefix), path=lease.path, prediction=text,
+                                correct=err is None and is_correct(text, q.answers), error=err))
+        return out
+
+    gate_log: dict[str, list[Any]] = {m: [] for m in members}
+    answers: list[QAAnswer] = []
+    prefix_lengths: list[int] = []
+    bar = tqdm(list(groups.items()), desc="tasks", disable=not progress)
+    for pid, qs in bar:
+        bar.set_postfix_str(pid)
+        prefix, n = window(pid, config.window_tokens)
+        why = next((w for m in [source, *members] if (w := asker.fits(m, prefix, qs))), None)
+        if why:
+            section.skipped.append(f"{pid}: {why}")
+            continue
+        prefix_lengths.append(len(prefix))
+        with cache.acquire_sync(source, prefix) as lease:
+            answers += answer(source, "source", lease, prefix, n, qs)
+        for m in members:
+            # Order matters: the exact (own) entry is built last, or the mapped requests would find it and hit it.
+            with cache.acquire_sync(m, prefix, gate=open_gate, tail_tokens=config.tail_tokens) as lease:
+                answers += answer(m, "mapped", lease, prefix, n, qs)
+            with cache.acquire_sync(m, prefix, gate=open_gate, tail_tokens=config.tail_tokens, repair=repair) as lease:
+                answers += answer(m, "mapped+repair", lease, prefix, n, qs)
+            # The gates on the same map (a re-prefill when they refuse it: that is then the own prefill, reused).
+            with cache.acquire_sync(m, prefix, gate=config.gate, tail_tokens=config.tail_tokens) as lease:
+                gate_log[m].append(lease)
+            with cache.acquire_sync(m, prefix, allow_mapped=False) as lease:
+                answers += answer(m, "own", lease, prefix, n, qs)
+        cache.clear()  # windows share nothing: keep memory flat
+    section.answers = answers
+    section.mean_prefix_tokens = sum(prefix_lengths) / len(prefix_lengths) if prefix_lengths else 0.0
+    for m in members:
+        own = {a.question: a for a in answers if a.member == m and a.condition == "own"}
+        for condition in ("own", "mapped", "mapped+repair"):
+            rows = [a for a in answers if a.member == m and a.condition == condition]
+            section.scores.append(_score(m, condition, rows, own))
+        leases = gate_log[m]
+        failed = [next(d.gate for d in lease.gates if not d.passed) if any(not d.passed for d in lease.gates)
+                  else "other" for lease in leases if lease.path != "mapped"]
+        section.gates.append(GateSummary(
+            member=m, windows=len(leases), passed=sum(lease.path == "mapped" for lease in leases),
+            fell_back=sum(lease.path != "mapped" for lease in leases), failed_gates=dict(Counter(failed)),
+            reasons=list(dict.fromkeys(lease.fallback_reason or "" for lease in leases if lease.path != "mapped"))[:3]))
+    section.scores.append(_score(source, "source", [a for a in answers if a.condition == "source"], None))
+    for length in config.lengths:
+        section.lengths.append(_length_row(length, source, groups, window, asker, cache, answer, progress))
     return section
+
+
+def _length_row(length: int, member: str, groups: dict[str, list[QAQuestion]], window: Any, asker: _Asker,
+                cache: Any, answer: Any, progress: bool) -> LengthRow:
+    from tqdm.auto import tqdm
+
+    rows: list[QAAnswer] = []
+    prefixes: list[int] = []
+    skipped = 0
+    types: dict[str, str] = {}
+    for pid, qs in tqdm(list(groups.items()), desc=f"tasks @{length}", disable=not progress):
+        prefix, n = window(pid, length)
+        if asker.fits(member, prefix, qs):
+            skipped += len(qs)
+            continue
+        prefixes.append(len(prefix))
+        with cache.acquire_sync(member, prefix, allow_mapped=False) as lease:
+            rows += answer(member, "own", lease, prefix, n, qs)
+        types.update({q.id: q.type for q in qs})
+        cache.clear()
+    by_type: dict[str, list[bool]] = {}
+    for a in rows:
+        by_type.setdefault(types[a.question], []).append(a.correct)
+    correct = sum(a.correct for a in rows)
+    return LengthRow(
+        length=length, member=member, n=len(rows), correct=correct, accuracy=correct / len(rows) if rows else 0.0,
+        mean_window_tokens=sum(a.window_tokens for a in rows) / len(rows) if rows else 0.0,
+        mean_prefix_tokens=sum(prefixes) / len(prefixes) if prefixes else 0.0, skipped=skipped,
+        by_type={t: sum(v) / len(v) for t, v in sorted(by_type.items())},
+        correct_ids=[a.question for a in rows if a.correct],
+    )
+
+
+# -- report -----------------------------------------------------------------------------------------
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def tasks_markdown(k: TaskSection) -> list[str]:
+    c = k.config
+    source = next((s for s in k.scores if s.condition == "source"), None)
+    lines = [
+        "## Task level: question answering on a mapped vs the member's own cache", "",
+        f"{k.dataset}: {k.questions} extractive questions on {k.passages} passages of the bundled licenses, each asked "
+        f"over a window of ~{c.window_tokens} document tokens around its passage ({k.mean_prefix_tokens:.0f}-token "
+        f"prompt prefix on average); `question_answerer`, greedy, up to {c.max_new_tokens} new tokens; correct = a "
+        "reference answer occurs in the reply (normalised). Every cache is a FamilyCache lease: own = the member's "
+        f"own prefill, mapped = {c.source}'s cache mapped (gates open, {c.tail_tokens}-token tail recomputed), "
+        f"mapped+repair = the same at a {c.repair_budget:.0%} repair budget, source = {c.source} answering on its own "
+        "prefill. Retention = accuracy / own-prefill accuracy; agreement = answers identical to the own-prefill ones.",
+        "",
+        "| member | n | own | mapped | mapped+repair | source | retention mapped | retention repaired | "
+        "agreement mapped | would fall back (gates) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g in k.gates:
+        m = g.member
+        try:
+            own, mapped, rep = (k.score(m, cond) for cond in ("own", "mapped", "mapped+repair"))
+        except KeyError:
+            continue
+        fails = ", ".join(f"{gate} {n}" for gate, n in g.failed_gates.items())
+        lines.append(
+            f"| {m} | {own.n} | {_pct(own.accuracy)} | {_pct(mapped.accuracy)} | {_pct(rep.accuracy)} | "
+            f"{_pct(source.accuracy if source else None)} | {_pct(mapped.retention)} | {_pct(rep.retention)} | "
+            f"{_pct(mapped.agreement)} | {g.fell_back}/{g.windows}{f' ({fails})' if fails else ''} |")
+    by_condition: dict[str, Counter[str]] = {}
+    for s in k.scores:
+        by_condition.setdefault(s.condition, Counter()).update(s.paths)
+    if by_condition:
+        lines += ["", "FamilyCache lease paths the answers ran on, all members: " + "; ".join(
+            f"{cond} {', '.join(f'{p} {n}' for p, n in paths.items())}" for cond, paths in by_condition.items()) + "."]
+    if k.lengths:
+        types = sorted({t for r in k.lengths for t in r.by_type})
+        lines += ["", f"### {k.lengths[0].member}'s own-prefill accuracy vs window length", "",
+                  "| window tokens | mean prompt prefix | n | accuracy | " + " | ".join(types) + " | skipped |",
+                  "|---|---|---|---|" + "---|" * len(types) + "---|"]
+        for r in k.lengths:
+            lines.append(f"| {r.length} | {r.mean_prefix_tokens:.0f} | {r.n} | {_pct(r.accuracy)} | "
+                         + " | ".join(_pct(r.by_type.get(t)) for t in types) + f" | {r.skipped} |")
+        best = max(k.lengths, key=lambda r: (r.accuracy, -r.length))
+        lines += ["", f"Questions answered at {best.length} tokens: {', '.join(best.correct_ids) or 'none'}."]
+    lines += [""] + [f"- skipped: {s}" for s in k.skipped] + ([""] if k.skipped else [])
+    return lines

@@ -72,18 +72,15 @@ def test_timing_ratios_are_computed_from_the_measurements(tiny_results):
         assert g.exponent == pytest.approx(expected) and g.per_doubling == pytest.approx(2**expected)
 
 
-def test_tasks_compare_mapped_with_reprefilled_agents(tiny_results):
+def test_tasks_answer_questions_on_mapped_and_own_caches(tiny_results):
     k = tiny_results[0].tasks
-    assert k is not None
-    assert {(r.pair, r.agent) for r in k.rows} == {("base>child", "summarizer"), ("base>child", "key_facts")}
-    for r in k.rows:
-        assert r.metric in {"rouge_l", "exact_match", "exact_match_raw"}
-        assert r.score is not None and 0.0 <= r.score <= 1.0
-        assert 0 <= r.token_agreement <= min(r.tokens_truth, r.tokens_mapped)
-        if r.metric == "rouge_l":
-            from orchestra.bench import rouge_l
-
-            assert r.score == pytest.approx(rouge_l(r.truth, r.mapped))
+    assert k is not None and k.config.source == "base" and k.config.members == ["child"]
+    assert k.questions == 2 and not k.skipped
+    assert {(s.member, s.condition) for s in k.scores} == {("child", "own"), ("child", "mapped"),
+                                                           ("child", "mapped+repair"), ("base", "source")}
+    assert k.score("child", "mapped").paths == {"mapped": 2} and k.score("child", "own").paths == {"exact": 2}
+    for s in k.scores:
+        assert s.n == 2 and 0.0 <= s.accuracy <= 1.0
 
 
 def test_pipeline_compares_shared_and_reprefill(tiny_results):

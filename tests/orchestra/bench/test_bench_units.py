@@ -47,7 +47,9 @@ def test_quick_and_full_defaults():
     assert full.lengths == [512, 1024, 2048, 4096, 8192] and full.pipeline_agents == [2, 4, 8]
     assert full.repair_length == 4096 and quick.repair_length == 1024 and 0.15 in full.repair_budgets
     assert {"finetuned>root", "quantized>root", "distilled>root"} <= set(full.pairs or [])
-    assert full.task_pairs == ["root>finetuned", "root>quantized", "root>distilled"]
+    assert full.task_pairs is None  # tasks: the source into every member the family manifest lists
+    assert BenchConfig(pairs=["root>finetuned", "finetuned>root"]).resolved().task_pairs == ["root>finetuned"]
+    assert full.task_tokens == 512 and full.task_max_new_tokens == 24 and quick.qa_limit == 12
     assert BenchConfig(sections=["timing", "quality"]).sections == ["quality", "timing"]
     with pytest.raises(ValueError):
         BenchConfig(sections=["nope"])

@@ -1,0 +1,202 @@
+"""The QA set behind the ``tasks`` section: extractive questions over the bundled licenses, and their scoring.
+
+``data/qa.json`` (shipped with the package) holds *passages* (a character span of one bundled
+document) and *questions* on them, each with short reference answers that occur in the passage.
+A question is answered from a window of the document around its passage (:func:`passage_window`),
+so the context a model reads can be sized without changing the questions; questions on one passage
+share its window, so a window is prefilled once per member and condition.
+
+Scoring is normalised containment (:func:`is_correct`): a prediction is correct when one reference,
+normalised, occurs in it as whole words. Normalisation lower-cases, folds accents, drops apostrophes,
+turns every other punctuation mark into a space, writes ``%`` as ``percent``, number words as digits
+(``sixty days`` == ``60 days``, ``twenty-five`` == ``25``) and dates day first (``June 29, 2007`` ==
+``29 June 2007``), so references are written as the document writes them. Pure functions, no model.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["AnswerType", "QAPassage", "QAQuestion", "QASet", "load_qa", "normalize", "is_correct", "passage_window",
+           "QA_FILE"]
+
+QA_FILE = "qa.json"
+AnswerType = Literal["date", "number", "duration", "name", "term", "title"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QAPassage(_Model):
+    """A character span ``[start, end)`` of a bundled document from which its questions are answerable."""
+
+    id: str
+    document: str = Field(description="file name under orchestra/family/data")
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    title: str = ""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> QAPassage:
+        if self.end <= self.start:
+            raise ValueError(f"passage {self.id}: end {self.end} <= start {self.start}")
+        return self
+
+
+class QAQuestion(_Model):
+    id: str
+    passage: str = Field(description="id of the passage that answers it")
+    question: str = Field(min_length=1)
+    answers: list[str] = Field(min_length=1, description="acceptable short answers (any one, by normalised containment)")
+    type: AnswerType
+
+
+class QASet(_Model):
+    version: int
+    name: str
+    description: str = ""
+    passages: list[QAPassage]
+    questions: list[QAQuestion]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QASet:
+        for kind, ids in (("passage", [p.id for p in self.passages]), ("question", [q.id for q in self.questions])):
+            dup = sorted({i for i in ids if ids.count(i) > 1})
+            if dup:
+                raise ValueError(f"duplicate {kind} id(s): {', '.join(dup)}")
+        known = {p.id for p in self.passages}
+        missing = sorted({q.passage for q in self.questions} - known)
+        if missing:
+            raise ValueError(f"questions refer to unknown passage(s): {', '.join(missing)}")
+        return self
+
+    def passage(self, pid: str) -> QAPassage:
+        for p in self.passages:
+            if p.id == pid:
+                return p
+        raise KeyError(pid)
+
+    def by_passage(self, questions: Iterable[QAQuestion] | None = None) -> dict[str, list[QAQuestion]]:
+        """Questions grouped by passage, in the file's order (one window, hence one prefill, per group)."""
+        out: dict[str, list[QAQuestion]] = {}
+        for q in self.questions if questions is None else questions:
+            out.setdefault(q.passage, []).append(q)
+        return out
+
+    def document_text(self, name: str) -> str:
+        from orchestra.family.corpus import data_text
+
+        return data_text(name)
+
+    def passage_text(self, pid: str) -> str:
+        p = self.passage(pid)
+        return self.document_text(p.document)[p.start : p.end]
+
+
+@lru_cache(maxsize=4)
+def load_qa(path: str | None = None) -> QASet:
+    """The QA set shipped with the package (or the one at ``path``)."""
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            return QASet.model_validate_json(f.read())
+    return QASet.model_validate_json(resources.files("orchestra.bench").joinpath("data", QA_FILE).read_text("utf-8"))
+
+
+# -- scoring -------------------------------------------------------------------------------------
+_UNITS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve thirteen "
+                                       "fourteen fifteen sixteen seventeen eighteen nineteen".split())}
+_TENS = {w: 10 * i for i, w in enumerate("_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()) if i >= 2}
+_MONTHS = frozenset("january february march april may june july august september october november december".split())
+_ORDINAL = re.compile(r"^(\d+)(?:st|nd|rd|th)$")
+_APOSTROPHES = re.compile(r"['\u2019\u2018`]")
+_NON_WORD = re.compile(r"[^a-z0-9]+")
+
+
+def _numbers(words: list[str]) -> list[str]:
+    """Number words as digits: ``sixty`` -> 60, ``twenty five`` -> 25, ``one hundred`` -> 100."""
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        w = words[i]
+        value: int | None = None
+        if w in _TENS:
+            value = _TENS[w]
+            if i + 1 < len(words) and words[i + 1] in _UNITS and 0 < _UNITS[words[i + 1]] < 10:
+                value += _UNITS[words[i + 1]]
+                i += 1
+        elif w in _UNITS:
+            value = _UNITS[w]
+        if value is not None and i + 1 < len(words) and words[i + 1] == "hundred":
+            value *= 100
+            i += 1
+        elif value is None and w == "hundred":
+            value = 100
+        out.append(str(value) if value is not None else w)
+        i += 1
+    return out
+
+
+def _dates(words: list[str]) -> list[str]:
+    """``june 29 2007`` -> ``29 june 2007`` (one order for both ways of writing a date), ``29th`` -> ``29``."""
+    words = [m.group(1) if (m := _ORDINAL.match(w)) else w for w in words]
+    for i in range(len(words) - 2):
+        w, d, y = words[i : i + 3]
+        if w in _MONTHS and d.isdigit() and len(d) <= 2 and y.isdigit() and len(y) == 4:
+            words[i], words[i + 1] = d, w
+    return words
+
+
+def normalize(text: str) -> str:
+    """Lower case, accents folded, apostrophes dropped, other punctuation as spaces, number words as digits,
+    dates as day month year."""
+    text = unicodedata.normalize("NFKD", text)
+    text = "".join(c for c in text if not unicodedata.combining(c)).lower()
+    text = _APOSTROPHES.sub("", text).replace("%", " percent ")
+    return " ".join(_dates(_numbers(_NON_WORD.sub(" ", text).split())))
+
+
+def is_correct(prediction: str, references: Sequence[str]) -> bool:
+    """True when one normalised reference occurs in the normalised prediction as whole words."""
+    pred = f" {normalize(prediction)} "
+    return any((ref := normalize(r)) and f" {ref} " in pred for r in references)
+
+
+# -- windows -------------------------------------------------------------------------------------
+def passage_window(document: str, start: int, end: int, tokens: int, tokenizer: Any,
+                   offsets: Sequence[tuple[int, int]] | None = None) -> tuple[str, int]:
+    """About ``tokens`` tokens of ``document`` around the characters ``[start, end)``, as text, and its token count.
+
+    The passage is kept whole and centred; the window is shifted inside the document at its edges and
+    is never shorter than the passage. ``offsets`` (the document's token character offsets) can be
+    passed to tokenize a document once for many windows.
+    """
+    if offsets is None:
+        offsets = token_offsets(document, tokenizer)
+    n = len(offsets)
+    first = next((i for i, (_, z) in enumerate(offsets) if z > start), n - 1)
+    last = next((i for i in range(n - 1, -1, -1) if offsets[i][0] < end), first)
+    have = last + 1 - first
+    lo, hi = first, last + 1
+    if tokens > have:
+        extra = tokens - have
+        lo = first - extra // 2
+        hi = last + 1 + (extra - extra // 2)
+        if lo < 0:
+            hi, lo = min(n, hi - lo), 0
+        if hi > n:
+            lo, hi = max(0, lo - (hi - n)), n
+    return document[offsets[lo][0] : offsets[hi - 1][1]], hi - lo
+
+
+def token_offsets(document: str, tokenizer: Any) -> list[tuple[int, int]]:
+    """Character offsets of the document's tokens (a fast tokenizer's offset mapping)."""
+    enc = tokenizer(document, add_special_tokens=False, return_offsets_mapping=True)
+    return [(int(a), int(z)) for a, z in enc["offset_mapping"]]

@@ -1,0 +1,237 @@
+"""The tasks section: the QA set's validity, its scoring, and the QA table end to end on the tiny family home."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from orchestra.bench.qa import is_correct, load_qa, normalize, passage_window
+from tests.orchestra.bench.conftest import TINY_QUESTIONS, tiny_qa_file
+
+
+# -- the QA set -----------------------------------------------------------------------------------
+def test_qa_set_is_large_unique_and_inside_its_documents():
+    from orchestra.family.corpus import data_text
+
+    qa = load_qa()
+    assert len(qa.questions) >= 40 and qa.version >= 1
+    assert len({q.id for q in qa.questions}) == len(qa.questions)
+    assert len({p.id for p in qa.passages}) == len(qa.passages)
+    docs = {p.document for p in qa.passages}
+    assert docs == {"gpl-3.txt", "apache-2.0.txt", "mpl-2.0.txt", "gfdl-1.3.txt"}
+    for p in qa.passages:
+        text = data_text(p.document)
+        assert 0 <= p.start < p.end <= len(text), p.id
+        assert p.end - p.start <= 1500, f"{p.id}: a passage must fit a small window"
+    used = {q.passage for q in qa.questions}
+    assert used == {p.id for p in qa.passages}, "every passage has questions"
+    assert {q.type for q in qa.questions} >= {"date", "number", "duration", "name", "term", "title"}
+
+
+def test_every_reference_answer_occurs_in_its_passage():
+    qa = load_qa()
+    for q in qa.questions:
+        window = qa.passage_text(q.passage)
+        flat = " ".join(window.split()).lower()
+        # the first reference literally (case and line breaks aside); every variant after normalisation
+        assert q.answers[0].lower() in flat, (q.id, q.answers[0])
+        for ref in q.answers:
+            assert is_correct(window, [ref]), (q.id, ref)
+        # and not trivially: the question itself does not give the (first) answer away
+        assert not is_correct(q.question, q.answers[:1]), q.id
+
+
+def test_bundled_demo_document_is_the_gpl_text():
+    """The demo's document is GPL-3 sections 0-7: the QA set's gpl-3 passages before section 8 lie in it too."""
+    from pathlib import Path
+
+    demo = Path(__file__).parents[3] / "examples" / "long_document_analysis" / "document.txt"
+    if not demo.is_file():
+        pytest.skip("examples/ not in this checkout")
+    qa = load_qa()
+    flat = " ".join(demo.read_text().split())
+    inside = [p.id for p in qa.passages if p.document == "gpl-3.txt" and " ".join(qa.passage_text(p.id).split()) in flat]
+    assert len(inside) >= 8, inside
+
+
+# -- scoring --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("prediction", "references", "expected"), [
+    ("The license was published on 29 June 2007.", ["29 June 2007"], True),
+    ("June 29, 2007", ["29 June 2007"], True),
+    ("It is dated June 29th 2007", ["29 June 2007"], True),
+    ("29 June 2008", ["29 June 2007"], False),
+    ("within sixty days", ["60 days"], True),
+    ("60 days", ["sixty days"], True),
+    ("600 days", ["60 days"], False),  # whole words only
+    ("at most twenty-five words", ["25 words"], True),
+    ("fifty percent (50%) or more", ["50%"], True),
+    ("Fifty Percent", ["50%"], True),
+    ("Version 2.0", ["2.0"], True),
+    ("Version 2", ["2.0"], False),
+    ("version 2.1", ["2.0"], False),
+    ("The document does not say.", ["Free Software Foundation"], False),
+    ("the Free  Software\nFoundation, Inc.", ["Free Software Foundation"], True),
+    ("Protecting Users’ Legal Rights", ["Protecting Users' Legal Rights"], True),  # curly apostrophe
+    ("http://www.apache.org/licenses/LICENSE-2.0", ["apache.org/licenses/LICENSE-2.0"], True),
+    ("the GNU LGPL", ["Lesser General Public License", "LGPL"], True),
+    ("", ["2007"], False),
+    ("anything", [""], False),  # an empty reference never matches
+])
+def test_is_correct(prediction, references, expected):
+    assert is_correct(prediction, references) is expected
+
+
+def test_normalize():
+    assert normalize("Sixty days, twenty-five WORDS; one hundred copies") == "60 days 25 words 100 copies"
+    assert normalize("Users' Légal  Rights") == "users legal rights"
+    assert normalize("November 1, 2008") == normalize("1 November 2008") == "1 november 2008"
+    assert normalize("50%") == "50 percent"
+
+
+def test_passage_window_keeps_the_passage_and_sizes_the_rest():
+    from transformers import AutoTokenizer
+
+    from orchestra.family import load_family
+
+    try:
+        tok = AutoTokenizer.from_pretrained(load_family().member_path("root"))
+    except Exception:  # no bundled family here: any fast tokenizer will do
+        from tests.tiny_family import make_tokenizer
+
+        tok = make_tokenizer()
+    qa = load_qa()
+    for pid in ("gpl3-header", "gpl3-termination", "gfdl-eligible"):
+        p = qa.passage(pid)
+        doc = qa.document_text(p.document)
+        passage = doc[p.start : p.end]
+        own = len(tok(passage, add_special_tokens=False)["input_ids"])
+        for n in (8, 256, 1024):
+            text, tokens = passage_window(doc, p.start, p.end, n, tok)
+            assert passage in text, (pid, n)
+            assert tokens >= min(n, len(tok(doc, add_special_tokens=False)["input_ids"]))
+            assert tokens <= max(n, own + 2), (pid, n, tokens)  # never more than asked, unless the passage is longer
+    # at the start of a document the window is shifted right, not cut
+    p = qa.passage("gpl3-header")
+    text, tokens = passage_window(qa.document_text(p.document), p.start, p.end, 512, tok)
+    assert tokens == 512 and qa.document_text(p.document).startswith(text)
+
+
+# -- the section end to end on the tiny family home ---------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_qa(tiny_family_home, tmp_path_factory):
+    """`orchestra bench --sections tasks --out <tmp>/qa.json` on a copy of the tiny family home."""
+    import torch
+
+    from orchestra.bench import BenchConfig, BenchFamily, run_bench
+
+    home = tmp_path_factory.mktemp("qa-home") / "home"
+    shutil.copytree(tiny_family_home, home)  # its mapping store is filled by this run: keep the shared home clean
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is far faster on a busy machine
+    try:
+        fam = BenchFamily.bundled(home, calibration_tokens=512)
+        config = BenchConfig(sections=["tasks"], task_tokens=40, task_max_new_tokens=8, tail_tokens=8,
+                             qa_lengths=[40, 64], qa_repair_budget=0.25, qa_questions=TINY_QUESTIONS,
+                             qa_file=str(tiny_qa_file(home.parent / "tiny-qa.json", TINY_QUESTIONS)))
+        out = home.parent / "results" / "qa.json"
+        result = run_bench(config, out, family=fam, command="tiny qa", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return result, out, fam
+
+
+def test_tasks_only_run_writes_its_own_files(tiny_qa):
+    from orchestra.bench import BenchResults
+
+    result, out, _ = tiny_qa
+    assert out.is_file() and out.with_suffix(".md").is_file()
+    assert not (out.parent / "bench.json").exists() and not (out.parent / "bench.md").exists()
+    loaded = BenchResults.model_validate_json(out.read_text())
+    assert loaded == result and set(loaded.section_seconds) == {"tasks"}
+    assert loaded.quality is None and loaded.timing is None
+    md = out.with_suffix(".md").read_text()
+    assert "## Task level: question answering" in md and "| member | n | own | mapped |" in md
+    assert "own-prefill accuracy vs window length" in md
+
+
+def test_every_member_answers_under_every_condition_on_the_lease_it_was_given(tiny_qa):
+    result, _, fam = tiny_qa
+    k = result.tasks
+    assert k is not None and k.questions == len(TINY_QUESTIONS) and not k.skipped
+    members = [a for a in fam.aliases if a != "root"]
+    manifest = {r.role for r in fam.family.members.values()} - {"root"}
+    assert set(members) == manifest and members[:3] == ["finetuned", "quantized", "distilled"]  # every member
+    assert k.config.source == "root" and k.config.members == members
+    # one answer per question, member and condition; the source answers once
+    assert len(k.answers) == len(TINY_QUESTIONS) * (1 + 3 * len(members))
+    for m in members:
+        for cond, path in (("own", {"exact"}), ("mapped", {"mapped"}), ("mapped+repair", {"mapped"})):
+            rows = [a for a in k.answers if a.member == m and a.condition == cond]
+            assert {a.question for a in rows} == set(TINY_QUESTIONS), (m, cond)
+            # the path recorded is the FamilyCache lease's: the mapped conditions really ran on a mapped cache
+            assert {a.path for a in rows} == path, (m, cond)
+            assert k.score(m, cond).paths == {next(iter(path)): len(TINY_QUESTIONS)}
+    src = [a for a in k.answers if a.condition == "source"]
+    assert {a.member for a in src} == {"root"} and {a.path for a in src} == {"exact"}
+    for a in k.answers:
+        assert a.correct == (a.error is None and is_correct(a.prediction, _refs(a.question)))
+        assert a.prefix_tokens > a.window_tokens > 0
+
+
+def _refs(qid: str) -> list[str]:
+    return next(q.answers for q in load_qa().questions if q.id == qid)
+
+
+def test_accuracy_and_retention_are_computed_from_the_answers(tiny_qa):
+    k = tiny_qa[0].tasks
+    assert k is not None
+    for s in k.scores:
+        rows = [a for a in k.answers if a.member == s.member and a.condition == s.condition]
+        assert s.n == len(rows) and s.correct == sum(a.correct for a in rows)
+        assert s.accuracy == pytest.approx(s.correct / s.n)
+        if s.condition in ("mapped", "mapped+repair"):
+            own = k.score(s.member, "own")
+            assert s.retention == (pytest.approx(s.accuracy / own.accuracy) if own.correct else None)
+            own_answers = {a.question: normalize(a.prediction) for a in k.answers
+                           if a.member == s.member and a.condition == "own"}
+            same = sum(own_answers[a.question] == normalize(a.prediction) for a in rows)
+            assert s.agreement == pytest.approx(same / s.n)
+        else:
+            assert s.retention is None
+    assert {(s.member, s.condition) for s in k.scores} >= {("root", "source"), ("finetuned", "mapped+repair")}
+
+
+def test_gate_decisions_are_reported_per_window(tiny_qa):
+    k = tiny_qa[0].tasks
+    assert k is not None
+    assert [g.member for g in k.gates] == k.config.members
+    for g in k.gates:
+        assert g.windows == k.passages and g.passed + g.fell_back == g.windows
+        assert sum(g.failed_gates.values()) == g.fell_back
+        assert set(g.failed_gates) <= {"offline", "probe", "mapping", "other"}
+
+
+def test_window_length_sweep(tiny_qa):
+    k = tiny_qa[0].tasks
+    assert k is not None
+    assert [r.length for r in k.lengths] == [40, 64] and all(r.member == "root" for r in k.lengths)
+    for r in k.lengths:
+        assert r.n + r.skipped == len(TINY_QUESTIONS)
+        assert r.accuracy == pytest.approx(r.correct / r.n if r.n else 0.0)
+        assert len(r.correct_ids) == r.correct
+    # the main table's window (64) asked again: the same exact cache and prompt, so the same answers
+    main = {a.question: a.correct for a in k.answers if a.condition == "source"}
+    assert set(k.lengths[0].correct_ids) == {q for q, ok in main.items() if ok}
+    assert k.lengths[1].mean_window_tokens >= k.lengths[0].mean_window_tokens
+
+
+def test_cli_exposes_the_qa_options():
+    from typer.testing import CliRunner
+
+    from orchestra.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for option in ("--qa-window", "--qa-lengths", "--qa-limit", "--qa-questions", "--qa-repair-budget"):
+        assert option in result.output, option
