@@ -27,6 +27,7 @@ from orchestra.familycache import CacheLease, CachePolicy, CacheStep, Executor, 
 from orchestra.gates import CircuitBreaker
 from orchestra.graph import build_graph
 from orchestra.mapstore import MappingStore
+from orchestra.paths import resolve_home
 from orchestra.pipeline import PipelineSpec
 from orchestra.registry import ModelRegistry
 from orchestra.report import AgentReport, ModelCacheReport, RunReport
@@ -78,7 +79,10 @@ class Orchestra:
                 registry.info(alias)  # missing models are refused here, before any weights load
             registry.check_family(self.source_alias)
             if mappings is None:
-                directory = pipeline.mapping.directory or str(Path(family.home if family else ".") / "mappings")
+                # A pipeline of local folders (no family) keeps its maps in the orchestra home, never in the
+                # current directory, where a run would leave a stray `mappings/` behind.
+                home = Path(family.home) if family else resolve_home(None)
+                directory = pipeline.mapping.directory or str(home / "mappings")
                 mappings = MappingStore(Path(directory), on_missing=pipeline.mapping.on_missing,
                                         method=pipeline.mapping.method, tokens=pipeline.mapping.tokens)
             cache = self.cache_for(pipeline, registry, mappings, breaker=breaker)

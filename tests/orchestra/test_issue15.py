@@ -28,6 +28,9 @@ from tests.tiny_family import build_tiny_family
 runner = CliRunner()
 DOC = data_text("gpl-3.txt")[:320]
 CORPUS = [("mpl", data_text("mpl-2.0.txt")[:6000]), ("apache", data_text("apache-2.0.txt")[:6000])]
+# The agent ran to its end: a tiny random model's two tokens may be judged degenerate (the check doing its
+# job); these tests are about caches and fallbacks, not the reply.
+FINISHED = ("succeeded", "degenerate")
 PERMISSIVE = {"offline": None, "probe": {"tokens": 8, "max_excess_nll": 100.0, "max_excess_kl": 100.0}}
 
 
@@ -118,7 +121,7 @@ async def test_item6_broken_mapping_falls_back_to_reprefill_with_the_reason(fam,
     events = []
     report = await Orchestra(_pipeline(fam), mappings=store).run(DOC, on_event=events.append)
     agent = report.agent("b")
-    assert agent.status == "succeeded", agent.error
+    assert agent.status in FINISHED, agent.error
     assert agent.cache_path == "reprefilled"
     assert "mapping gate failed" in agent.fallback_reason and why in agent.fallback_reason, agent.fallback_reason
     assert agent.gate and agent.gate[0]["gate"] == "mapping" and not agent.gate[0]["passed"]
@@ -132,7 +135,7 @@ async def test_item2_half_written_folder_is_recalibrated_in_place_of_failing(fam
     store, folder = _store_with(pristine, tmp_path, on_missing="calibrate")
     _corrupt(folder, "half-written folder")
     report = await Orchestra(_pipeline(fam), mappings=store).run(DOC)
-    assert report.agent("b").status == "succeeded" and report.agent("b").cache_path == "mapped"
+    assert report.agent("b").status in FINISHED and report.agent("b").cache_path == "mapped"
     assert load_mapping(folder).manifest.tensors.sha256  # whole again
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]
 
@@ -168,7 +171,7 @@ def test_item6_run_exits_3_and_names_failed_and_skipped_agents(fam, tmp_path):
     assert result.exit_code == 3, result.output
     assert "a failed (TimeoutError" in result.output and "b skipped (upstream a did not succeed)" in result.output
     assert "c failed" not in result.output and "Traceback" not in result.output
-    assert json.loads(out.read_text())["agents"][2]["status"] == "succeeded"  # the report is still written
+    assert json.loads(out.read_text())["agents"][2]["status"] in FINISHED  # the report is still written
 
 
 # ---- item 5: a moved or copied home works as is ----------------------------------------------------------
@@ -271,7 +274,8 @@ def test_item8_run_on_a_read_only_home(tiny_family_home, tmp_path, monkeypatch):
     document = tmp_path / "doc.txt"
     document.write_text(DOC)
     result = runner.invoke(app, ["run", str(pipeline), "--document", str(document), "--home", str(home)])
-    assert result.exit_code == 0, result.output
+    # exit 3 only when the tiny model's two tokens are judged degenerate: the run itself went through
+    assert result.exit_code == 0 or (result.exit_code == 3 and "b degenerate" in result.output), result.output
     assert "no family loaded" not in result.output and "reprefilled" in result.output
     shown = runner.invoke(app, ["family", "show", "--home", str(home)])
     assert shown.exit_code == 0, shown.output

@@ -169,7 +169,7 @@ def test_mutated_documents_run_or_raise_typed(orch, tmp_path, raw):
         report = anyio.run(orch.run, read_text_file(path))
     except TYPED:
         return
-    assert report.agent("a").status == "succeeded", report.agent("a").error
+    assert report.agent("a").status in ("succeeded", "degenerate"), report.agent("a").error  # it ran to its end
     RAN.append(report.document_tokens)
 
 

@@ -34,6 +34,10 @@ DOC = data_text("gpl-3.txt")[:320]
 SHORT = DOC[:100]  # leaves room for long generations (tiny models take 512 positions)
 CORPUS = [("mpl", data_text("mpl-2.0.txt")[:6000]), ("apache", data_text("apache-2.0.txt")[:6000])]
 
+# The agent ran to the end: the tiny random models' few tokens may be judged degenerate, which is the
+# degenerate check doing its job, not the executor failing.
+RAN = ("succeeded", "degenerate")
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -169,12 +173,12 @@ async def test_killed_actor_fails_its_agent_only_and_restarts(ray_cluster, fam, 
         report = await orch.run(SHORT, on_event=kill_child_mid_generation)
         assert killed, report
         a, b = report.agent("a"), report.agent("b")
-        assert a.status == "succeeded"
+        assert a.status in RAN
         assert b.status == "failed" and b.error_type == "ActorLostError", b
         assert "child#0" in b.error and killed[0] in b.error and b.node == killed[0]
 
         again = await orch.run(SHORT)  # the actor restarted; its stored caches outlived it
-        assert [x.status for x in again.agents] == ["succeeded", "succeeded"], again.agent("b")
+        assert all(x.status in RAN for x in again.agents), again.agent("b")
         assert again.agent("b").cache_path == "mapped" and again.store_hits == 3
     finally:
         orch.close()
@@ -188,7 +192,7 @@ async def test_missing_mapping_is_refused_and_cancelled_runs_leave_nothing(ray_c
     try:
         report = await orch.run(SHORT)
         b = report.agent("b")
-        assert b.status == "succeeded" and b.cache_path == "reprefilled"
+        assert b.status in RAN and b.cache_path == "reprefilled"
         assert "does not calibrate mappings on demand" in b.fallback_reason
         assert not (tmp_path / "empty").exists() or not any((tmp_path / "empty").iterdir())
 
