@@ -9,11 +9,19 @@ the target's next-token distributions over those ``M`` positions are compared wi
   tokens; ``greedy_agreement``: greedy tokens generated after the suffix until the first one that
   differs from the truth's (out of ``greedy_tokens``);
 - ``map_seconds``: producing the target cache from the source cache; ``prefill_seconds``: target
-  forward passes spent on the prefix (the whole prefix for ``reprefill``, the tail for ``+tail``).
+  forward passes spent on the prefix (the whole prefix for ``reprefill``, the tail for ``+tail``,
+  the repair for ``+repair``);
+- ``cost_fraction`` (planned), ``token_share`` and ``measured_cost``: target compute as a fraction
+  of the target's own prefill of the same prefix, planned (the passes' multiply-adds counting
+  attention, :func:`mappings.repair.compute_share`, what a repair budget bounds), the plan's size
+  (recomputed tokens / prefix + layers / layers) and measured (seconds / that prefill's seconds in
+  the same window). The reference prefill keeps only its last position's logits, as a prefill that
+  is continued does.
 
 Methods: ``reprefill`` (truth), ``identity`` (source KV unchanged, identical layouts only),
 ``ridge`` / ``anchored`` / ``perhead_rope`` (refitted from the mapping's stored calibration
-statistics), the mapping's own method, and tail-recompute variants. Single-layer replacement
+statistics), the mapping's own method, and tail-recompute variants. Repair rows repair the
+mapping's own map of the window (mapped once, shared by every row). Single-layer replacement
 (one layer mapped, the rest true) and error accumulation (layers ``0..k`` mapped) are reported
 per layer for the mapping's own method.
 """
@@ -64,8 +72,20 @@ class MethodResult(_Model):
     greedy_tokens: int = Field(default=0, description="greedy tokens compared")
     cost_fraction: float | None = Field(
         default=None,
-        description="target compute spent as a fraction of a full prefill: 1 for reprefill, recomputed "
-        "tokens / prefix + recomputed layers / layers for repairs and tail variants, 0 for pure maps",
+        description="planned target compute as a fraction of a full prefill: 1 for reprefill, 0 for pure maps; "
+        "for repairs and tail variants the passes' multiply-adds counting attention (mappings.repair."
+        "compute_share; the token share when the target's sizes are unknown), what a repair budget bounds",
+    )
+    token_share: float | None = Field(
+        default=None,
+        description="recomputed tokens / prefix + recomputed layers / layers (1 for reprefill, 0 for pure maps): "
+        "the plan's size, below cost_fraction when late tokens score more keys than an average prefill token",
+    )
+    measured_cost: float | None = Field(
+        default=None,
+        description="seconds the target spent on the prefix (re-prefill, tail recompute, or repair of layers and "
+        "tokens; not the source's ranking of scattered tokens) / the target's own prefill seconds in the same "
+        "window, averaged over windows: the number to hold against cost_fraction",
     )
     repair: dict[str, Any] | None = Field(
         default=None, description="repair rows: the policy and its plan (tokens, tail, blocks)"
@@ -270,6 +290,8 @@ def evaluate(
             map_seconds=mean([r["map_seconds"] for r in rows]), prefill_seconds=mean([r["prefill_seconds"] for r in rows]),
             greedy_agreement=mean(greedy) if greedy else None, greedy_tokens=greedy_tokens,
             cost_fraction=mean([r["cost"] for r in rows]) if rows[0].get("cost") is not None else None,
+            token_share=mean([r["tokens"] for r in rows]) if rows[0].get("tokens") is not None else None,
+            measured_cost=mean([r["measured"] for r in rows]) if rows[0].get("measured") is not None else None,
             repair=rows[0].get("repair"),
         ))
     single = [LayerCurvePoint(layer=i, kl=mean([pw.single[i][0] for pw in per_window]),
@@ -315,10 +337,11 @@ def _evaluate_window(
         forward_with_cache,
         model_device,
         model_dtype,
-        prefill,
         slice_layers,
+        sync_device,
     )
     from mappings.metrics import next_token_agreement
+    from mappings.repair import compute_share
 
     prefix, suffix = ids[:, :n], ids[:, n : n + m]
     labels = torch.full((1, m), -100, dtype=torch.long)
@@ -326,8 +349,11 @@ def _evaluate_window(
     labels[0, : nxt.numel()] = nxt
     dev, dt, cfg = model_device(target), model_dtype(target), target.config
 
+    # The reference is a prefill as the cache would do it: no logits beyond the last position (all of them
+    # would add the LM head for every token, which no repair pays, and flatter the measured costs).
     t0 = time.perf_counter()
-    _, true_cache = prefill(target, prefix)
+    _, true_cache, _ = forward_with_cache(target, prefix, None, logits_to_keep=1)
+    sync_device(dev)
     ref_seconds = time.perf_counter() - t0
     true_layers = list(cache_layers(true_cache))
     true_logits, after, _ = forward_with_cache(target, suffix, build_cache(true_layers, cfg))
@@ -343,45 +369,54 @@ def _evaluate_window(
     del src_out
 
     def score(cache: Any, map_s: float, prefill_s: float, cost: float | None = None,
-              repair: dict[str, Any] | None = None) -> dict[str, Any]:
+              repair: dict[str, Any] | None = None, measured: float | None = None,
+              tokens: float | None = None) -> dict[str, Any]:
         logits, after_m, _ = forward_with_cache(target, suffix, cache)
         agree = next_token_agreement(true_logits, logits.float(), labels.to(logits.device))
         greedy = _greedy(target, after_m, logits, greedy_tokens) if greedy_tokens else None
         return {**agree, "map_seconds": map_s, "prefill_seconds": prefill_s, "cost": cost, "repair": repair,
+                "tokens": tokens if tokens is not None else cost,
+                "measured": measured if measured is not None else prefill_s / ref_seconds,
                 "greedy": _first_divergence(true_greedy, greedy) if greedy is not None else None}
 
     rows = {"reprefill": score(build_cache(true_layers, cfg), 0.0, ref_seconds, 1.0)}
-    mapped_own = None
+    mapped_own, own_map_s = None, 0.0
     for name in order:
         t0 = time.perf_counter()
         mapped = maps[name].apply(src_layers, device=dev, dtype=dt)
         cache = build_cache(mapped, cfg)
+        sync_device(dev)
         map_s = time.perf_counter() - t0
         if name == own:
-            mapped_own = mapped
+            mapped_own, own_map_s = mapped, map_s
         rows[name] = score(cache, map_s, 0.0, 0.0)
     for name in tail_rows:
         t0 = time.perf_counter()
         cache = build_cache(maps[name].apply(slice_layers(src_layers, 0, n - tail), device=dev, dtype=dt), cfg)
+        sync_device(dev)
         map_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        _, cache, _ = forward_with_cache(target, prefix[:, n - tail :], cache)
-        rows[f"{name}+tail{tail}"] = score(cache, map_s, time.perf_counter() - t0, tail / n)
+        _, cache, _ = forward_with_cache(target, prefix[:, n - tail :], cache, logits_to_keep=1)
+        sync_device(dev)
+        tail_s = time.perf_counter() - t0
+        planned = compute_share(cfg, n, range(n - tail, n))
+        rows[f"{name}+tail{tail}"] = score(cache, map_s, tail_s, tail / n if planned is None else planned,
+                                           tokens=tail / n)
     if repairs and mapped_own is not None:
         from mappings.repair import layer_scores, repair_cache
 
         scores = layer_scores(mapping.manifest) if mapping is not None else None
         residual = mapping.residual if mapping is not None else None
         for policy in repairs:
+            # Every row repairs the same map of the window (repair never modifies its input), so the map is paid
+            # once and each row's seconds are its repair alone.
             t0 = time.perf_counter()
-            mapped = maps[own].apply(src_layers, device=dev, dtype=dt)
-            map_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            res = repair_cache(target, mapped, prefix, policy, layer_scores=scores, residual=residual,
+            res = repair_cache(target, mapped_own, prefix, policy, layer_scores=scores, residual=residual,
                                source_hidden=src_hidden, source=source, source_layers=src_layers)
             repair_s = time.perf_counter() - t0
-            rows[f"{own}+{policy.label}"] = score(build_cache(res.layers, cfg), map_s, repair_s, res.plan.cost,
-                                                  res.summary())
+            rows[f"{own}+{policy.label}"] = score(build_cache(res.layers, cfg), own_map_s, repair_s, res.plan.cost,
+                                                  res.summary(), measured=res.target_seconds / ref_seconds,
+                                                  tokens=res.plan.token_share)
 
     single: list[tuple[float, float]] = []
     accum: list[tuple[float, float]] = []

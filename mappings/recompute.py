@@ -6,14 +6,20 @@ the target's own forward pass does (same RoPE, causal attention, same layer modu
 the K/V they write. With the embeddings as input (``start == 0``) the block's K/V are the
 target's own. The model is never mutated, so other threads may use it concurrently.
 
-Tokens: recompute positions ``P`` exactly *given the cache before them*: for each contiguous run
-of positions, forward its tokens over the cache cut at the run's start and write the K/V they
-produce back in place. Later positions keep their mapped K/V.
+Tokens: recompute positions ``P`` exactly *given the cache before them*, as if their runs were
+processed left to right: each repaired token sees the repaired tokens before it as recomputed and
+every other earlier position as given. Later positions keep their given K/V. The trailing run (the
+one ending at the last position) and a leading run (from position 0) are plain causal passes over
+the cache cut at their start, the same kernel and cost per token as the model's own prefill; the
+interior positions between them share one pass with an explicit mask. Every pass writes its K/V
+straight into one fresh output tensor per layer, so the given cache is read once and never copied
+twice (or modified).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache as _memoize
 from typing import TYPE_CHECKING, Any
 
 from mappings.cache_io import (
@@ -31,7 +37,7 @@ from mappings.errors import ShapeMismatchError, UnsupportedModelError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["run_layers", "embed", "repair_tokens", "runs"]
+__all__ = ["run_layers", "embed", "repair_tokens", "repair_tokens_and_logits", "token_passes", "runs"]
 
 
 def _base_model(model: Any) -> Any:
@@ -115,14 +121,60 @@ def runs(positions: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def token_passes(n: int, positions: Sequence[int], *, flash: bool = False) -> list[tuple[int, int]]:
+    """The forward passes :func:`repair_tokens` makes for ``positions`` of an ``n``-token cache.
+
+    One ``(queries, cached keys before them)`` pair per pass, in order: what its compute is made
+    of (each query scores ``cached + queries`` keys). The leading run from position 0 and the
+    trailing run ending at ``n - 1`` are causal passes over the cache cut at their start; the
+    interior between them is one run's causal pass, or one masked pass over the cache cut after
+    its last position (run by run for flash-attention models).
+    """
+    pos = sorted({int(p) for p in positions})
+    if not pos:
+        return []
+    spans = runs(pos)
+    tail = spans[-1] if spans[-1][1] == n else None
+    head = spans[:-1] if tail is not None else spans
+    out: list[tuple[int, int]] = []
+    if head and head[0][0] == 0:
+        out.append((head[0][1], 0))
+        head = head[1:]
+    if len(head) == 1 or (head and flash):
+        out.extend((z - a, a) for a, z in head)
+    elif head:
+        out.append((sum(z - a for a, z in head), head[-1][1]))
+    if tail is not None:
+        out.append((tail[1] - tail[0], tail[0]))
+    return out
+
+
 def repair_tokens(model: Any, layers: KVLayers, input_ids: torch.Tensor, positions: Sequence[int]) -> KVLayers:
     """``layers`` with the K/V at ``positions`` recomputed on ``model`` given the cache before them.
 
     ``layers`` covers ``input_ids`` ``[batch, n]``. Each repaired token sees the other repaired
     tokens before it as recomputed and every other earlier position as given, as if the runs were
-    processed left to right. All positions go through one forward pass with an explicit mask
-    (flash-attention models, which take no dense mask, are run run by run instead). Cost: the
-    repaired tokens attending to their prefix, about ``len(positions) / n`` of a prefill.
+    processed left to right. The trailing and leading runs are plain causal passes; the interior
+    positions share one masked pass (flash-attention models, which take no dense mask, run them
+    run by run). Cost: ``len(positions)`` tokens through the model, each scoring the keys of its pass
+    (a trailing token about ``n``, an average prefill token ``n / 2``); :func:`mappings.repair.compute_share`
+    counts it as a share of a prefill. ``layers`` is never modified: the result is fresh tensors (``layers``' own when
+    there is nothing to repair).
+    """
+    return repair_tokens_and_logits(model, layers, input_ids, positions)[0]
+
+
+def repair_tokens_and_logits(
+    model: Any, layers: KVLayers, input_ids: torch.Tensor, positions: Sequence[int], *, logits: int = 0,
+    in_place: bool = False,
+) -> tuple[KVLayers, torch.Tensor | None]:
+    """:func:`repair_tokens`, also recomputing the last ``logits`` positions and returning their logits.
+
+    The last ``logits`` positions join ``positions`` (their logits are only exact when they are
+    recomputed), so a probe over the trailing tokens costs nothing beyond the repair when the
+    repair's own tail covers it. Returns ``(layers, logits [batch, logits, vocab] or None)``.
+    ``in_place`` writes into ``layers``' tensors instead of fresh ones: only for tensors the caller
+    owns alone (a repair ladder's own working copy), never a cache someone else may read.
     """
     import torch
 
@@ -131,36 +183,141 @@ def repair_tokens(model: Any, layers: KVLayers, input_ids: torch.Tensor, positio
     n = input_ids.shape[1]
     if int(layers[0][0].shape[-2]) != n:
         raise ShapeMismatchError(f"the cache holds {int(layers[0][0].shape[-2])} positions, input_ids {n}")
-    pos = sorted({int(p) for p in positions})
+    if not 0 <= logits <= n:
+        raise ShapeMismatchError(f"cannot keep the logits of {logits} positions of a {n}-token prefix")
+    pos = sorted({int(p) for p in positions} | set(range(n - logits, n)))
     if not pos:
-        return list(layers)
+        return list(layers), None
     if pos[0] < 0 or pos[-1] >= n:
         raise ShapeMismatchError(f"token positions {pos[0]}..{pos[-1]} are outside the {n}-token prefix")
-    if "flash" in (getattr(model.config, "_attn_implementation", None) or ""):
-        return _repair_runs(model, layers, input_ids, pos)
+    spans = runs(pos)
+    tail_start = spans[-1][0] if spans[-1][1] == n else n
+    if in_place:
+        out = list(layers)
+    else:
+        # The one copy: every position the repair keeps goes into a fresh tensor, which the passes then fill.
+        out = []
+        for k, v in layers:
+            nk, nv = torch.empty_like(k, memory_format=torch.contiguous_format), torch.empty_like(
+                v, memory_format=torch.contiguous_format)
+            nk[..., :tail_start, :] = k[..., :tail_start, :]
+            nv[..., :tail_start, :] = v[..., :tail_start, :]
+            out.append((nk, nv))
+    flash = "flash" in (getattr(model.config, "_attn_implementation", None) or "")
+    head = [span for span in spans if span[0] < tail_start]
+    if head and head[0][0] == 0:  # a leading run (attention sinks): a plain prefill of its tokens
+        _continue(model, out, input_ids, 0, head[0][1])
+        head = head[1:]
+    if len(head) == 1 or (head and flash):
+        for a, z in head:
+            _continue(model, out, input_ids, a, z)
+    elif head:
+        _masked(model, out, input_ids, [p for a, z in head for p in range(a, z)])
+    kept = None
+    if tail_start < n:
+        kept = _continue(model, out, input_ids, tail_start, n, keep=max(logits, 1))
+        kept = kept[:, kept.shape[1] - logits :] if logits else None
+    return out, kept
+
+
+def _continue(model: Any, out: KVLayers, input_ids: torch.Tensor, a: int, z: int, keep: int = 1) -> torch.Tensor:
+    """Forward tokens ``a..z-1`` causally over ``out``'s first ``a`` positions, writing their K/V into ``out``.
+
+    Returns the logits of the last ``keep`` of them. Writes through a cache backed by ``out`` when
+    the model's cache layers allow it (no copy at all); otherwise over a cut cache, copying the new
+    positions back.
+    """
+    cache = _cache_into(model, out, a)
+    if cache is not None:
+        logits, _, _ = forward_with_cache(model, input_ids[:, a:z], cache, logits_to_keep=keep)
+        return logits
+    prefix = build_cache(slice_layers(out, 0, a), config=model.config) if a else None
+    logits, cache, _ = forward_with_cache(model, input_ids[:, a:z], prefix, logits_to_keep=keep)
+    for (k, v), (nk, nv) in zip(out, slice_layers(cache_layers(cache), a, z), strict=True):
+        k[..., a:z, :] = nk
+        v[..., a:z, :] = nv
+    return logits
+
+
+def _masked(model: Any, out: KVLayers, input_ids: torch.Tensor, pos: list[int]) -> None:
+    """Recompute scattered ``pos`` (sorted) in one pass over ``out`` cut after the last, with a mask.
+
+    Each token sees the cut cache except the positions being recomputed (their given K/V), plus
+    the recomputed tokens up to itself: what left-to-right runs would give. The mask covers only
+    ``last + 1 + k`` keys, not the whole document.
+    """
+    import torch
+
     dev = model_device(model)
     p = torch.tensor(pos, device=dev)
-    dtype = layers[0][0].dtype
-    # The cache keeps all n positions; the repaired tokens are appended after them and scattered back.
-    cache = build_cache(layers, config=model.config)
-    old = torch.arange(n, device=dev)
+    c = pos[-1] + 1
+    dtype = out[0][0].dtype
+    old = torch.arange(c, device=dev)
     see_old = (old[None, :] < p[:, None]) & ~torch.isin(old, p)[None, :]
     see_new = p[None, :] <= p[:, None]
     allowed = torch.cat([see_old, see_new], dim=1)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
     b = input_ids.shape[0]
+    cache = build_cache(slice_layers(out, 0, c), config=model.config)
     _, cache, _ = forward_with_cache(model, input_ids[:, p.cpu()], cache, position_ids=p[None].expand(b, -1),
                                      attention_mask=mask[None, None].expand(b, 1, -1, -1), logits_to_keep=1)
-    out: KVLayers = []
-    for (k, v), (nk, nv) in zip(layers, cache_layers(cache), strict=True):
-        k, v = k.clone(), v.clone()
-        k[:, :, p] = nk[:, :, n:].to(k.dtype)
-        v[:, :, p] = nv[:, :, n:].to(v.dtype)
-        out.append((k, v))
-    return out
+    for (k, v), (nk, nv) in zip(out, cache_layers(cache), strict=True):
+        k[:, :, p] = nk[:, :, c:].to(k.dtype)
+        v[:, :, p] = nv[:, :, c:].to(v.dtype)
+
+
+@_memoize
+def _buffer_layer_class() -> type | None:
+    """A ``DynamicLayer`` that writes new K/V into a preallocated tensor instead of concatenating."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # transformers without per-layer cache objects: the copying path
+        return None
+
+    class BufferLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+            super().__init__()
+            self.lazy_initialization(keys, values)
+            self._buffers = (keys, values)
+            self._length = length
+            self.keys, self.values = keys[..., :length, :], values[..., :length, :]
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = self._buffers
+            a, z = self._length, self._length + int(key_states.shape[-2])
+            if z > keys.shape[-2]:
+                raise ShapeMismatchError(f"writing positions {a}..{z - 1} into a {keys.shape[-2]}-position buffer")
+            keys[..., a:z, :] = key_states
+            values[..., a:z, :] = value_states
+            self._length = z
+            self.keys, self.values = keys[..., :z, :], values[..., :z, :]
+            return self.keys, self.values
+
+    return BufferLayer
+
+
+def _cache_into(model: Any, out: KVLayers, length: int) -> Any:
+    """A cache holding ``out``'s first ``length`` positions whose updates write into ``out``; None if unsupported.
+
+    Only for models whose cache layers are all plain full-attention ``DynamicLayer`` s (sliding
+    windows keep their own buffers).
+    """
+    cls = _buffer_layer_class()
+    if cls is None:
+        return None
+    from transformers.cache_utils import DynamicLayer
+
+    cache = build_cache([], config=model.config)
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) != len(out) or any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    cache.layers = [cls(k, v, length) for k, v in out]
+    return cache
 
 
 def _repair_runs(model: Any, layers: KVLayers, input_ids: torch.Tensor, pos: Sequence[int]) -> KVLayers:
+    """Reference semantics: each run of ``pos`` forwarded over the cache cut at its start, left to right."""
     import torch
 
     out = [(k.clone(), v.clone()) for k, v in layers]

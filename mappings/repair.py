@@ -1,18 +1,32 @@
 """Map, then repair: spend a budget of target compute to close the gap between a mapped cache and
 the target's own prefill.
 
-A :class:`RepairPolicy` says how much (``budget``, a fraction of one full target prefill of the
-document) and on what:
+A :class:`RepairPolicy` says how much (``budget``, a share of the compute of one full target
+prefill of the document) and on what:
 
 - token repair: the first ``sink_tokens`` document tokens (attention sinks: nothing precedes
   them, so their recomputed K/V are exact), the last tokens (the ones the next tokens attend to
   most; they also serve the online gate), and optionally interior tokens with the highest
   predicted mapping error (the source's attention from its last tokens: what the continuation
-  will read). Recomputing ``k`` of ``n`` tokens costs about ``k / n`` of a prefill.
+  will read). Recomputing ``k`` of ``n`` tokens feeds ``k`` tokens through the target, but costs
+  more than ``k / n`` of a prefill when they come late: a trailing token scores about ``n`` keys
+  per layer, an average prefill token ``n / 2``.
 - layer repair: contiguous blocks of target layers recomputed for every token from a hidden state
   mapped by the residual-stream maps (exact when the block starts at layer 0). A block of ``b``
-  of ``L`` layers costs about ``b / L``. Blocks are chosen from the mapping's calibration
-  metrics (worst attention-output cosine first) unless given.
+  of ``L`` layers costs ``b / L`` (every token through ``b`` of ``L`` layers). Blocks are chosen
+  from the mapping's calibration metrics (worst attention-output cosine first) unless given.
+
+Cost: the budget, a plan's ``cost``, a ladder's spend and ``max_spend`` are all the same measure,
+:func:`compute_share`: the multiply-adds of the passes the repair makes, attention included, as a
+share of the target's causal prefill of the document, from the target's sizes (its config). Without
+those sizes they fall back to the token share (``tokens / n + layers / L``, what a plan records as
+``token_share``).
+
+Adaptive budget (:func:`climb_repair`): a policy with a ``ladder`` of budgets starts at ``budget``
+(usually 0, the pure map), checks a probe over the last tokens, and only when it fails repairs up
+to the next budget and probes again, until the probe passes, the ladder ends, or the spend would
+pass ``max_spend`` (compute, as the budget). Positions already repaired stay repaired: a rung
+recomputes only its new positions plus the probe tokens.
 
 Measured on the bundled SmolLM2 family (``orchestra bench`` repair section): the KV-map error is
 spread over all layers (replacing any single layer by the truth moves next-token KL by < 10 %),
@@ -25,11 +39,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mappings.errors import MappingError, ShapeMismatchError
 
@@ -50,7 +64,13 @@ __all__ = [
     "choose_blocks",
     "attention_importance",
     "repair_cache",
+    "climb_repair",
+    "compute_share",
+    "Probe",
 ]
+
+Probe = Callable[["torch.Tensor"], tuple[bool, dict[str, float]]]
+"""A gate over the logits ``[batch, tail, vocab]`` of a cache's last tokens: (passed, its metrics)."""
 
 
 class RepairUnavailableError(MappingError):
@@ -63,7 +83,8 @@ class RepairPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     budget: float = Field(default=0.0, ge=0.0, le=1.0)
-    """Fraction of one full target prefill of the document to spend (0: pure map)."""
+    """Share of one full target prefill's compute to spend (0: pure map): the plan's :func:`compute_share`,
+    attention included, stays within it (the token share without the target's sizes)."""
     sink_tokens: int = Field(default=4, ge=0)
     """First document tokens recomputed (exact: nothing precedes them); counted in the budget."""
     layer_share: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -74,6 +95,44 @@ class RepairPolicy(BaseModel):
     """Source tokens whose attention ranks the interior tokens (only with ``scattered_share``)."""
     blocks: tuple[tuple[int, int], ...] | None = None
     """Explicit layer blocks ``[start, stop)``; None: chosen from the mapping's calibration metrics."""
+    ladder: tuple[float, ...] = ()
+    """Adaptive budgets: when the probe fails at ``budget``, repair up to each larger one in turn and re-probe."""
+    max_spend: float = Field(default=1.0, gt=0.0)
+    """Adaptive: stop climbing before the ladder's recompute (its compute share, as ``budget``) would pass this;
+    re-prefill is 1."""
+
+    @field_validator("ladder")
+    @classmethod
+    def _ladder_fractions(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        for b in value:
+            if not 0.0 <= b <= 1.0:
+                raise ValueError(f"ladder budget {b} is not a fraction of a prefill in [0, 1]")
+        return value
+
+    @model_validator(mode="after")
+    def _ladder_repairs_tokens(self) -> RepairPolicy:
+        if self.ladder and (self.layer_share or self.blocks is not None):
+            raise ValueError("an adaptive ladder repairs tokens only: leave layer_share at 0 and blocks unset")
+        return self
+
+    @property
+    def adaptive(self) -> bool:
+        """True when the policy climbs a ladder of budgets against a probe."""
+        return bool(self.ladder)
+
+    @property
+    def rungs(self) -> tuple[float, ...]:
+        """The budgets tried in order: ``budget`` first, then the larger ladder budgets."""
+        return tuple(sorted({self.budget, *(b for b in self.ladder if b > self.budget)}))
+
+    @property
+    def max_budget(self) -> float:
+        """The largest budget the policy may spend on one rung (``budget`` for a fixed policy)."""
+        return self.rungs[-1]
+
+    def at(self, budget: float) -> RepairPolicy:
+        """This policy as a fixed one at ``budget`` (one rung of its ladder)."""
+        return self.model_copy(update={"budget": budget, "ladder": ()})
 
     @field_validator("blocks")
     @classmethod
@@ -87,8 +146,10 @@ class RepairPolicy(BaseModel):
 
     @property
     def label(self) -> str:
-        """Short name for tables: ``repair@10%`` (+ ``L<share>`` / ``S<share>`` when used)."""
-        parts = [f"repair@{self.budget * 100:g}%"]
+        """Short name for tables: ``repair@10%`` (+ ``L<share>`` / ``S<share>`` when used; ``repair@0/5/10%``
+        for a ladder)."""
+        budgets = "/".join(f"{b * 100:g}" for b in self.rungs)
+        parts = [f"repair@{budgets}%"]
         if self.layer_share:
             parts.append(f"L{self.layer_share:g}")
         if self.scattered_share:
@@ -109,7 +170,11 @@ class RepairPlan:
     scattered: int
     """How many of ``tokens`` are interior tokens picked by attention."""
     cost: float
-    """Estimated compute as a fraction of a full prefill (tokens / n + layers / L)."""
+    """Planned compute as a share of a full prefill: multiply-adds counting attention (:func:`compute_share`),
+    what the budget bounds; the token share when the target's sizes are unknown. Above ``token_share`` for a
+    long tail: its tokens score ~n keys each, a prefill's n / 2 on average."""
+    token_share: float
+    """The plan's size: recomputed tokens / n + recomputed layers / L (the linear cost model)."""
 
 
 @dataclass
@@ -118,14 +183,28 @@ class RepairResult:
 
     layers: KVLayers
     plan: RepairPlan
+    """The plan applied (for a ladder: the last rung's)."""
     policy: RepairPolicy
     seconds: dict[str, float] = field(default_factory=dict)
+    """Wall seconds by part: ``rank`` (source), ``layers`` and ``tokens`` (target)."""
+    logits: torch.Tensor | None = None
+    """Logits ``[batch, m, vocab]`` of the last ``m`` positions, when asked for (``keep_logits``, a ladder's probe)."""
+    ladder: dict[str, Any] | None = None
+    """An adaptive repair's climb: budgets tried, the one that passed, the spend (see :func:`climb_repair`)."""
+
+    @property
+    def target_seconds(self) -> float:
+        """Seconds the target spent recomputing (layer blocks and tokens): what ``plan.cost`` estimates."""
+        return float(self.seconds.get("layers", 0.0) + self.seconds.get("tokens", 0.0))
 
     def summary(self) -> dict[str, Any]:
         """JSON form for reports and events: the policy, what was recomputed, its planned cost, seconds."""
-        return {"policy": self.policy.model_dump(mode="json"), "tokens": len(self.plan.tokens), "tail": self.plan.tail,
-                "scattered": self.plan.scattered, "blocks": [list(b) for b in self.plan.blocks],
-                "cost": self.plan.cost, "seconds": dict(self.seconds)}
+        out = {"policy": self.policy.model_dump(mode="json"), "tokens": len(self.plan.tokens), "tail": self.plan.tail,
+               "scattered": self.plan.scattered, "blocks": [list(b) for b in self.plan.blocks],
+               "cost": self.plan.cost, "token_share": self.plan.token_share, "seconds": dict(self.seconds)}
+        if self.ladder is not None:
+            out["ladder"] = dict(self.ladder)
+        return out
 
 
 def layer_scores(manifest: MappingManifest) -> list[float]:
@@ -164,9 +243,21 @@ def choose_blocks(layer_scores: Sequence[float], layers: int) -> tuple[tuple[int
 
 def plan_repair(
     policy: RepairPolicy, n: int, num_layers: int, *, layer_scores: Sequence[float] | None = None,
-    importance: torch.Tensor | None = None,
+    importance: torch.Tensor | None = None, config: Any = None,
 ) -> RepairPlan:
-    """Turn a policy into positions and blocks for an ``n``-token document on ``num_layers`` layers."""
+    """Turn a policy into positions and blocks for an ``n``-token document on ``num_layers`` layers.
+
+    Layer blocks first (``layer_share`` of the budget, ``b / L`` each); then the tokens, in order:
+    the sinks, ``scattered_share`` of the rest on interior tokens, the remainder on the tail. The
+    plan is the largest (most tokens) whose ``cost`` stays within ``policy.budget``.
+
+    ``config``: the target's model config (hidden, heads, KV heads, head dim, intermediate size,
+    layers, as :func:`compute_share` reads them). With it ``cost`` is the plan's compute share,
+    attention included, and the token count is found by binary search (a trailing token costs more
+    than ``1 / n``, so a 10 % budget recomputes fewer than 10 % of the tokens at long context).
+    Default None (or a config without those sizes): ``cost`` is the token share ``tokens / n +
+    layers / L``, the linear model, and the plan is ``floor((budget - layers / L) * n)`` tokens.
+    """
     if n < 1:
         raise ShapeMismatchError("nothing to repair: the document is empty")
     layer_budget = policy.budget * policy.layer_share
@@ -181,20 +272,101 @@ def plan_repair(
             raise RepairUnavailableError("choosing layer blocks needs per-layer scores from the mapping's metrics")
         blocks = choose_blocks(layer_scores or [], count) if count else ()
     block_layers = sum(z - a for a, z in blocks)
-    token_budget = max(0, int(math.floor((policy.budget - block_layers / num_layers) * n + 1e-9)))
-    sink = min(policy.sink_tokens, token_budget, n)
-    rest = token_budget - sink
-    scattered_n = int(rest * policy.scattered_share) if importance is not None else 0
-    tail_n = min(rest - scattered_n, n - sink)
-    chosen = set(range(sink)) | set(range(n - tail_n, n))
-    if scattered_n:
-        ranked = importance[: n - tail_n].clone()
-        ranked[:sink] = -math.inf
-        for p in ranked.topk(min(scattered_n, max(0, n - tail_n - sink))).indices.tolist():
-            chosen.add(int(p))
-    tokens = tuple(sorted(chosen))
-    return RepairPlan(tokens=tokens, blocks=blocks, tail=tail_n, scattered=len(tokens) - tail_n - sink,
-                      cost=len(tokens) / n + block_layers / num_layers)
+    block_share = block_layers / num_layers
+    model = _ComputeModel.of(config)
+
+    def choose(k: int) -> tuple[tuple[int, ...], int, int]:
+        """The plan of ``k`` token slots: (positions, tail length, sink count)."""
+        sink = min(policy.sink_tokens, k, n)
+        rest = k - sink
+        scattered_n = int(rest * policy.scattered_share) if importance is not None else 0
+        tail_n = min(rest - scattered_n, n - sink)
+        chosen = set(range(sink)) | set(range(n - tail_n, n))
+        if scattered_n:
+            ranked = importance[: n - tail_n].clone()
+            ranked[:sink] = -math.inf
+            for p in ranked.topk(min(scattered_n, max(0, n - tail_n - sink))).indices.tolist():
+                chosen.add(int(p))
+        return tuple(sorted(chosen)), tail_n, sink
+
+    if model is None:
+        k = max(0, int(math.floor((policy.budget - block_share) * n + 1e-9)))
+    else:
+        def fits(k: int) -> bool:
+            return model.share(n, choose(k)[0]) + block_share <= policy.budget + 1e-12
+
+        # The largest k that fits: a full recompute (one prefill) is checked first, since a plan one token short
+        # of it (sinks and tail split by a gap) costs more; below it the cost grows with k.
+        if fits(n):
+            k = n
+        else:
+            lo, hi = 0, n
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+            k = lo
+    tokens, tail_n, sink = choose(k)
+    token_share = len(tokens) / n + block_share
+    cost = model.share(n, tokens) + block_share if model is not None else token_share
+    return RepairPlan(tokens=tokens, blocks=blocks, tail=tail_n, scattered=len(tokens) - tail_n - sink, cost=cost,
+                      token_share=token_share)
+
+
+@dataclass(frozen=True)
+class _ComputeModel:
+    """A target's multiply-adds per token and layer: ``linear`` (projections and MLP) + ``attention`` per key."""
+
+    linear: int
+    attention: int
+    layers: int
+    flash: bool = False
+
+    @classmethod
+    def of(cls, config: Any) -> _ComputeModel | None:
+        """From a model config; None when it lacks the usual sizes (hidden, heads, intermediate, layers)."""
+        if config is None:
+            return None
+        try:
+            d, heads = int(config.hidden_size), int(config.num_attention_heads)
+            kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+            head_dim = int(getattr(config, "head_dim", None) or d // heads)
+            inter, layers = int(config.intermediate_size), int(config.num_hidden_layers)
+        except (AttributeError, TypeError, ValueError):
+            return None
+        flash = "flash" in str(getattr(config, "_attn_implementation", None) or "")
+        return cls(2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * inter, 2 * heads * head_dim,
+                   layers, flash)
+
+    def share(self, n: int, tokens: Sequence[int]) -> float:
+        """The passes recomputing ``tokens`` of an ``n``-token cache, as a share of its causal prefill."""
+        from mappings.recompute import token_passes
+
+        prefill = n * self.linear + self.attention * n * (n + 1) / 2
+        # A pass over a cut cache scores a dense block (the kernel gets a mask); one from scratch is a causal prefill.
+        spent = sum(q * self.linear + self.attention * (q * (past + q) if past else q * (q + 1) / 2)
+                    for q, past in token_passes(n, tokens, flash=self.flash))
+        return spent / prefill
+
+
+def compute_share(config: Any, n: int, tokens: Sequence[int], block_layers: int = 0) -> float | None:
+    """Multiply-adds of a repair as a fraction of the model's causal prefill of ``n`` tokens, counting attention.
+
+    Per layer, a token costs its projections and MLP plus ``2 * heads * head_dim`` per key it
+    scores. A prefill token scores ``p + 1`` keys (``n / 2`` on average); a repair pass over a cut
+    cache (:func:`mappings.recompute.token_passes`) scores its queries against every key it holds,
+    about ``n`` for a tail token, and a pass from position 0 is a causal prefill of its own.
+    ``block_layers`` whole layers add ``block_layers / L``. The LM head is left out on both sides
+    (a prefill that is continued keeps only its last logits). None when ``config`` lacks the usual
+    sizes (hidden, heads, intermediate, layers). This is the measure of a policy's budget and a
+    plan's ``cost``.
+    """
+    model = _ComputeModel.of(config)
+    if model is None:
+        return None
+    return model.share(n, tokens) + block_layers / model.layers
 
 
 def attention_importance(model: Any, layers: KVLayers, input_ids: torch.Tensor, probe_tokens: int = 16) -> torch.Tensor:
@@ -246,6 +418,7 @@ def repair_cache(
     source: Any = None,
     source_layers: KVLayers | None = None,
     importance: torch.Tensor | None = None,
+    keep_logits: int = 0,
 ) -> RepairResult:
     """Apply ``policy`` to a mapped cache of ``input_ids`` on ``target``; returns the repaired layers.
 
@@ -253,10 +426,18 @@ def repair_cache(
     read (``source_hidden[s]``: the state entering source layer ``s``, ``[batch, n, d]``).
     Scattered tokens need ``source`` and its own cache ``source_layers`` to rank positions, or
     the ranking itself (``importance``: `attention_importance` of the source, computed elsewhere).
-    Blocks run first, then one masked pass recomputes the chosen tokens over the result.
+    Blocks run first, then the chosen tokens are recomputed over the result
+    (:func:`mappings.recompute.repair_tokens`). ``keep_logits``: also recompute the last
+    ``keep_logits`` positions (if the plan's tail does not cover them) and return their logits in
+    ``result.logits``, e.g. for a probe. ``mapped`` is never modified. An adaptive policy needs a
+    probe to climb against: :func:`climb_repair`.
     """
-    from mappings.recompute import embed, repair_tokens, run_layers
+    from mappings.cache_io import sync_device
+    from mappings.recompute import embed, repair_tokens_and_logits, run_layers
 
+    if policy.adaptive:
+        raise RepairUnavailableError("an adaptive policy (ladder) climbs against a probe: use climb_repair, or "
+                                     "policy.at(budget) for one fixed budget")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     n, num_layers = input_ids.shape[1], len(mapped)
@@ -268,7 +449,8 @@ def repair_cache(
         t0 = time.perf_counter()
         importance = attention_importance(source, source_layers, input_ids, policy.probe_tokens)
         seconds["rank"] = time.perf_counter() - t0
-    plan = plan_repair(policy, n, num_layers, layer_scores=layer_scores, importance=importance)
+    plan = plan_repair(policy, n, num_layers, layer_scores=layer_scores, importance=importance,
+                       config=getattr(target, "config", None))
     layers = list(mapped)
     if plan.blocks:
         t0 = time.perf_counter()
@@ -289,9 +471,112 @@ def repair_cache(
             _, kv = run_layers(target, hidden, a, z)
             for j, pair in enumerate(kv):
                 layers[a + j] = (pair[0].to(layers[a + j][0].dtype), pair[1].to(layers[a + j][1].dtype))
+        sync_device(layers[0][0].device)
         seconds["layers"] = time.perf_counter() - t0
-    if plan.tokens:
+    logits = None
+    if plan.tokens or keep_logits:
         t0 = time.perf_counter()
-        layers = repair_tokens(target, layers, input_ids, plan.tokens)
+        layers, logits = repair_tokens_and_logits(target, layers, input_ids, plan.tokens, logits=keep_logits)
+        sync_device(layers[0][0].device)
         seconds["tokens"] = time.perf_counter() - t0
-    return RepairResult(layers, plan, policy, seconds)
+    return RepairResult(layers, plan, policy, seconds, logits=logits)
+
+
+def climb_repair(
+    target: Any,
+    mapped: KVLayers,
+    input_ids: torch.Tensor,
+    policy: RepairPolicy,
+    probe: Probe,
+    *,
+    tail: int,
+    importance: torch.Tensor | None = None,
+    source: Any = None,
+    source_layers: KVLayers | None = None,
+) -> RepairResult:
+    """Adaptive repair: the smallest budget of ``policy.rungs`` whose cache passes ``probe``.
+
+    The first rung (``policy.budget``, 0 for the pure map) recomputes its plan and the last
+    ``tail`` tokens, whose logits go to ``probe``. While the probe fails, the next rung recomputes
+    only the positions its plan adds (repaired positions stay repaired) plus the ``tail`` probe
+    tokens again (the only positions recomputed more than once: their logits must see the new
+    repairs), and probes again. A rung that adds no position is skipped. The climb stops at the
+    first pass, at the end of the ladder, or before a rung that would bring the spend past
+    ``policy.max_spend``. Spend: the compute of the rungs' passes beyond the first probe (which a
+    pure map pays anyway), as a share of a prefill (a re-prefill is 1), measured as the budget is
+    (:func:`compute_share` from the target's config; the token share without it).
+
+    Returns the last rung's cache and probe logits; ``result.ladder`` records each rung
+    (budget, positions recomputed, passed, the probe's metrics), ``passed`` (the budget that
+    passed, None if none did), ``spent`` (compute share), ``token_share`` (positions recomputed
+    beyond the first probe / n), ``recomputed`` (positions fed to the target in all), ``repaired``
+    (distinct positions repaired outside the probe tokens) and ``stopped`` (why the climb ended
+    without a pass). ``mapped`` is never modified; scattered tokens are ranked (as in
+    :func:`repair_cache`) only when a rung above 0 needs them.
+    """
+    from mappings.cache_io import sync_device
+    from mappings.recompute import repair_tokens_and_logits
+
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    n, num_layers = input_ids.shape[1], len(mapped)
+    if not 1 <= tail <= n:
+        raise ShapeMismatchError(f"cannot probe the last {tail} tokens of a {n}-token prefix")
+    probe_pos = set(range(n - tail, n))
+    config = getattr(target, "config", None)
+    model = _ComputeModel.of(config)
+
+    def share(positions: set[int]) -> float:
+        """One rung's pass (its new positions with the probe tokens) as a share of a prefill."""
+        return model.share(n, sorted(positions)) if model is not None else len(positions) / n
+
+    first_probe = share(probe_pos)
+    repaired: set[int] = set()
+    seconds: dict[str, float] = {"tokens": 0.0}
+    steps: list[dict[str, Any]] = []
+    layers, owned = list(mapped), False
+    spent, recomputed = 0.0, 0
+    passed: float | None = None
+    stopped: str | None = None
+    plan: RepairPlan | None = None
+    logits: torch.Tensor | None = None
+    for i, budget in enumerate(policy.rungs):
+        if budget and policy.scattered_share and importance is None:
+            if source is None or source_layers is None:
+                raise RepairUnavailableError("scattered token repair ranks tokens by the source's attention: pass "
+                                             "source= and source_layers=, or importance=")
+            t0 = time.perf_counter()
+            importance = attention_importance(source, source_layers, input_ids, policy.probe_tokens)
+            seconds["rank"] = time.perf_counter() - t0
+        rung = plan_repair(policy.at(budget), n, num_layers, importance=importance, config=config)
+        new = sorted(set(rung.tokens) - repaired - probe_pos)
+        if i and not new:
+            steps.append({"budget": budget, "tokens": 0, "skipped": True})
+            continue
+        cost = share(set(new) | probe_pos) - (0.0 if i else first_probe)  # the first probe: the map's own tail
+        if i and spent + cost > policy.max_spend + 1e-12:
+            stopped = (f"the {budget:.0%} rung would bring the repair spend to {spent + cost:.1%} of a "
+                       f"prefill, over max_spend {policy.max_spend:.0%}")
+            break
+        t0 = time.perf_counter()
+        layers, logits = repair_tokens_and_logits(target, layers, input_ids, new, logits=tail, in_place=owned)
+        sync_device(layers[0][0].device)
+        seconds["tokens"] += time.perf_counter() - t0
+        owned = True  # from here on the working layers are this climb's own fresh tensors
+        repaired.update(new)
+        spent += cost
+        recomputed += len(new) + tail
+        plan = rung
+        ok, metrics = probe(logits)
+        steps.append({"budget": budget, "tokens": len(new) + tail, "passed": bool(ok),
+                      "metrics": {k: float(v) for k, v in metrics.items()}})
+        if ok:
+            passed = budget
+            break
+    else:
+        stopped = "no budget of the ladder passed the probe"
+    assert plan is not None and logits is not None  # the first rung always runs
+    ladder = {"budgets": list(policy.rungs), "passed": passed, "spent": spent,
+              "token_share": (recomputed - tail) / n, "recomputed": recomputed,
+              "repaired": len(repaired), "probe_tokens": tail, "stopped": stopped, "steps": steps}
+    return RepairResult(layers, plan, policy, seconds, logits=logits, ladder=ladder)

@@ -12,10 +12,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["OfflineGate", "ProbeGate", "ShadowGate", "GatePolicy", "GateDecision", "CircuitBreaker", "decide_offline", "decide_probe"]
+__all__ = ["OfflineGate", "ProbeGate", "ShadowGate", "GatePolicy", "GateDecision", "CircuitBreaker", "ProbeCheck",
+           "decide_offline", "decide_probe"]
 
 
 class OfflineGate(BaseModel):
@@ -97,6 +99,54 @@ def decide_probe(policy: ProbeGate, probe_nll: float, reference_nll: float,
             return GateDecision(False, "probe", f"probe KL to the source rose by {excess_kl:.3f} > {policy.max_excess_kl}",
                                 metrics)
     return GateDecision(True, "probe", f"probe NLL excess {excess:.3f} <= {policy.max_excess_nll} nats/token", metrics)
+
+
+@dataclass(frozen=True)
+class ProbeCheck:
+    """The probe measurement (and, with a gate, its decision) as a function of a mapped cache's tail logits.
+
+    Built where the source's tail logits and the pair's calibrated reference are known, then handed
+    to the op that maps (and repairs) on the target: an adaptive repair ladder calls it after each
+    rung, so it must be cheap and picklable (a tensor and floats).
+    """
+
+    tail_ids: tuple[int, ...]
+    """The probe tokens (the document's last tokens)."""
+    source_logits: Any
+    """The source's own logits over the probe tokens, ``[tail, vocab]``."""
+    reference_nll: float
+    """The source's NLL on the probe tokens plus the pair's calibrated target-minus-source offset."""
+    reference_source_kl: float | None = None
+    """The pair's calibrated KL(source || target) on trailing tokens (None: the KL test is skipped)."""
+    gate: ProbeGate | None = None
+    """Thresholds applied by `__call__` (None: measure only)."""
+
+    def metrics(self, logits: Any) -> dict[str, float]:
+        """Probe NLL, KL to the source and the references, for `logits` ``[tail, vocab]`` (or ``[1, tail, vocab]``)."""
+        import torch
+
+        from mappings.metrics import mean_kl, tail_nll
+
+        logits = logits[0] if logits.dim() == 3 else logits
+        ids = torch.tensor(self.tail_ids, dtype=torch.long)
+        out = {"probe_nll": tail_nll(logits.float(), ids), "reference_nll": self.reference_nll,
+               "probe_source_kl": mean_kl(self.source_logits, logits.float())}
+        if self.reference_source_kl is not None:
+            out["reference_source_kl"] = self.reference_source_kl
+        return out
+
+    def decide(self, logits: Any) -> GateDecision:
+        """The probe gate's decision on `logits`; needs `gate`."""
+        if self.gate is None:
+            raise ValueError("this probe check has no gate to decide with")
+        m = self.metrics(logits)
+        return decide_probe(self.gate, m["probe_nll"], m["reference_nll"], m["probe_source_kl"],
+                            m.get("reference_source_kl"))
+
+    def __call__(self, logits: Any) -> tuple[bool, dict[str, float]]:
+        """(passed, metrics): the form `mappings.repair.climb_repair` climbs against."""
+        decision = self.decide(logits)
+        return decision.passed, dict(decision.metrics)
 
 
 class CircuitBreaker:

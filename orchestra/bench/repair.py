@@ -2,9 +2,12 @@
 
 Each point is one :class:`mappings.repair.RepairPolicy` scored by :func:`mappings.evaluate.evaluate`
 on the held-out document: next-token KL and top-1 against the target's own prefill, the planned
-compute (recomputed tokens / prefix + recomputed layers / layers) and the measured cost (map +
-repair seconds over the target's own prefill seconds, measured in the same window). The curve
-starts at the pure map (budget 0) and ends at re-prefill (cost 1, KL 0). Variants that spend part
+cost (the repair's multiply-adds counting attention over the prefill's: what the budget bounds,
+:func:`mappings.repair.compute_share`), the token share (recomputed tokens / prefix + recomputed
+layers / layers) and the measured cost (the repair's target seconds over the target's own prefill
+seconds in the same window, as ``orchestra evaluate`` measures it), with the map's seconds and the
+rest of the repair call (the source ranking scattered tokens) reported beside it. The curve starts
+at the pure map (budget 0) and ends at re-prefill (cost 1, KL 0). Variants that spend part
 of the budget on layer blocks (needs residual maps) or on attention-picked interior tokens are
 scored at one budget, next to the token-only point with the same budget.
 """
@@ -44,8 +47,14 @@ class RepairPoint(_Model):
     kl: float
     top1: float
     top5: float
-    planned_cost: float = Field(description="recomputed tokens / prefix + recomputed layers / layers (0 for the map)")
-    measured_cost: float = Field(description="(map + repair seconds) / target prefill seconds, same windows")
+    planned_cost: float = Field(description="the plan's multiply-adds counting attention / the prefill's (0 for the "
+                                "map): what the budget bounds")
+    measured_cost: float = Field(description="the repair's target seconds / target prefill seconds, same windows "
+                                 "(0 for the map, 1 for reprefill): the number to hold against planned_cost")
+    token_share: float | None = Field(None, description="recomputed tokens / prefix + recomputed layers / layers")
+    map_share: float = Field(0.0, description="map seconds / target prefill seconds (paid once, before any repair)")
+    other_share: float = Field(0.0, description="the repair call's seconds outside the target's passes (the source "
+                               "ranking scattered tokens, planning) / target prefill seconds")
     tokens: int = 0
     blocks: list[list[int]] = Field(default_factory=list)
 
@@ -102,10 +111,14 @@ def run_repair(config: RepairConfig, fam: BenchFamily, *, progress: bool = True)
                 budget = float(r.repair["policy"]["budget"]) if r.repair else 0.0
             else:
                 continue
-            measured = 1.0 if label == "reprefill" else (r.map_seconds + r.prefill_seconds) / ref
+            reprefill = label == "reprefill"
+            measured = 1.0 if reprefill else (r.measured_cost if r.measured_cost is not None else
+                                              r.prefill_seconds / ref)
             section.points.append(RepairPoint(
                 pair=pair.label, label=label, budget=budget, kl=r.kl, top1=r.top1, top5=r.top5,
                 planned_cost=r.cost_fraction if r.cost_fraction is not None else budget, measured_cost=measured,
+                token_share=r.token_share, map_share=0.0 if reprefill else r.map_seconds / ref,
+                other_share=0.0 if reprefill else max(0.0, r.prefill_seconds / ref - measured),
                 tokens=int(r.repair["tokens"]) if r.repair else 0,
                 blocks=list(r.repair["blocks"]) if r.repair else [],
             ))
@@ -117,17 +130,24 @@ def repair_markdown(section: RepairSection) -> list[str]:
     lines = [
         "## Map, then repair: quality vs cost", "",
         f"Held-out {section.document}, prefix {c.length} tokens, suffix {c.suffix_tokens}, {c.windows} window(s). "
-        "Planned cost = recomputed tokens / prefix + recomputed layers / layers; measured cost = (map + repair "
-        "seconds) / the target's own prefill seconds in the same windows. `L` = share of the budget on layer "
-        "blocks recomputed from residual-mapped hidden states; `S` = share of the token budget on interior tokens "
-        "the source attends to most.", "",
-        "| pair | policy | KL | top-1 | top-5 | planned cost | measured cost | tokens | layer blocks |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Costs are fractions of the target's own prefill of the prefix. Planned = the repair's multiply-adds "
+        "counting attention (a trailing token scores ~n keys, an average prefill token n / 2): what the budget "
+        "bounds; token share = recomputed tokens / prefix + recomputed layers / layers; measured = the repair's "
+        "target seconds / the target's own prefill seconds in the same windows. Map = the map's seconds, other = "
+        "the rest of the repair call (the source ranking scattered tokens), both over the same prefill. `L` = "
+        "share of the budget on layer blocks recomputed from residual-mapped hidden states; `S` = share of the "
+        "token budget on interior tokens the source attends to most.", "",
+        "| pair | policy | KL | top-1 | top-5 | planned (compute) | token share | measured | measured / planned "
+        "| map | other | tokens | layer blocks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in section.points:
         blocks = ", ".join(f"{a}-{z - 1}" for a, z in p.blocks) or "-"
+        ratio = f"{p.measured_cost / p.planned_cost:.2f}x" if p.planned_cost > 0 else "-"
+        share = "-" if p.token_share is None else f"{p.token_share:.1%}"
         lines.append(f"| {p.pair} | {p.label} | {p.kl:.4f} | {p.top1:.3f} | {p.top5:.3f} | {p.planned_cost:.1%} | "
-                     f"{p.measured_cost:.1%} | {p.tokens} | {blocks} |")
+                     f"{share} | {p.measured_cost:.1%} | {ratio} | {p.map_share:.1%} | {p.other_share:.1%} | "
+                     f"{p.tokens} | {blocks} |")
     pairs = list(dict.fromkeys(p.pair for p in section.points))
     if pairs:
         lines += ["", "Best point within 15 % of a re-prefill (planned and measured):", ""]
@@ -135,7 +155,7 @@ def repair_markdown(section: RepairSection) -> list[str]:
             best = section.best_within(pair, 0.15)
             if best is not None:
                 lines.append(f"- {pair}: {best.label}, KL {best.kl:.4f}, top-1 {best.top1:.3f}, "
-                             f"measured cost {best.measured_cost:.1%}")
+                             f"planned cost {best.planned_cost:.1%}, measured {best.measured_cost:.1%}")
     for s in section.skipped:
         lines.append(f"- skipped: {s}")
     lines.append("")

@@ -181,8 +181,8 @@ def evaluate_cmd(
     device: Annotated[str, typer.Option("--device", help="Torch device for both models.")] = "cpu",
     repair: Annotated[
         list[float] | None,
-        typer.Option("--repair", min=0.0, max=1.0, help="Also score map-then-repair with this budget (fraction of "
-                     "a full prefill); repeat for a curve."),
+        typer.Option("--repair", min=0.0, max=1.0, help="Also score map-then-repair with this budget (share of "
+                     "a full prefill's compute, attention counted); repeat for a curve."),
     ] = None,
     repair_layers: Annotated[
         float, typer.Option("--repair-layers", min=0.0, max=1.0, help="Share of each repair budget spent on layer "
@@ -244,15 +244,23 @@ def evaluate_cmd(
 
     table = Table(title=f"{report.mapping_method}: {document.name}, {report.windows} x (prefix {report.prefix_tokens} "
                         f"+ suffix {report.suffix_tokens}) tokens")
-    for col in ("method", "KL", "top-1", "top-5", "NLL Δ", "greedy", "map s", "prefill s", "cost"):
+    for col in ("method", "KL", "top-1", "top-5", "NLL Δ", "greedy", "map s", "prefill s", "cost", "measured",
+                "tokens"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
     for r in report.methods:
         greedy = "-" if r.greedy_agreement is None else f"{r.greedy_agreement:.1f}/{r.greedy_tokens}"
         nll = "-" if r.nll_delta is None else f"{r.nll_delta:+.4f}"
         table.add_row(r.method, f"{r.kl:.4f}", f"{r.top1:.3f}", f"{r.top5:.3f}", nll, greedy,
-                      f"{r.map_seconds:.4f}", f"{r.prefill_seconds:.3f}",
-                      "-" if r.cost_fraction is None else f"{r.cost_fraction:.1%}")
+                      f"{r.map_seconds:.4f}", f"{r.prefill_seconds:.3f}", pct(r.cost_fraction), pct(r.measured_cost),
+                      pct(r.token_share))
     console.print(table)
+    console.print("cost: planned target compute (multiply-adds counting attention) / the target's own prefill; "
+                  "measured: target seconds / that prefill's seconds; tokens: recomputed tokens / prefix "
+                  "(+ layers / layers)")
     if served_report is not None:
         paths = ", ".join(f"{w.path}" + (f" ({w.fallback_reason})" if w.fallback_reason else "")
                           for w in served_report.windows)

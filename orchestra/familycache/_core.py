@@ -6,7 +6,9 @@ Routes, tried in this order for each request:
 2. **mapped**: when another member holds a longer prefix (by `CachePolicy.min_mapped_tokens`) and a
    mapping to this member exists, its cache is mapped across (an earlier map of the same prefix is
    reused), repaired per policy, and the trailing tokens are recomputed on the target; the
-   remaining tokens are computed exactly on top;
+   remaining tokens are computed exactly on top; an adaptive repair policy (a ladder of budgets)
+   climbs from its first budget until the probe gate passes, so each request spends the least
+   that passes;
 3. the mapped cache must pass the request's gates (offline, probe, shadow, circuit breaker);
    any failure, including a missing, stale or broken mapping, re-prefills on the target instead.
 
@@ -34,7 +36,7 @@ from orchestra.familycache._events import CacheStep
 from orchestra.familycache._executor import Executor, LocalExecutor
 from orchestra.familycache._policy import CachePolicy
 from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats, common_prefix, token_hash
-from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy, decide_offline, decide_probe
+from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy, ProbeCheck, decide_offline, decide_probe
 
 if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
@@ -488,8 +490,11 @@ class FamilyCache:
     # -- mapped ---------------------------------------------------------------------------------
     def _variant(self, req: _Request) -> str:
         repair = req.repair
-        if repair is None or repair.budget == 0:
+        if repair is None or (repair.budget == 0 and not repair.adaptive):
             return f"tail={req.tail}"
+        if repair.adaptive:  # where a ladder stops depends on the gate it climbs against
+            gate = req.gate.model_dump_json(include={"offline", "probe"})
+            return f"tail={req.tail};{repair.model_dump_json()};gate={gate}"
         return f"tail={req.tail};{repair.model_dump_json()}"
 
     def _mapped_option(self, req: _Request, exact_len: int) -> tuple[str, Entry, int] | None:
@@ -557,7 +562,7 @@ class FamilyCache:
         req.decisions.extend(decisions)
         failed = [d for d in decisions if not d.passed]
         if failed:
-            return None, f"{failed[0].gate} gate failed: {failed[0].reason}"
+            return None, f"{failed[0].gate} gate failed: {failed[0].reason}" + _ladder_note(entry.meta.get("repair"))
         if joined:
             reused = len(req.ids)
         elif kind == "entry":
@@ -592,7 +597,6 @@ class FamilyCache:
             else:
                 computed = self.executor.run([source], _tail_op, src_entry.cache, src_ids, length, tail)
                 src_logits = computed.logits
-            members = [req.member]
             repair = req.repair
             hidden = src_entry.hidden  # the ops cut it to the mapped positions where it lives
             if repair is not None and repair.budget > 0 and (repair.layer_share > 0 or repair.blocks):
@@ -601,27 +605,39 @@ class FamilyCache:
                            if mapping.residual is None else "the source cache was built without hidden states")
                     self.warnings.append(f"{req.member}: layer repair skipped, {why}; repairing tokens only")
                     repair = repair.model_copy(update={"layer_share": 0.0, "blocks": None})
-            needs_source = repair is not None and repair.budget > 0 and repair.scattered_share > 0
-            if needs_source:
-                members = [source, req.member]
+            from mappings.metrics import tail_nll
+
             src_cache = self.executor.run([source], _truncate_op, src_entry.cache, length)
+            tail_ids = prefix[-tail:]
             try:
-                if needs_source:
-                    mapped, summary = self.executor.run(members, _map_op, mapping, src_cache, src_ids, tail,
-                                                        repair, hidden)
-                else:
-                    mapped, summary = self.executor.run(members, _map_target_op, mapping, src_cache, src_ids, tail,
-                                                        repair, hidden)
                 ref = self.executor.run([source, req.member], _reference_op, self.mappings, mapping, tail)
+                check = ProbeCheck(tuple(tail_ids), src_logits, tail_nll(src_logits, _tensor(tail_ids)) + ref.offset_nll,
+                                   ref.source_kl)
+                if repair is not None and repair.adaptive:
+                    climb = self._ladder_gate(req, mapping)
+                    if climb is None:  # nothing to climb against: the ladder's first budget, as a fixed policy
+                        repair = repair.at(repair.budget)
+                    else:
+                        check = ProbeCheck(check.tail_ids, check.source_logits, check.reference_nll,
+                                           check.reference_source_kl, climb)
+                if repair is not None and repair.adaptive:
+                    importance, rank_s = None, 0.0
+                    if repair.scattered_share > 0 and repair.max_budget > 0:  # ranked where the source lives
+                        importance, rank_s = self.executor.run([source], _importance_op, src_cache, src_ids,
+                                                               repair.probe_tokens)
+                    mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
+                                                        tail, repair, hidden, importance, check)
+                    if summary is not None and importance is not None:
+                        summary.setdefault("seconds", {})["rank"] = rank_s
+                elif repair is not None and repair.budget > 0 and repair.scattered_share > 0:
+                    mapped, summary = self.executor.run([source, req.member], _map_op, mapping, src_cache, src_ids,
+                                                        tail, repair, hidden)
+                else:
+                    mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
+                                                        tail, repair, hidden)
             except Exception as exc:  # any failure to map (bad tensors, I/O, shapes) is a gate failure
                 raise _MappingFailed(f"mapping {source} -> {req.member} failed: {_why(exc)}") from exc
-            from mappings.metrics import mean_kl, tail_nll
-
-            tail_ids = _tensor(prefix[-tail:])
-            probe = {"probe_nll": tail_nll(mapped.logits, tail_ids),
-                     "reference_nll": tail_nll(src_logits, tail_ids) + ref.offset_nll,
-                     "probe_source_kl": mean_kl(src_logits, mapped.logits),
-                     "reference_source_kl": ref.source_kl,
+            probe = {**check.metrics(mapped.logits), "reference_source_kl": ref.source_kl,
                      "calibrated_mapped_excess": ref.mapped_excess_nll}
             req.map_s += mapped.seconds
             req.step(CacheStep(step="map", member=req.member, source=source, tokens=length, seconds=mapped.seconds,
@@ -659,6 +675,21 @@ class FamilyCache:
         return entry, joined
 
     # -- gates ----------------------------------------------------------------------------------
+    def _ladder_gate(self, req: _Request, mapping: Any) -> Any:
+        """The probe gate an adaptive repair climbs against, or None when there is nothing to climb for.
+
+        None without a probe gate, and when the offline gate already refuses the mapping (no repair
+        budget changes the manifest's metrics, so climbing would only waste target compute).
+        """
+        policy = req.gate
+        if policy.probe is None:
+            return None
+        if policy.offline is not None:
+            heldout = mapping.manifest.heldout
+            if not decide_offline(policy.offline, heldout.get("kl"), heldout.get("top1")).passed:
+                return None
+        return policy.probe
+
     def _gates(self, req: _Request, entry: Entry, mapping: Any, pair: tuple[str, str]) -> list[GateDecision]:
         policy = req.gate
         decisions: list[GateDecision] = []
@@ -712,6 +743,17 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _ladder_note(summary: dict[str, Any] | None) -> str:
+    """What an adaptive repair tried before its cache was refused, for the fallback reason ('' for none)."""
+    ladder = (summary or {}).get("ladder")
+    if not ladder or ladder.get("passed") is not None:  # no ladder, or it passed and another gate refused
+        return ""
+    tried = [f"{s['budget']:.0%}" for s in ladder["steps"] if not s.get("skipped")]
+    why = f" ({ladder['stopped']})" if ladder.get("stopped") else ""
+    return (f"; repair ladder tried {', '.join(tried)} without a pass{why}, spending {ladder['spent']:.1%} of a "
+            f"prefill ({ladder['recomputed']} positions recomputed)")
+
+
 def _tensor(ids: Sequence[int]) -> Any:
     import torch
 
@@ -743,11 +785,17 @@ def _map_op(source, target, mapping, src_cache, ids, tail, repair, hidden):
     return map_into(source, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)))
 
 
-def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden, importance=None):
+def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden, importance=None, probe=None):
     from orchestra.familycache._ops import map_into
 
     return map_into(None, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)),
-                    importance=importance)
+                    importance=importance, probe=probe)
+
+
+def _importance_op(source, cache, ids, probe_tokens):
+    from orchestra.familycache._ops import source_importance
+
+    return source_importance(source, cache, ids, probe_tokens)
 
 
 def _cut_hidden(hidden, length):

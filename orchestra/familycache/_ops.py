@@ -86,13 +86,16 @@ def tail_logits(model: LoadedModel, cache: Any, ids: list[int], end: int, tail: 
 
 def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int],
              tail: int, repair: Any = None, source_hidden: dict[int, Any] | None = None,
-             importance: Any = None) -> tuple[Computed, dict | None]:
+             importance: Any = None, probe: Any = None) -> tuple[Computed, dict | None]:
     """Map `source_cache` (exactly the positions of `ids`) onto `target`, repair it per policy, recompute the tail.
 
     Returns the target cache of len(ids) positions with the logits of its last `tail` positions
-    (exact given the mapped prefix: the probe gate reads them), and the repair summary.
-    `source` is needed (and held) only when the repair policy reads the source model, unless
-    `importance` (`source_importance` of the source, computed where the source lives) is given.
+    (exact given the mapped prefix: the probe gate reads them), and the repair summary. A repair
+    recomputes the tail in the same pass as its own trailing tokens. An adaptive policy (a ladder)
+    climbs against `probe` (an `orchestra.gates.ProbeCheck` with its gate) here, next to the
+    target's weights; without a probe it repairs at its first budget. `source` is needed (and held)
+    only when the repair policy reads the source model, unless `importance` (`source_importance` of
+    the source, computed where the source lives) is given.
     """
     import torch
 
@@ -104,17 +107,25 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
     with torch.no_grad():
         # the source's layers, not the target's: a member may have fewer layers than its source (distilled)
         mapped = map_cache(mapping.kv_map, truncate_cache(source_cache, len(ids)), target.model)
-        if repair is not None and repair.budget > 0:
-            from mappings.repair import layer_scores, repair_cache
+        if repair is not None and repair.adaptive and probe is None:
+            repair = repair.at(repair.budget)
+        if repair is not None and (repair.adaptive or repair.budget > 0):
+            from mappings.repair import climb_repair, layer_scores, repair_cache
 
             all_ids = _ids(target, ids)
-            res = repair_cache(target.model, list(cache_layers(mapped)), all_ids, repair,
-                               layer_scores=layer_scores(mapping.manifest), residual=mapping.residual,
-                               source_hidden=source_hidden, source=source.model if source is not None else None,
-                               source_layers=list(cache_layers(source_cache)) if source is not None else None,
-                               importance=importance)
-            mapped, summary = build_cache(res.layers, target.model.config), res.summary()
-        logits, full = tail_recompute(target.model, mapped, _ids(target, ids), tail)
+            src_model = source.model if source is not None else None
+            src_layers = list(cache_layers(source_cache)) if source is not None else None
+            if repair.adaptive:
+                res = climb_repair(target.model, list(cache_layers(mapped)), all_ids, repair, probe, tail=tail,
+                                   importance=importance, source=src_model, source_layers=src_layers)
+            else:
+                res = repair_cache(target.model, list(cache_layers(mapped)), all_ids, repair,
+                                   layer_scores=layer_scores(mapping.manifest), residual=mapping.residual,
+                                   source_hidden=source_hidden, source=src_model, source_layers=src_layers,
+                                   importance=importance, keep_logits=tail)
+            full, logits, summary = build_cache(res.layers, target.model.config), res.logits, res.summary()
+        else:
+            logits, full = tail_recompute(target.model, mapped, _ids(target, ids), tail)
     sync_device(target.device)
     return Computed(full, logits[0].float(), time.perf_counter() - t0), summary
 

@@ -26,6 +26,6 @@ class CachePolicy(BaseModel):
     gate: GatePolicy = Field(default_factory=GatePolicy)
     """Gates applied to a mapped cache when the request names none."""
     repair: RepairPolicy | None = None
-    """Map, then repair: target compute spent on every fresh map (None or budget 0: pure map)."""
+    """Map, then repair: target compute spent on every fresh map (None or budget 0: pure map; a ladder: adaptive)."""
     store: bool = True
     """Keep what is built for later requests (False: every lease owns its cache alone)."""

@@ -114,7 +114,8 @@ def test_several_windows_average_single_window_results(tiny_mapping, document):
 
 
 def test_repair_rows_trace_the_quality_cost_curve(tiny_mapping, document):
-    """More repair budget, lower KL; a full budget reaches the re-prefill; costs are what the plans spent."""
+    """More repair budget, lower KL; a full budget reaches the re-prefill; costs are what the plans spent: the
+    planned cost in compute (attention counted) within the budget, the token share what was recomputed."""
     from mappings.repair import RepairPolicy
 
     budgets = (0.1, 0.5, 1.0)
@@ -123,10 +124,43 @@ def test_repair_rows_trace_the_quality_cost_curve(tiny_mapping, document):
                       repairs=[RepairPolicy(budget=b) for b in budgets])
     own = report.row("anchored_kl")
     rows = [report.row(f"anchored_kl+repair@{b * 100:g}%") for b in budgets]
-    assert own.cost_fraction == 0.0 and report.row("reprefill").cost_fraction == 1.0
+    assert own.cost_fraction == own.token_share == 0.0
+    assert report.row("reprefill").cost_fraction == report.row("reprefill").token_share == 1.0
     for b, r in zip(budgets, rows, strict=True):
-        assert r.cost_fraction == pytest.approx(b, abs=1.0 / PREFIX)
-        assert r.repair["tokens"] == round(b * PREFIX) and r.prefill_seconds > 0
+        assert b - 2.0 / PREFIX < r.cost_fraction <= b + 1e-9  # one more tail token would pass the budget
+        assert r.cost_fraction == r.repair["cost"] and r.token_share == r.repair["token_share"]
+        assert r.token_share == pytest.approx(r.repair["tokens"] / PREFIX) and r.prefill_seconds > 0
+        assert r.repair["tokens"] <= round(b * PREFIX)
+    assert rows[2].repair["tokens"] == PREFIX and rows[2].cost_fraction == pytest.approx(1.0)
+    tail_row = report.row(f"anchored_kl+tail{TAIL}")
+    assert tail_row.token_share == pytest.approx(TAIL / PREFIX) and tail_row.cost_fraction > tail_row.token_share
     # half the tokens recomputed (the trailing half): clearly below the pure map on every tiny family
     assert rows[1].kl < own.kl * 0.8
     assert rows[2].kl == pytest.approx(0.0, abs=1e-6) and rows[2].top1 == 1.0
+
+
+def test_repair_rows_share_one_map_and_report_measured_cost(tiny_mapping, document, monkeypatch):
+    """Issue 16: the window is mapped once for the own row and every repair row; each repair row reports its
+    measured cost (target repair seconds / own prefill seconds) next to the planned one."""
+    from mappings.apply import LinearKVMap
+    from mappings.repair import RepairPolicy
+
+    calls = []
+    original = LinearKVMap.apply
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LinearKVMap, "apply", counted)
+    report = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
+                      greedy_tokens=0, layer_curves=False, baselines=("identity",),
+                      repairs=[RepairPolicy(budget=b) for b in (0.1, 0.25, 0.5)])
+    assert len(calls) == 4  # identity, the own map, and the two tail rows: no map per repair row
+    own = report.row("anchored_kl")
+    assert report.row("reprefill").measured_cost == 1.0 and own.measured_cost == 0.0
+    assert report.row(f"anchored_kl+tail{TAIL}").measured_cost > 0
+    for b in (0.1, 0.25, 0.5):
+        r = report.row(f"anchored_kl+repair@{b * 100:g}%")
+        assert r.measured_cost is not None and r.measured_cost > 0 and r.map_seconds == own.map_seconds
+        assert r.prefill_seconds >= r.measured_cost * report.reference_prefill_seconds * 0.999

@@ -72,3 +72,20 @@ def test_cli_rejects_an_unknown_section_cleanly(tmp_path):
     result = CliRunner().invoke(app, ["bench", "--sections", "bogus", "--out", str(tmp_path), "--home", str(tmp_path)])
     assert result.exit_code == 2
     assert "bogus" in result.output and "Traceback" not in result.output
+
+
+def test_repair_table_shows_planned_token_share_and_measured_side_by_side():
+    from orchestra.bench.repair import RepairConfig, RepairPoint, RepairSection, repair_markdown
+
+    section = RepairSection(config=RepairConfig(pairs=[], length=4096), document="doc", points=[
+        RepairPoint(pair="a>b", label="map", budget=0.0, kl=0.04, top1=0.9, top5=0.99, planned_cost=0.0,
+                    measured_cost=0.0, token_share=0.0, map_share=0.009),
+        RepairPoint(pair="a>b", label="repair@10%", budget=0.1, kl=0.006, top1=0.97, top5=1.0, planned_cost=0.098,
+                    measured_cost=0.105, token_share=0.071, map_share=0.009, tokens=291),
+    ])
+    md = "\n".join(repair_markdown(section))
+    assert ("| pair | policy | KL | top-1 | top-5 | planned (compute) | token share | measured | measured / planned "
+            "| map | other | tokens | layer blocks |") in md
+    assert "| a>b | repair@10% | 0.0060 | 0.970 | 1.000 | 9.8% | 7.1% | 10.5% | 1.07x | 0.9% | 0.0% | 291 | - |" in md
+    assert "| a>b | map | 0.0400 | 0.900 | 0.990 | 0.0% | 0.0% | 0.0% | - | 0.9% |" in md
+    assert "repair@10%, KL 0.0060, top-1 0.970, planned cost 9.8%, measured 10.5%" in md
