@@ -111,7 +111,8 @@ def test_builder_makes_the_same_spec_as_the_yaml_file(tmp_path):
     assert p.spec == Pipeline.from_file(path).spec  # field for field, agent specs included
     assert p.spec.upstreams() == {"summarizer": [], "key_facts": [], "summarizer_critic": ["summarizer"]}
     assert p.spec.models == {"root": "root", "finetuned": "finetuned", "distilled": "distilled"}  # the used roles
-    assert p.models == {"root": "root", "finetuned": "finetuned", "quantized": "quantized", "distilled": "distilled"}
+    assert p.models == {"root": "root", "finetuned": "finetuned", "quantized": "quantized", "distilled": "distilled",
+                        "int8": "int8"}
     from orchestra.cli import app
 
     drawn = CliRunner().invoke(app, ["graph", str(path)])

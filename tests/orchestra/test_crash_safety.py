@@ -172,7 +172,7 @@ def test_family_build_interrupted_keeps_a_loadable_family(fam, zygote, tiny_fami
     home = tmp_path / "home"
     shutil.copytree(tiny_family_home, home)
     before = _snapshot(home)
-    result = zygote.run(["family", "build", "--home", home, "--force"], fault=fault, tiny_build=fam.parent)
+    result = zygote.run(["family", "build", "--home", home, "--force", "--no-calibrate"], fault=fault, tiny_build=fam.parent)
     _ended_by(result, fault.rsplit(":", 1)[1])
     assert _snapshot(home).keys() == before.keys()  # the family still loads, every member whole
     _no_half_members(home)
@@ -181,14 +181,14 @@ def test_family_build_interrupted_keeps_a_loadable_family(fam, zygote, tiny_fami
 @pytest.mark.parametrize("fault", ["member.weights:KILL", "member.install#3:KILL", "family.json:KILL"])
 def test_first_family_build_killed_leaves_whole_members_or_none(fam, zygote, tmp_path, fault):
     home = tmp_path / "home"
-    result = zygote.run(["family", "build", "--home", home], fault=fault, tiny_build=fam.parent)
+    result = zygote.run(["family", "build", "--home", home, "--no-calibrate"], fault=fault, tiny_build=fam.parent)
     _ended_by(result, "KILL")
     _no_half_members(home)
     if not (family_dir(home) / MANIFEST_NAME).is_file():
         with pytest.raises(FamilyError, match="orchestra family build"):
             load_family(home)
     # building again finishes the job (reusing the whole members, cleaning the dead run's leftovers)
-    again = zygote.run(["family", "build", "--home", home], tiny_build=fam.parent)
+    again = zygote.run(["family", "build", "--home", home, "--no-calibrate"], tiny_build=fam.parent)
     assert again["code"] == 0, again["output"]
     assert len(load_family(home).members) == len(MEMBERS)
     assert not [p for p in family_dir(home).iterdir() if p.name.startswith(".")]

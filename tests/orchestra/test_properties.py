@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from agents.errors import AgentError
@@ -160,6 +160,9 @@ def test_mutated_documents_are_read_or_refused_typed(tmp_path, raw, encoding):
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(raw=st.one_of(texts.map(lambda t: t.encode("utf-8")), documents()))
+# Two plain documents always run, whatever the generated ones turn out to be (the check below needs runs).
+@example(raw="Section 1. The licence grants every recipient the same rights.".encode())
+@example(raw="Acknowledgements\n\nThe authors thank the reviewers for their comments.".encode())
 def test_mutated_documents_run_or_raise_typed(orch, tmp_path, raw):
     import anyio
 
