@@ -48,7 +48,7 @@ def _slope(xs: list[float], ys: list[float]) -> float | None:
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else None
 
 
-def measure(role: str, cuts: list[int], suffix: int, sinks: int, home: str | None) -> dict[str, Any]:
+def measure(role: str, cuts: list[int], suffix: int, sinks: int, home: str | None, layout: str = "chat") -> dict[str, Any]:
     import torch
 
     from agents.prompt import DocumentPrompt
@@ -70,9 +70,14 @@ def measure(role: str, cuts: list[int], suffix: int, sinks: int, home: str | Non
     mapping = load_mapping(folder, src.fingerprint, tgt.fingerprint)
     # Laid out as every agent's shared prefix is (chat template head, then the document), so the opening
     # tokens are the template's and the sinks are what they are in a real run.
-    ids_all = DocumentPrompt(data_text("gpl-3.txt")).token_ids(tgt.tokenizer)
-    one, two = (DocumentPrompt(t).token_ids(tgt.tokenizer) for t in ("alpha", "omega"))
-    opening = next(i for i, (a, b) in enumerate(zip(one, two, strict=False)) if a != b)
+    # `raw` is what `orchestra evaluate` scores: the document's own tokens, its first token the sink.
+    if layout == "raw":
+        ids_all = tgt.tokenizer(data_text("gpl-3.txt"), add_special_tokens=False)["input_ids"]
+        opening = 0
+    else:
+        ids_all = DocumentPrompt(data_text("gpl-3.txt")).token_ids(tgt.tokenizer)
+        one, two = (DocumentPrompt(t).token_ids(tgt.tokenizer) for t in ("alpha", "omega"))
+        opening = next(i for i, (a, b) in enumerate(zip(one, two, strict=False)) if a != b)
     longest = max(cuts)
     ids = torch.tensor(ids_all[: longest + suffix])[None]
     cfg = tgt.model.config
@@ -159,7 +164,7 @@ def measure(role: str, cuts: list[int], suffix: int, sinks: int, home: str | Non
         per_layer.append(entry)
 
     exponents = {name: _slope([r["cut"] for r in rs], [r["kl"] for r in rs]) for name, rs in rows.items()}
-    return {"member": member.name, "role": role, "mapping": folder.name, "method": mapping.manifest.method.name,
+    return {"member": member.name, "role": role, "layout": layout, "mapping": folder.name, "method": mapping.manifest.method.name,
             "cuts": cuts, "suffix": suffix, "sinks": sinks, "template_tokens": opening, "rows": rows,
             "growth_exponents": exponents, "sink_attention_share": sink_share, "fit_error_by_position": fit_error,
             "per_layer": per_layer}
@@ -171,7 +176,7 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
              "a prefix of `cut` tokens of the held-out GPL-3 text; exponent = slope of log KL vs log cut.", ""]
     for res in results:
         cuts = res["cuts"]
-        lines += [f"## {res['role']} ({res['member']}, {res['method']})", "",
+        lines += [f"## {res['role']} ({res['member']}, {res['method']}), {res['layout']} layout", "",
                   "| cache | " + " | ".join(f"KL@{c}" for c in cuts) + " | top-1@" + str(cuts[-1])
                   + f" | KL@{cuts[-1]} / KL@1024 | exponent |",
                   "|---|" + "---:|" * (len(cuts) + 3)]
@@ -206,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuts", default="256,512,1024,2048,3584")
     parser.add_argument("--suffix", type=int, default=32)
     parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--layout", action="append", choices=["chat", "raw"],
+                        help="chat: as every agent's shared prefix (default); raw: the text's own tokens, as "
+                             "`orchestra evaluate` scores; repeat for both")
     parser.add_argument("--home", default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
@@ -213,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for role in args.member or ["finetuned", "int8", "quantized"]:
         print(f"measuring {role} ...", flush=True)
-        results.append(measure(role, cuts, args.suffix, args.sinks, args.home))
+        for layout in args.layout or ["chat"]:
+            results.append(measure(role, cuts, args.suffix, args.sinks, args.home, layout))
     command = "python benchmarks/length_growth.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "length_growth.json", json.dumps({"command": command.strip(), "results": results}, indent=2))

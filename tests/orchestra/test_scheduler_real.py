@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from orchestra.family.corpus import data_text
@@ -20,7 +22,7 @@ def _agent(name, model, task, upstream=()):
                      "generation": {"max_new_tokens": 12, "temperature": 0.0}}}
 
 
-async def test_prefill_once_map_to_members_and_match_exact_baseline(real_family, tmp_path_factory):
+async def test_prefill_once_map_to_members_and_match_exact_baseline(real_family):
     pipe = PipelineSpec.model_validate({
         "name": "real", "models": {"root": "root", "tuned": "finetuned"},
         "source": "root", "default_device": "cpu",
@@ -32,8 +34,8 @@ async def test_prefill_once_map_to_members_and_match_exact_baseline(real_family,
         "gate": {"offline": {"max_kl": 1.0}, "probe": {"tokens": 16, "max_excess_nll": 1.0, "max_excess_kl": 0.5}},
         "mapping": {"tail_tokens": 16},
     })
-    corpus = [(name, data_text(name)[:12000]) for name in ("mpl-2.0.txt", "apache-2.0.txt")]
-    maps = MappingStore(tmp_path_factory.mktemp("real_maps"), tokens=1024, corpus=corpus)
+    # the family's own root -> finetuned map (the real_family fixture makes sure it exists); never written to
+    maps = MappingStore(Path(real_family.home) / "mappings", on_missing="refuse")
     orch = Orchestra(pipe, family=real_family, mappings=maps)
     report = await orch.run(DOC)
 
