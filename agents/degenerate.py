@@ -72,7 +72,7 @@ def _norm(text: str) -> str:
 def prompt_examples(spec: AgentSpec) -> tuple[str, ...]:
     """String values of any JSON example in the agent's format instructions (what small models copy)."""
     found: list[str] = []
-    value = _first_json_object(spec.output.instructions or "")
+    value = first_json_object(spec.output.instructions or "")
     if value is not None:
         found.extend(s for s in _strings(value) if s.strip())
     schema = spec.output.schema_dict() or {}
@@ -80,8 +80,11 @@ def prompt_examples(spec: AgentSpec) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def _first_json_object(text: str) -> dict[str, Any] | None:
-    """The first parseable JSON object in ``text`` (agents.structured imports this module, not the reverse)."""
+def first_json_object(text: str) -> dict[str, Any] | None:
+    """The first JSON object that parses, scanning each '{' in order (code fences and chatter allowed).
+
+    Lives here because agents.structured imports this module, not the reverse; structured re-exports it.
+    """
     decoder = json.JSONDecoder()
     pos = text.find("{")
     while pos >= 0:

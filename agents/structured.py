@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from agents.degenerate import Degeneracy, check_value
+from agents.degenerate import Degeneracy, check_value, first_json_object
 from agents.errors import OutputValidationError, TruncatedOutputError
 from agents.grounding import Grounding, ground_value
 from agents.prompt import RepairTurn
@@ -82,18 +82,7 @@ class JsonObjectTracker:
 
 def extract_json_object(text: str) -> dict[str, Any] | None:
     """The first JSON object that parses, scanning each '{' in order (code fences and chatter allowed)."""
-    decoder = json.JSONDecoder()
-    pos = text.find("{")
-    while pos >= 0:
-        try:
-            value, _ = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            pass
-        else:
-            if isinstance(value, dict):
-                return value
-        pos = text.find("{", pos + 1)
-    return None
+    return first_json_object(text)
 
 
 def salvage_truncated(text: str) -> dict[str, Any] | None:
