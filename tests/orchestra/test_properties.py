@@ -161,8 +161,8 @@ def test_mutated_documents_are_read_or_refused_typed(tmp_path, raw, encoding):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(raw=st.one_of(texts.map(lambda t: t.encode("utf-8")), documents()))
 # Two plain documents always run, whatever the generated ones turn out to be (the check below needs runs).
-@example(raw="Section 1. The licence grants every recipient the same rights.".encode())
-@example(raw="Acknowledgements\n\nThe authors thank the reviewers for their comments.".encode())
+@example(raw=b"Section 1. The licence grants every recipient the same rights.")
+@example(raw=b"Acknowledgements\n\nThe authors thank the reviewers for their comments.")
 def test_mutated_documents_run_or_raise_typed(orch, tmp_path, raw):
     import anyio
 
