@@ -406,6 +406,18 @@ def attention_importance(model: Any, layers: KVLayers, input_ids: torch.Tensor, 
     return total / len(layers)
 
 
+
+def _rank(source: Any, source_layers: KVLayers | None, input_ids: torch.Tensor, probe_tokens: int,
+          seconds: dict[str, float]) -> torch.Tensor:
+    """The source's attention ranking for scattered tokens (its seconds under ``rank``); both repair paths use it."""
+    if source is None or source_layers is None:
+        raise RepairUnavailableError("scattered token repair ranks tokens by the source's attention: pass "
+                                     "source= and source_layers=, or importance=")
+    t0 = time.perf_counter()
+    importance = attention_importance(source, source_layers, input_ids, probe_tokens)
+    seconds["rank"] = time.perf_counter() - t0
+    return importance
+
 def repair_cache(
     target: Any,
     mapped: KVLayers,
@@ -443,12 +455,7 @@ def repair_cache(
     n, num_layers = input_ids.shape[1], len(mapped)
     seconds: dict[str, float] = {}
     if policy.budget and policy.scattered_share and importance is None:
-        if source is None or source_layers is None:
-            raise RepairUnavailableError("scattered token repair ranks tokens by the source's attention: pass "
-                                         "source= and source_layers=")
-        t0 = time.perf_counter()
-        importance = attention_importance(source, source_layers, input_ids, policy.probe_tokens)
-        seconds["rank"] = time.perf_counter() - t0
+        importance = _rank(source, source_layers, input_ids, policy.probe_tokens, seconds)
     plan = plan_repair(policy, n, num_layers, layer_scores=layer_scores, importance=importance,
                        config=getattr(target, "config", None))
     layers = list(mapped)
@@ -542,12 +549,7 @@ def climb_repair(
     logits: torch.Tensor | None = None
     for i, budget in enumerate(policy.rungs):
         if budget and policy.scattered_share and importance is None:
-            if source is None or source_layers is None:
-                raise RepairUnavailableError("scattered token repair ranks tokens by the source's attention: pass "
-                                             "source= and source_layers=, or importance=")
-            t0 = time.perf_counter()
-            importance = attention_importance(source, source_layers, input_ids, policy.probe_tokens)
-            seconds["rank"] = time.perf_counter() - t0
+            importance = _rank(source, source_layers, input_ids, policy.probe_tokens, seconds)
         rung = plan_repair(policy.at(budget), n, num_layers, importance=importance, config=config)
         new = sorted(set(rung.tokens) - repaired - probe_pos)
         if i and not new:
