@@ -192,6 +192,7 @@ def evaluate(
     suffix_tokens: int = 32,
     windows: int = 1,
     tail_tokens: int = 64,
+    sink_tokens: int = 4,
     greedy_tokens: int = 64,
     baselines: Sequence[str] = BASELINES,
     layer_curves: bool = True,
@@ -206,6 +207,8 @@ def evaluate(
     document are scored and averaged. ``source``/``target`` default to the model folders recorded
     in the manifest; their fingerprints are checked against the mapping (:class:`StaleMappingError`).
     ``repairs``: map-then-repair policies scored as extra rows ``<method>+repair@<budget>``.
+    ``sink_tokens``: a row ``<method>+sinks<k>``, the map with its first ``k`` positions the target's own
+    (what a FamilyCache serves by default; 0: no such row).
     """
     import torch
     from tqdm.auto import tqdm
@@ -272,7 +275,7 @@ def evaluate(
     for w in range(windows):
         span = torch.tensor(ids_all[w * (n + m) : w * (n + m) + n + m + 1])[None]
         per_window.append(_evaluate_window(src.model, tgt.model, maps, order, tail_rows, own, span, n, m, tail,
-                                           greedy_tokens, layer_curves, mapping, repairs))
+                                           greedy_tokens, layer_curves, mapping, repairs, sink_tokens))
         bar.update(1)
     bar.close()
 
@@ -327,7 +330,7 @@ class _Window:
 def _evaluate_window(
     source: Any, target: Any, maps: dict[str, LinearKVMap], order: Sequence[str], tail_rows: Sequence[str],
     own: str, ids: torch.Tensor, n: int, m: int, tail: int, greedy_tokens: int, layer_curves: bool,
-    mapping: Mapping | None = None, repairs: Sequence[RepairPolicy] = (),
+    mapping: Mapping | None = None, repairs: Sequence[RepairPolicy] = (), sinks: int = 0,
 ) -> _Window:
     import torch
 
@@ -390,6 +393,16 @@ def _evaluate_window(
         if name == own:
             mapped_own, own_map_s = mapped, map_s
         rows[name] = score(cache, map_s, 0.0, 0.0)
+    if sinks and mapped_own is not None:
+        from mappings.apply import exact_prefix
+
+        cache = build_cache([(k.clone(), v.clone()) for k, v in mapped_own], cfg)
+        t0 = time.perf_counter()
+        k = exact_prefix(target, cache, prefix, sinks)
+        sync_device(dev)
+        sink_s = time.perf_counter() - t0
+        planned = compute_share(cfg, n, range(k))
+        rows[f"{own}+sinks{k}"] = score(cache, own_map_s, sink_s, k / n if planned is None else planned, tokens=k / n)
     for name in tail_rows:
         t0 = time.perf_counter()
         cache = build_cache(maps[name].apply(slice_layers(src_layers, 0, n - tail), device=dev, dtype=dt), cfg)

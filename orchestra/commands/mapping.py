@@ -173,6 +173,10 @@ def evaluate_cmd(
     tail_tokens: Annotated[
         int, typer.Option("--tail-tokens", min=0, help="Also score variants that recompute the last N prefix tokens.")
     ] = 64,
+    sink_tokens: Annotated[
+        int, typer.Option("--sink-tokens", min=0, help="Also score the map with its first N positions the target's "
+                          "own (what a FamilyCache serves by default); 0: no such row.")
+    ] = 4,
     greedy_tokens: Annotated[
         int, typer.Option("--greedy-tokens", min=0, help="Greedy tokens compared after the suffix (0: skip).")
     ] = 64,
@@ -218,7 +222,8 @@ def evaluate_cmd(
         report = evaluate(
             mapping, text, source=source, target=target, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
             windows=windows,
-            tail_tokens=tail_tokens, greedy_tokens=greedy_tokens, document_name=document.name, device=device,
+            tail_tokens=tail_tokens, sink_tokens=sink_tokens, greedy_tokens=greedy_tokens, document_name=document.name,
+            device=device,
             repairs=policies, layer_curves=not no_curves,
         )
         own = next((r for r in report.methods if r.method == report.mapping_method), None)

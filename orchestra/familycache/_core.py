@@ -567,8 +567,8 @@ class FamilyCache:
             reused = len(req.ids)
         elif kind == "entry":
             reused = length
-        else:  # a fresh map: the tail was recomputed, the rest was carried across
-            reused = entry.meta["mapped_tokens"] - entry.meta["tail"]
+        else:  # a fresh map: the sinks and the tail were recomputed, the rest was carried across
+            reused = entry.meta["mapped_tokens"] - entry.meta["tail"] - entry.meta.get("exact_sinks", 0)
         if kind == "entry" and length == len(req.ids):
             self.pool.stats.hits += 1
             self.pool.stats.misses -= 1
@@ -609,6 +609,7 @@ class FamilyCache:
 
             src_cache = self.executor.run([source], _truncate_op, src_entry.cache, length)
             tail_ids = prefix[-tail:]
+            sinks = self.policy.sink_tokens
             try:
                 ref = self.executor.run([source, req.member], _reference_op, self.mappings, mapping, tail)
                 check = ProbeCheck(tuple(tail_ids), src_logits, tail_nll(src_logits, _tensor(tail_ids)) + ref.offset_nll,
@@ -626,22 +627,23 @@ class FamilyCache:
                         importance, rank_s = self.executor.run([source], _importance_op, src_cache, src_ids,
                                                                repair.probe_tokens)
                     mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, importance, check)
+                                                        tail, repair, hidden, importance, check, sinks)
                     if summary is not None and importance is not None:
                         summary.setdefault("seconds", {})["rank"] = rank_s
                 elif repair is not None and repair.budget > 0 and repair.scattered_share > 0:
                     mapped, summary = self.executor.run([source, req.member], _map_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden)
+                                                        tail, repair, hidden, sinks)
                 else:
                     mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden)
+                                                        tail, repair, hidden, None, None, sinks)
             except Exception as exc:  # any failure to map (bad tensors, I/O, shapes) is a gate failure
                 raise _MappingFailed(f"mapping {source} -> {req.member} failed: {_why(exc)}") from exc
             probe = {**check.metrics(mapped.logits), "reference_source_kl": ref.source_kl,
                      "calibrated_mapped_excess": ref.mapped_excess_nll}
             req.map_s += mapped.seconds
             req.step(CacheStep(step="map", member=req.member, source=source, tokens=length, seconds=mapped.seconds,
-                               detail={"mapping": str(getattr(mapping, "path", "") or ""), "tail": tail}))
+                               detail={"mapping": str(getattr(mapping, "path", "") or ""), "tail": tail,
+                                       "exact_sinks": min(sinks, max(0, length - tail))}))
             if summary is not None:
                 req.step(CacheStep(step="repair", member=req.member, source=source, tokens=summary.get("tokens", 0),
                                    seconds=sum(summary.get("seconds", {}).values()), detail=summary))
@@ -651,6 +653,7 @@ class FamilyCache:
                 cache = self._compute(req, req.ids, cache, length, 0, over="mapped").cache
             meta = {"source": source, "mapping": str(mapping.path) if getattr(mapping, "path", None) else None,
                     "probe": probe, "repair": summary, "tail": tail, "mapped_tokens": length,
+                    "exact_sinks": min(sinks, max(0, length - tail)),
                     "seconds": mapped.seconds}
             return Entry(ns, req.member, req.ids, cache, self._nbytes(cache, logits), tail_logits=logits,
                          logits_end=length, meta=meta)
@@ -779,17 +782,17 @@ def _truncate_op(model, cache, length):
     return truncate(model, cache, length)
 
 
-def _map_op(source, target, mapping, src_cache, ids, tail, repair, hidden):
+def _map_op(source, target, mapping, src_cache, ids, tail, repair, hidden, sinks=0):
     from orchestra.familycache._ops import map_into
 
-    return map_into(source, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)))
+    return map_into(source, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)), sinks=sinks)
 
 
-def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden, importance=None, probe=None):
+def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden, importance=None, probe=None, sinks=0):
     from orchestra.familycache._ops import map_into
 
     return map_into(None, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)),
-                    importance=importance, probe=probe)
+                    importance=importance, probe=probe, sinks=sinks)
 
 
 def _importance_op(source, cache, ids, probe_tokens):

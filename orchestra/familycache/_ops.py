@@ -86,7 +86,7 @@ def tail_logits(model: LoadedModel, cache: Any, ids: list[int], end: int, tail: 
 
 def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int],
              tail: int, repair: Any = None, source_hidden: dict[int, Any] | None = None,
-             importance: Any = None, probe: Any = None) -> tuple[Computed, dict | None]:
+             importance: Any = None, probe: Any = None, sinks: int = 0) -> tuple[Computed, dict | None]:
     """Map `source_cache` (exactly the positions of `ids`) onto `target`, repair it per policy, recompute the tail.
 
     Returns the target cache of len(ids) positions with the logits of its last `tail` positions
@@ -95,11 +95,12 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
     climbs against `probe` (an `orchestra.gates.ProbeCheck` with its gate) here, next to the
     target's weights; without a probe it repairs at its first budget. `source` is needed (and held)
     only when the repair policy reads the source model, unless `importance` (`source_importance` of
-    the source, computed where the source lives) is given.
+    the source, computed where the source lives) is given. The first `sinks` positions are made exact
+    (a `sinks`-token forward on the target) before anything reads the map, so the probe already sees them.
     """
     import torch
 
-    from mappings.apply import map_cache, tail_recompute
+    from mappings.apply import exact_prefix, map_cache, tail_recompute
     from mappings.cache_io import build_cache, cache_layers, sync_device, truncate_cache
 
     t0 = time.perf_counter()
@@ -107,6 +108,8 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
     with torch.no_grad():
         # the source's layers, not the target's: a member may have fewer layers than its source (distilled)
         mapped = map_cache(mapping.kv_map, truncate_cache(source_cache, len(ids)), target.model)
+        if sinks:
+            exact_prefix(target.model, mapped, _ids(target, ids), min(sinks, max(0, len(ids) - tail)))
         if repair is not None and repair.adaptive and probe is None:
             repair = repair.at(repair.budget)
         if repair is not None and (repair.adaptive or repair.budget > 0):

@@ -23,6 +23,9 @@ class CachePolicy(BaseModel):
     """Map from another member only when that reuses at least this many more tokens than the best exact prefix."""
     tail_tokens: int = Field(32, ge=2)
     """Trailing tokens recomputed on the target after a map; their logits feed the probe and shadow gates."""
+    sink_tokens: int = Field(4, ge=0)
+    """First positions of every mapped cache recomputed on the target (a forward of this many tokens): the
+    attention sinks, the worst-mapped positions; 0 keeps the pure map."""
     gate: GatePolicy = Field(default_factory=GatePolicy)
     """Gates applied to a mapped cache when the request names none."""
     repair: RepairPolicy | None = None

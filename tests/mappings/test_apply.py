@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mappings.apply import LayerMap, LinearKVMap, identity_map, map_cache, tail_recompute
+from mappings.apply import LayerMap, LinearKVMap, exact_prefix, identity_map, map_cache, tail_recompute
 from mappings.cache_io import build_cache, cache_layers, cache_length, forward_with_cache, prefill
 from mappings.capture import kv_shape
 from mappings.errors import DocumentTooLongError, NonFiniteKVError, ShapeMismatchError
@@ -79,6 +79,26 @@ def test_tail_recompute_makes_the_tail_kv_the_targets_own(tiny_mapping):
     _, manual, _ = forward_with_cache(target, ids[:, 24:32], map_cache(tiny_mapping.mapping.kv_map, src_cache, target))
     for (k, _), (k2, _) in zip(cache_layers(after), cache_layers(manual), strict=True):
         torch.testing.assert_close(k[:, :, 24:], k2[:, :, 24:])
+
+
+def test_exact_prefix_makes_the_first_positions_the_targets_own(tiny_mapping):
+    fam = tiny_mapping.family
+    source, target = load(fam.parent), load(fam.child)
+    ids = _doc_ids(24)
+    _, src_cache = prefill(source, ids)
+    _, own = prefill(target, ids)
+    mapped = map_cache(tiny_mapping.mapping.kv_map, src_cache, target)
+    before = [(k.clone(), v.clone()) for k, v in cache_layers(mapped)]
+    assert exact_prefix(target, mapped, ids, 4) == 4
+    for (k, v), (ok, ov), (bk, bv) in zip(cache_layers(mapped), cache_layers(own), before, strict=True):
+        torch.testing.assert_close(k[:, :, :4], ok[:, :, :4], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v[:, :, :4], ov[:, :, :4], atol=1e-5, rtol=1e-4)
+        assert torch.equal(k[:, :, 4:], bk[:, :, 4:]) and torch.equal(v[:, :, 4:], bv[:, :, 4:])
+    # the map was not exact there: the call changed something
+    assert any(not torch.allclose(bk[:, :, :4], ok[:, :, :4], atol=1e-4) for (bk, _), (ok, _) in
+               zip(before, cache_layers(own), strict=True))
+    assert exact_prefix(target, mapped, ids, 0) == 0
+    assert exact_prefix(target, mapped, ids, 100) == 24  # never past the cache
 
 
 def test_wrong_source_cache_is_refused(tiny_mapping):

@@ -20,7 +20,7 @@ def tiny_report(tiny_mapping, document):
 
 def test_report_has_every_method_and_field(tiny_report, tiny_mapping):
     names = [r.method for r in tiny_report.methods]
-    assert names == ["reprefill", "identity", "ridge", "anchored", "perhead_rope", "anchored_kl",
+    assert names == ["reprefill", "identity", "ridge", "anchored", "perhead_rope", "anchored_kl", "anchored_kl+sinks4",
                      f"anchored_kl+tail{TAIL}", f"identity+tail{TAIL}"]
     truth = tiny_report.row("reprefill")
     assert truth.kl == pytest.approx(0.0, abs=1e-9) and truth.top1 == 1.0 and truth.greedy_agreement == GREEDY
@@ -40,6 +40,15 @@ def test_mapped_beats_source_reuse_on_an_unseen_document(tiny_report):
     own, reuse = tiny_report.row("anchored_kl"), tiny_report.row("identity")
     assert own.kl <= reuse.kl * 1.05
     assert tiny_report.row(f"anchored_kl+tail{TAIL}").kl <= reuse.kl * 1.05
+
+
+def test_sinks_row_is_the_map_with_its_first_positions_exact(tiny_report, tiny_mapping, document):
+    own, sinks = tiny_report.row("anchored_kl"), tiny_report.row("anchored_kl+sinks4")
+    assert sinks.kl != own.kl  # the same map, four positions changed: the scores move
+    assert sinks.prefill_seconds > 0 and 0 < sinks.cost_fraction < 0.05 and sinks.token_share == pytest.approx(4 / PREFIX)
+    bare = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=0,
+                    sink_tokens=0, greedy_tokens=0, layer_curves=False, baselines=())
+    assert not any("+sinks" in r.method for r in bare.methods)
 
 
 def test_accumulation_ends_at_the_full_mapping(tiny_report):
@@ -69,7 +78,8 @@ def test_identity_pair_has_near_zero_kl(llama_family, corpus, document):
     own = report.row("anchored_kl")
     assert own.kl < 1e-6 and own.top1 == 1.0 and own.greedy_agreement == GREEDY
     assert report.row("identity").kl < 1e-6
-    assert [r.method for r in report.methods] == ["reprefill", "identity", "anchored_kl"]
+    assert [r.method for r in report.methods] == ["reprefill", "identity", "anchored_kl", "anchored_kl+sinks4"]
+    assert report.row("anchored_kl+sinks4").kl < 1e-6
 
 
 def test_shape_mismatched_pair_skips_what_cannot_run(llama_family, mha_variant, corpus, document):
@@ -77,7 +87,7 @@ def test_shape_mismatched_pair_skips_what_cannot_run(llama_family, mha_variant, 
     report = evaluate(mapping, document, source=llama_family.parent, target=mha_variant, prefix_tokens=PREFIX,
                       suffix_tokens=SUFFIX, tail_tokens=TAIL, greedy_tokens=4)
     assert {"identity", "anchored", "perhead_rope"} <= set(report.skipped)
-    assert [r.method for r in report.methods] == ["reprefill", "ridge", "ridge_kl", f"ridge_kl+tail{TAIL}"]
+    assert [r.method for r in report.methods] == ["reprefill", "ridge", "ridge_kl", "ridge_kl+sinks4", f"ridge_kl+tail{TAIL}"]
     assert all(r.kl == r.kl and r.kl < 10 for r in report.methods)  # finite
 
 

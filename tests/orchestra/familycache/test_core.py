@@ -118,8 +118,13 @@ def test_prefix_on_one_member_serves_another_through_a_map(registry, mapstore):
     # the question ran exactly on the target over the mapped document
     tail = next(s for s in steps if s.step == "prefill")
     assert tail.tokens == len(question) and tail.reused_tokens == len(doc)
-    assert lease.reused_tokens == len(doc) - lease.tail_tokens and lease.gates and all(g.passed for g in lease.gates)
+    assert mapped_step.detail["exact_sinks"] == 4  # the policy's default: the first positions are the target's own
+    assert lease.reused_tokens == len(doc) - lease.tail_tokens - 4 and lease.gates and all(g.passed for g in lease.gates)
     assert lease.tokens == len(doc) + len(question)
+    with cache.acquire_sync("child", doc + question, reuse=False) as own:  # the target's own prefill
+        for (k, v), (ok, ov) in zip(cache_layers(lease.cache), cache_layers(own.cache), strict=True):
+            torch.testing.assert_close(k[:, :, :4], ok[:, :, :4], atol=1e-4, rtol=1e-3)
+            torch.testing.assert_close(v[:, :, :4], ov[:, :, :4], atol=1e-4, rtol=1e-3)
     # asking again reuses the mapped entry: no new map
     steps.clear()
     with cache.acquire_sync("child", doc + question, on_step=steps.append) as again:
