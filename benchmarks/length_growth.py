@@ -48,7 +48,8 @@ def _slope(xs: list[float], ys: list[float]) -> float | None:
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else None
 
 
-def measure(role: str, cuts: list[int], suffix: int, sinks: int, home: str | None, layout: str = "chat") -> dict[str, Any]:
+def measure(role: str, cuts: list[int], suffix: int, sinks: int, home: str | None, layout: str = "chat",
+            offset: int = 0) -> dict[str, Any]:
     import torch
 
     from agents.prompt import DocumentPrompt
@@ -72,7 +73,7 @@ def measure(role: str, cuts: list[int], suffix: int, sinks: int, home: str | Non
     # tokens are the template's and the sinks are what they are in a real run.
     # `raw` is what `orchestra evaluate` scores: the document's own tokens, its first token the sink.
     if layout == "raw":
-        ids_all = tgt.tokenizer(data_text("gpl-3.txt"), add_special_tokens=False)["input_ids"]
+        ids_all = tgt.tokenizer(data_text("gpl-3.txt"), add_special_tokens=False)["input_ids"][offset:]
         opening = 0
     else:
         ids_all = DocumentPrompt(data_text("gpl-3.txt")).token_ids(tgt.tokenizer)
@@ -164,19 +165,102 @@ def measure(role: str, cuts: list[int], suffix: int, sinks: int, home: str | Non
         per_layer.append(entry)
 
     exponents = {name: _slope([r["cut"] for r in rs], [r["kl"] for r in rs]) for name, rs in rows.items()}
-    return {"member": member.name, "role": role, "layout": layout, "mapping": folder.name, "method": mapping.manifest.method.name,
+    return {"member": member.name, "role": role, "layout": layout, "offset": offset, "mapping": folder.name, "method": mapping.manifest.method.name,
             "cuts": cuts, "suffix": suffix, "sinks": sinks, "template_tokens": opening, "rows": rows,
             "growth_exponents": exponents, "sink_attention_share": sink_share, "fit_error_by_position": fit_error,
             "per_layer": per_layer}
 
 
+def measure_fixed(role: str, cuts: list[int], suffix: int, sinks: int, home: str | None, layout: str,
+                  ends: list[int]) -> dict[str, Any]:
+    """Length with the text held fixed: the same ``suffix`` tokens at each of ``ends`` are scored after the
+    ``c`` text tokens before them, for every cut ``c`` (behind the chat template's opening in the chat layout).
+
+    The plain design (:func:`measure`) scores different text at every cut, so a hard stretch of text reads
+    as growth; here only the amount of mapped context changes between columns.
+    """
+    import torch
+
+    from agents.prompt import DocumentPrompt
+    from mappings.cache_io import build_cache, cache_layers, forward_with_cache
+    from mappings.capture import kv_shape
+    from mappings.metrics import next_token_agreement
+    from mappings.models import load_model
+    from mappings.store import load_mapping
+    from orchestra.family import load_family
+    from orchestra.texts import data_text
+
+    family = load_family(home)
+    root, member = family.member("root"), family.member(role)
+    folder = sorted((Path(family.home) / "mappings").glob(f"{root.name}__to__{member.name}__*"))[-1]
+    src = load_model(family.member_path(root.name))
+    tgt = load_model(family.member_path(member.name))
+    mapping = load_mapping(folder, src.fingerprint, tgt.fingerprint)
+    cfg = tgt.model.config
+    text = tgt.tokenizer(data_text("gpl-3.txt"), add_special_tokens=False)["input_ids"]
+    head: list[int] = []
+    if layout == "chat":
+        one, two = (DocumentPrompt(t).token_ids(tgt.tokenizer) for t in ("alpha", "omega"))
+        head = one[: next(i for i, (a, b) in enumerate(zip(one, two, strict=False)) if a != b)]
+    for e in ends:
+        if e - max(cuts) < 0 or e + suffix > len(text):
+            raise SystemExit(f"--ends {e}: needs {max(cuts)} tokens before it and {suffix} after (text has {len(text)})")
+    same_layout = kv_shape(src.model.config) == kv_shape(cfg)
+    firsts = sorted({sinks, len(head)} - {0})
+
+    def splice(mapped: list[tuple[Any, Any]], true: list[tuple[Any, Any]], k_from: str, v_from: str, upto: int = 0):
+        out = []
+        for (mk, mv), (tk, tv) in zip(mapped, true, strict=True):
+            k = (tk if k_from == "true" else mk).clone()
+            v = (tv if v_from == "true" else mv).clone()
+            k[:, :, :upto] = tk[:, :, :upto]
+            v[:, :, :upto] = tv[:, :, :upto]
+            out.append((k, v))
+        return out
+
+    per: dict[str, dict[int, list[dict[str, float]]]] = {}
+    for e in ends:
+        for c in cuts:
+            ids = torch.tensor(head + text[e - c : e + suffix])[None]
+            n = len(head) + c
+            _, tc, _ = forward_with_cache(tgt.model, ids[:, :n], None, logits_to_keep=1)
+            true = [(k.clone(), v.clone()) for k, v in cache_layers(tc)]
+            _, sc, _ = forward_with_cache(src.model, ids[:, :n], None, logits_to_keep=1)
+            source = [(k.clone(), v.clone()) for k, v in cache_layers(sc)]
+            mapped = mapping.kv_map.apply(source, dtype=true[0][0].dtype)
+            ref, _, _ = forward_with_cache(tgt.model, ids[:, n:], build_cache(true, cfg))
+            variants = {
+                "map": splice(mapped, true, "map", "map"),
+                "true_keys": splice(mapped, true, "true", "map"),
+                "true_values": splice(mapped, true, "map", "true"),
+            }
+            for f in firsts:
+                variants[f"true_first{f}"] = splice(mapped, true, "map", "map", f)
+            if same_layout:
+                variants["identity"] = [(k.clone(), v.clone()) for k, v in source]
+            for name, layers in variants.items():
+                logits, _, _ = forward_with_cache(tgt.model, ids[:, n:], build_cache(layers, cfg))
+                a = next_token_agreement(ref.float(), logits.float())
+                per.setdefault(name, {}).setdefault(c, []).append({"end": e, "kl": a["kl"], "top1": a["top1"]})
+            print(f"  {role} end {e} cut {c}: map KL {per['map'][c][-1]['kl']:.4f}", flush=True)
+    rows = {name: [{"cut": c, "kl": sum(x["kl"] for x in by[c]) / len(by[c]),
+                    "top1": sum(x["top1"] for x in by[c]) / len(by[c]), "per_end": by[c]} for c in cuts]
+            for name, by in per.items()}
+    exponents = {name: _slope([r["cut"] for r in rs], [r["kl"] for r in rs]) for name, rs in rows.items()}
+    return {"member": member.name, "role": role, "layout": layout, "design": "fixed_suffix", "ends": ends,
+            "mapping": folder.name, "method": mapping.manifest.method.name, "cuts": cuts, "suffix": suffix,
+            "sinks": sinks, "template_tokens": len(head), "rows": rows, "growth_exponents": exponents}
+
+
 def markdown(results: list[dict[str, Any]], command: str) -> str:
+    suffix = results[0]["suffix"] if results else 32
     lines = ["# Where a mapped cache's error grows with length", "", f"`{command}`", "",
-             "KL of the next 32 tokens' distributions (target over the mixed cache vs target's own cache) after "
+             f"KL of the next {suffix} tokens' distributions (target over the mixed cache vs target's own cache) after "
              "a prefix of `cut` tokens of the held-out GPL-3 text; exponent = slope of log KL vs log cut.", ""]
     for res in results:
         cuts = res["cuts"]
-        lines += [f"## {res['role']} ({res['member']}, {res['method']}), {res['layout']} layout", "",
+        start = f", text from token {res['offset']}" if res.get("offset") else ""
+        lines += [f"## {res['role']} ({res['member']}, {res['method']}), {res['layout']} layout{start}", "",
                   "| cache | " + " | ".join(f"KL@{c}" for c in cuts) + " | top-1@" + str(cuts[-1])
                   + f" | KL@{cuts[-1]} / KL@1024 | exponent |",
                   "|---|" + "---:|" * (len(cuts) + 3)]
@@ -186,6 +270,18 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
             exp = res["growth_exponents"][name]
             lines.append(f"| {name} | " + " | ".join(f"{kl[c]:.4f}" for c in cuts) + f" | {rs[-1]['top1']:.3f} | "
                          f"{ratio} | {'-' if exp is None else f'{exp:+.2f}'} |")
+        if res.get("design") == "fixed_suffix":
+            lines += ["", f"Same text at every cut: the {res['suffix']} tokens at text positions "
+                      + ", ".join(str(e) for e in res["ends"]) + f" (mean over the {len(res['ends'])}), after the "
+                      f"cut's text tokens" + (f" behind the chat template's {res['template_tokens']}-token opening"
+                                              if res["template_tokens"] else "") + ".", "",
+                      "| cache | end | " + " | ".join(f"KL@{c}" for c in cuts) + " |", "|---|---:|" + "---:|" * len(cuts)]
+            for name in ("map", *(n for n in res["rows"] if n.startswith("true_first"))):
+                for i, e in enumerate(res["ends"]):
+                    lines.append(f"| {name} | {e} | " + " | ".join(f"{r['per_end'][i]['kl']:.4f}" for r in res["rows"][name])
+                                 + " |")
+            lines.append("")
+            continue
         lines += ["", f"Attention share of the suffix's queries on the first {res['sinks']} positions (true cache): "
                   + ", ".join(f"{c}: {s:.2f}" for c, s in zip(cuts, res["sink_attention_share"], strict=True)), "",
                   "| positions | key rel. error | value rel. error |", "|---|---:|---:|"]
@@ -201,6 +297,38 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[dict[str, Any]], path: Path) -> Path:
+    """KL against context length (log-log), one panel per member and layout, one line per cache variant."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mappings.atomic import write_atomic
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4), squeeze=False)
+    for ax, res in zip(axes[0], results, strict=True):
+        for name, rs in res["rows"].items():
+            exp = res["growth_exponents"][name]
+            ax.plot([r["cut"] for r in rs], [max(r["kl"], 1e-6) for r in rs], marker="o",
+                    label=f"{name} ({'-' if exp is None else f'{exp:+.2f}'})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        design = "same text, " if res.get("design") == "fixed_suffix" else ""
+        ax.set_title(f"{res['role']}: {design}{res['layout']} layout", fontsize=10)
+        ax.set_xlabel("context tokens before the scored tokens")
+        ax.set_ylabel("next-token KL vs own prefill (nats)")
+        ax.legend(fontsize=7, title="cache (growth exponent)", title_fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     import shlex
 
@@ -214,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", action="append", choices=["chat", "raw"],
                         help="chat: as every agent's shared prefix (default); raw: the text's own tokens, as "
                              "`orchestra evaluate` scores; repeat for both")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="raw layout: start the text at this token (`orchestra evaluate`'s second window starts "
+                             "at prefix + suffix)")
+    parser.add_argument("--design", choices=["cut", "fixed"], default="cut",
+                        help="cut: one pass, the tokens after each cut scored (text changes with the cut); fixed: the "
+                             "same tokens at each of --ends scored after every cut's context (text held fixed)")
+    parser.add_argument("--ends", default="3700,4700,5700,6700", help="fixed design: text positions of the scored tokens")
     parser.add_argument("--home", default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
@@ -222,11 +357,17 @@ def main(argv: list[str] | None = None) -> int:
     for role in args.member or ["finetuned", "int8", "quantized"]:
         print(f"measuring {role} ...", flush=True)
         for layout in args.layout or ["chat"]:
-            results.append(measure(role, cuts, args.suffix, args.sinks, args.home, layout))
+            if args.design == "fixed":
+                ends = [int(e) for e in args.ends.split(",")]
+                results.append(measure_fixed(role, cuts, args.suffix, args.sinks, args.home, layout, ends))
+            else:
+                results.append(measure(role, cuts, args.suffix, args.sinks, args.home, layout, args.offset))
     command = "python benchmarks/length_growth.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "length_growth.json", json.dumps({"command": command.strip(), "results": results}, indent=2))
     md = markdown(results, command.strip())
+    png = plot(results, args.out / "length_growth.png")
+    md += f"\n![KL against context length]({png.name})\n"
     write_atomic(args.out / "length_growth.md", md)
     print(md)
     return 0
