@@ -31,7 +31,7 @@ YAML = """
 name: three
 models: {root: root, finetuned: finetuned, distilled: distilled}
 source: root
-mapping: {directory: MAPS, tokens: 512, method: ridge}  # closed form: the twin test calibrates fast
+mapping: {directory: MAPS, on_missing: refuse}  # the twin test reads the family's maps, calibrates none
 agents:
   - name: summarizer
     model: root
@@ -51,7 +51,7 @@ agents:
 def three(maps: str = "MAPS", **options) -> Pipeline:
     """The YAML pipeline above, in Python."""
     return (
-        Pipeline("three", mapping={"directory": maps, "tokens": 512, "method": "ridge"}, **options)
+        Pipeline("three", mapping={"directory": maps, "on_missing": "refuse"}, **options)
         .agent("summarizer", model="root", max_words=40, max_new_tokens=24)
         .agent("key_facts", model="finetuned", max_facts=2, max_new_tokens=24, max_repairs=0)
         .agent("critic", model="distilled", target_agent="summarizer", max_new_tokens=24)
@@ -271,13 +271,18 @@ def test_family_is_loaded_lazily_and_missing_family_says_how_to_build(fake_orche
 # -- on the bundled family ---------------------------------------------------------------------------------------
 
 @pytest.mark.real_model
-def test_python_pipeline_runs_like_its_yaml_twin(real_family, tmp_path_factory, tmp_path):
+def test_python_pipeline_runs_like_its_yaml_twin(real_family, tmp_path):
     """Three agents on three members, written in Python only, give the same outputs and cache paths as the YAML
-    file: one exact prefill on the root, mapped (or gate-refused and re-prefilled) caches on the others."""
+    file: one exact prefill on the root, mapped (or gate-refused, or unmapped and re-prefilled) caches on the others.
+
+    The maps are the family home's (the finetuned one is ensured by `real_family`; a missing one is refused and
+    re-prefilled with its reason, the same in both twins): calibrating two pairs here cost more than the runs."""
     from orchestra.family.corpus import data_text
 
     document = data_text("gpl-3.txt")[:1600]
-    maps = str(tmp_path_factory.mktemp("builder_maps"))  # on-demand calibration, kept out of the family home
+    from pathlib import Path
+
+    maps = str(Path(real_family.home) / "mappings")
     python = three(maps, family=real_family)
     report = python.run_sync(document)
 
