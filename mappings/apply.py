@@ -429,7 +429,8 @@ def exact_prefix(target_model: Any, mapped_cache: Any, input_ids: torch.Tensor, 
     exact K/V. They are the attention sinks: on the bundled family they take about a third of every
     later query's attention and are the worst-mapped positions (``benchmarks/length_growth.py``:
     relative value error 0.49 at positions 0-3 against 0.14 after 256), so making them exact costs a
-    ``count``-token forward and removes a sixth of the map's next-token KL. The cache is changed in place.
+    ``count``-token forward and removes a sixth to a half of the map's next-token KL
+    (``benchmarks/results/length_growth.md``, ``evaluate.md``). The cache is changed in place.
     """
     from mappings.cache_io import cache_length
 

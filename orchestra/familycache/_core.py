@@ -609,7 +609,7 @@ class FamilyCache:
 
             src_cache = self.executor.run([source], _truncate_op, src_entry.cache, length)
             tail_ids = prefix[-tail:]
-            sinks = self.policy.sink_tokens
+            sinks = min(self.policy.sink_tokens, max(0, length - tail))  # never into the recomputed tail
             try:
                 ref = self.executor.run([source, req.member], _reference_op, self.mappings, mapping, tail)
                 check = ProbeCheck(tuple(tail_ids), src_logits, tail_nll(src_logits, _tensor(tail_ids)) + ref.offset_nll,
@@ -627,15 +627,15 @@ class FamilyCache:
                         importance, rank_s = self.executor.run([source], _importance_op, src_cache, src_ids,
                                                                repair.probe_tokens)
                     mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, importance, check, sinks)
+                                                        tail, repair, hidden, importance, check, sinks=sinks)
                     if summary is not None and importance is not None:
                         summary.setdefault("seconds", {})["rank"] = rank_s
                 elif repair is not None and repair.budget > 0 and repair.scattered_share > 0:
                     mapped, summary = self.executor.run([source, req.member], _map_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, sinks)
+                                                        tail, repair, hidden, sinks=sinks)
                 else:
                     mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, None, None, sinks)
+                                                        tail, repair, hidden, sinks=sinks)
             except Exception as exc:  # any failure to map (bad tensors, I/O, shapes) is a gate failure
                 raise _MappingFailed(f"mapping {source} -> {req.member} failed: {_why(exc)}") from exc
             probe = {**check.metrics(mapped.logits), "reference_source_kl": ref.source_kl,
@@ -643,7 +643,7 @@ class FamilyCache:
             req.map_s += mapped.seconds
             req.step(CacheStep(step="map", member=req.member, source=source, tokens=length, seconds=mapped.seconds,
                                detail={"mapping": str(getattr(mapping, "path", "") or ""), "tail": tail,
-                                       "exact_sinks": min(sinks, max(0, length - tail))}))
+                                       "exact_sinks": sinks}))
             if summary is not None:
                 req.step(CacheStep(step="repair", member=req.member, source=source, tokens=summary.get("tokens", 0),
                                    seconds=sum(summary.get("seconds", {}).values()), detail=summary))
@@ -653,7 +653,7 @@ class FamilyCache:
                 cache = self._compute(req, req.ids, cache, length, 0, over="mapped").cache
             meta = {"source": source, "mapping": str(mapping.path) if getattr(mapping, "path", None) else None,
                     "probe": probe, "repair": summary, "tail": tail, "mapped_tokens": length,
-                    "exact_sinks": min(sinks, max(0, length - tail)),
+                    "exact_sinks": sinks,
                     "seconds": mapped.seconds}
             return Entry(ns, req.member, req.ids, cache, self._nbytes(cache, logits), tail_logits=logits,
                          logits_end=length, meta=meta)

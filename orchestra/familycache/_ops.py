@@ -95,8 +95,9 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
     climbs against `probe` (an `orchestra.gates.ProbeCheck` with its gate) here, next to the
     target's weights; without a probe it repairs at its first budget. `source` is needed (and held)
     only when the repair policy reads the source model, unless `importance` (`source_importance` of
-    the source, computed where the source lives) is given. The first `sinks` positions are made exact
-    (a `sinks`-token forward on the target) before anything reads the map, so the probe already sees them.
+    the source, computed where the source lives) is given. The first `sinks` positions (the caller keeps
+    them clear of the tail) are made exact by a `sinks`-token forward on the target before anything reads
+    the map, so the probe already sees them.
     """
     import torch
 
@@ -109,7 +110,7 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
         # the source's layers, not the target's: a member may have fewer layers than its source (distilled)
         mapped = map_cache(mapping.kv_map, truncate_cache(source_cache, len(ids)), target.model)
         if sinks:
-            exact_prefix(target.model, mapped, _ids(target, ids), min(sinks, max(0, len(ids) - tail)))
+            exact_prefix(target.model, mapped, _ids(target, ids), sinks)
         if repair is not None and repair.adaptive and probe is None:
             repair = repair.at(repair.budget)
         if repair is not None and (repair.adaptive or repair.budget > 0):

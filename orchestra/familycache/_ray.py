@@ -770,7 +770,7 @@ class RayExecutor(Executor):
         source, target = members
         importance, seconds = self.call(source, _importance_op, src_cache, ids, repair.probe_tokens)
         mapped, summary = self.call(target, _core._map_target_op, mapping, src_cache, ids, tail, repair, hidden,
-                                    importance, None, sinks)
+                                    importance, sinks=sinks)
         if summary is not None:
             summary.setdefault("seconds", {})["rank"] = seconds
         return mapped, summary
