@@ -180,7 +180,9 @@ def _write_md(path: Path, sections: list[list[str]], summary: list[str]) -> None
              "|---|---|---|---|---|---|---|---|---|", *summary, ""]
     for s in sections:
         lines += s
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    from mappings.atomic import write_atomic
+
+    write_atomic(path, "\n".join(lines) + "\n")  # a temporary sibling, then a rename
 
 
 if __name__ == "__main__":
