@@ -419,6 +419,10 @@ def map_cache(
         )
     mapped = kv_map.apply(layers, positions, device=model_device(target_model), dtype=model_dtype(target_model),
                           check_finite=check_finite)
+    # A pass-through layer is the source's own tensor; the cache returned here is the target's to change in
+    # place (exact_prefix writes its sinks into it), so it must not share storage with the source's.
+    held = {t.untyped_storage().data_ptr() for pair in layers for t in pair}
+    mapped = [tuple(t.clone() if t.untyped_storage().data_ptr() in held else t for t in pair) for pair in mapped]
     return build_cache(mapped, config=target_cfg)
 
 

@@ -119,6 +119,8 @@ class EvaluationReport(_Model):
     single_layer: list[LayerCurvePoint] = Field(default_factory=list, description="only layer i mapped")
     accumulation: list[LayerCurvePoint] = Field(default_factory=list, description="layers 0..i mapped")
     plots: list[str] = Field(default_factory=list)
+    pass_costs: dict[str, Any] | None = Field(
+        default=None, description="the target's measured pass costs that priced the plans (None: multiply-adds)")
 
     def row(self, method: str) -> MethodResult:
         for r in self.methods:
@@ -200,6 +202,7 @@ def evaluate(
     device: str = "cpu",
     progress: bool = False,
     repairs: Sequence[RepairPolicy] = (),
+    repair_costs: str = "measured",
 ) -> EvaluationReport:
     """Evaluate a mapping (directory or loaded) on one document; see the module docstring.
 
@@ -208,7 +211,10 @@ def evaluate(
     in the manifest; their fingerprints are checked against the mapping (:class:`StaleMappingError`).
     ``repairs``: map-then-repair policies scored as extra rows ``<method>+repair@<budget>``.
     ``sink_tokens``: a row ``<method>+sinks<k>``, the map with its first ``k`` positions the target's own
-    (what a FamilyCache serves by default; 0: no such row).
+    (what a FamilyCache serves by default; 0: no such row). ``repair_costs``: how the repair rows' budgets
+    and every row's planned ``cost`` are priced: ``measured`` (the target's timed passes on this machine,
+    :func:`mappings.passcost.load_or_measure`, kept in ``pass-costs/`` beside the mapping, as a FamilyCache
+    prices them) or ``compute`` (multiply-adds from the target's config).
     """
     import torch
     from tqdm.auto import tqdm
@@ -261,6 +267,14 @@ def evaluate(
                 "lower --prefix-tokens (or --greedy-tokens)"
             )
     tail = max(0, min(int(tail_tokens), n - 1))
+    if repair_costs not in ("measured", "compute"):
+        raise ValueError(f"repair_costs is 'measured' or 'compute', not {repair_costs!r}")
+    costs = None
+    if repair_costs == "measured":
+        from mappings.passcost import load_or_measure
+
+        where = Path(mapping_dir).parent / "pass-costs" if mapping_dir is not None else None
+        costs = load_or_measure(tgt.model, tgt.fingerprint.combined, where)
 
     identical = kv_shape(src.model.config) == kv_shape(tgt.model.config)
     maps, skipped = _baseline_maps(mapping, [b for b in baselines if b != "reprefill"], identical,
@@ -275,7 +289,7 @@ def evaluate(
     for w in range(windows):
         span = torch.tensor(ids_all[w * (n + m) : w * (n + m) + n + m + 1])[None]
         per_window.append(_evaluate_window(src.model, tgt.model, maps, order, tail_rows, own, span, n, m, tail,
-                                           greedy_tokens, layer_curves, mapping, repairs, sink_tokens))
+                                           greedy_tokens, layer_curves, mapping, repairs, sink_tokens, costs))
         bar.update(1)
     bar.close()
 
@@ -313,6 +327,10 @@ def evaluate(
         reference_prefill_seconds=mean([pw.ref_seconds for pw in per_window]),
         source_prefill_seconds=mean([pw.src_seconds for pw in per_window]),
         methods=results, skipped=skipped, single_layer=single, accumulation=accum,
+        pass_costs=None if costs is None else {
+            "per_pass": costs.per_pass, "per_token": costs.per_token, "per_key": costs.per_key,
+            "per_copied": costs.per_copied, "fit_error": costs.fit_error, "key": costs.key,
+            "predicted_prefill_seconds": costs.prefill_seconds(n)},
     )
 
 
@@ -330,7 +348,7 @@ class _Window:
 def _evaluate_window(
     source: Any, target: Any, maps: dict[str, LinearKVMap], order: Sequence[str], tail_rows: Sequence[str],
     own: str, ids: torch.Tensor, n: int, m: int, tail: int, greedy_tokens: int, layer_curves: bool,
-    mapping: Mapping | None = None, repairs: Sequence[RepairPolicy] = (), sinks: int = 0,
+    mapping: Mapping | None = None, repairs: Sequence[RepairPolicy] = (), sinks: int = 0, costs: Any = None,
 ) -> _Window:
     import torch
 
@@ -345,6 +363,9 @@ def _evaluate_window(
     )
     from mappings.metrics import next_token_agreement
     from mappings.repair import compute_share
+
+    def planned_share(tokens: Sequence[int]) -> float | None:
+        return costs.share(n, tokens) if costs is not None else compute_share(cfg, n, tokens)
 
     prefix, suffix = ids[:, :n], ids[:, n : n + m]
     labels = torch.full((1, m), -100, dtype=torch.long)
@@ -401,7 +422,7 @@ def _evaluate_window(
         k = exact_prefix(target, cache, prefix, sinks)
         sync_device(dev)
         sink_s = time.perf_counter() - t0
-        planned = compute_share(cfg, n, range(k))
+        planned = planned_share(range(k))
         rows[f"{own}+sinks{k}"] = score(cache, own_map_s, sink_s, k / n if planned is None else planned, tokens=k / n)
     for name in tail_rows:
         t0 = time.perf_counter()
@@ -412,7 +433,7 @@ def _evaluate_window(
         _, cache, _ = forward_with_cache(target, prefix[:, n - tail :], cache, logits_to_keep=1)
         sync_device(dev)
         tail_s = time.perf_counter() - t0
-        planned = compute_share(cfg, n, range(n - tail, n))
+        planned = planned_share(range(n - tail, n))
         rows[f"{name}+tail{tail}"] = score(cache, map_s, tail_s, tail / n if planned is None else planned,
                                            tokens=tail / n)
     if repairs and mapped_own is not None:
@@ -425,7 +446,7 @@ def _evaluate_window(
             # once and each row's seconds are its repair alone.
             t0 = time.perf_counter()
             res = repair_cache(target, mapped_own, prefix, policy, layer_scores=scores, residual=residual,
-                               source_hidden=src_hidden, source=source, source_layers=src_layers)
+                               source_hidden=src_hidden, source=source, source_layers=src_layers, costs=costs)
             repair_s = time.perf_counter() - t0
             rows[f"{own}+{policy.label}"] = score(build_cache(res.layers, cfg), own_map_s, repair_s, res.plan.cost,
                                                   res.summary(), measured=res.target_seconds / ref_seconds,

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mappings.errors import MappingError, ShapeMismatchError
+from mappings.passcost import CostModel
 
 if TYPE_CHECKING:
     import torch
@@ -175,6 +176,11 @@ class RepairPlan:
     long tail: its tokens score ~n keys each, a prefill's n / 2 on average."""
     token_share: float
     """The plan's size: recomputed tokens / n + recomputed layers / L (the linear cost model)."""
+    costs: str = "compute"
+    """What ``cost`` measures: ``measured`` (the target's timed passes, :class:`~mappings.passcost.PassCosts`),
+    ``compute`` (multiply-adds from its config) or ``tokens`` (the token share)."""
+    exact: int = 0
+    """Leading positions computed exactly before the repair (not in ``tokens``, counted in ``cost``)."""
 
 
 @dataclass
@@ -201,7 +207,8 @@ class RepairResult:
         """JSON form for reports and events: the policy, what was recomputed, its planned cost, seconds."""
         out = {"policy": self.policy.model_dump(mode="json"), "tokens": len(self.plan.tokens), "tail": self.plan.tail,
                "scattered": self.plan.scattered, "blocks": [list(b) for b in self.plan.blocks],
-               "cost": self.plan.cost, "token_share": self.plan.token_share, "seconds": dict(self.seconds)}
+               "cost": self.plan.cost, "costs": self.plan.costs, "exact": self.plan.exact,
+               "token_share": self.plan.token_share, "seconds": dict(self.seconds)}
         if self.ladder is not None:
             out["ladder"] = dict(self.ladder)
         return out
@@ -243,7 +250,7 @@ def choose_blocks(layer_scores: Sequence[float], layers: int) -> tuple[tuple[int
 
 def plan_repair(
     policy: RepairPolicy, n: int, num_layers: int, *, layer_scores: Sequence[float] | None = None,
-    importance: torch.Tensor | None = None, config: Any = None,
+    importance: torch.Tensor | None = None, config: Any = None, costs: CostModel | None = None, exact: int = 0,
 ) -> RepairPlan:
     """Turn a policy into positions and blocks for an ``n``-token document on ``num_layers`` layers.
 
@@ -257,6 +264,13 @@ def plan_repair(
     than ``1 / n``, so a 10 % budget recomputes fewer than 10 % of the tokens at long context).
     Default None (or a config without those sizes): ``cost`` is the token share ``tokens / n +
     layers / L``, the linear model, and the plan is ``floor((budget - layers / L) * n)`` tokens.
+
+    ``costs``: a measured :class:`~mappings.passcost.PassCosts` of the target (or any
+    :class:`~mappings.passcost.CostModel`) prices the plan instead of ``config``: the budget is then a
+    share of the target's prefill *seconds* on this machine, per-pass overheads included.
+    ``exact``: the first ``exact`` positions were already computed exactly on the target (the sink
+    pass of a mapped cache): the plan does not recompute them, but its cost counts their pass, so
+    the budget bounds everything the target spends on the cache.
     """
     if n < 1:
         raise ShapeMismatchError("nothing to repair: the document is empty")
@@ -273,7 +287,8 @@ def plan_repair(
         blocks = choose_blocks(layer_scores or [], count) if count else ()
     block_layers = sum(z - a for a, z in blocks)
     block_share = block_layers / num_layers
-    model = _ComputeModel.of(config)
+    model = costs if costs is not None else _ComputeModel.of(config)
+    done = set(range(min(max(0, exact), n)))
 
     def choose(k: int) -> tuple[tuple[int, ...], int, int]:
         """The plan of ``k`` token slots: (positions, tail length, sink count)."""
@@ -293,7 +308,7 @@ def plan_repair(
         k = max(0, int(math.floor((policy.budget - block_share) * n + 1e-9)))
     else:
         def fits(k: int) -> bool:
-            return model.share(n, choose(k)[0]) + block_share <= policy.budget + 1e-12
+            return model.share(n, sorted(done.union(choose(k)[0]))) + block_share <= policy.budget + 1e-12
 
         # The largest k that fits: a full recompute (one prefill) is checked first, since a plan one token short
         # of it (sinks and tail split by a gap) costs more; below it the cost grows with k.
@@ -308,21 +323,24 @@ def plan_repair(
                 else:
                     hi = mid
             k = lo
-    tokens, tail_n, sink = choose(k)
-    token_share = len(tokens) / n + block_share
-    cost = model.share(n, tokens) + block_share if model is not None else token_share
-    return RepairPlan(tokens=tokens, blocks=blocks, tail=tail_n, scattered=len(tokens) - tail_n - sink, cost=cost,
-                      token_share=token_share)
+    chosen, tail_n, sink = choose(k)
+    spent = sorted(done.union(chosen))
+    token_share = len(spent) / n + block_share
+    cost = model.share(n, spent) + block_share if model is not None else token_share
+    tokens = tuple(p for p in chosen if p not in done)
+    return RepairPlan(tokens=tokens, blocks=blocks, tail=tail_n, scattered=len(chosen) - tail_n - sink, cost=cost,
+                      token_share=token_share, costs=model.kind if model is not None else "tokens", exact=len(done))
 
 
 @dataclass(frozen=True)
-class _ComputeModel:
+class _ComputeModel(CostModel):
     """A target's multiply-adds per token and layer: ``linear`` (projections and MLP) + ``attention`` per key."""
 
     linear: int
     attention: int
     layers: int
     flash: bool = False
+    kind: str = "compute"
 
     @classmethod
     def of(cls, config: Any) -> _ComputeModel | None:
@@ -431,6 +449,8 @@ def repair_cache(
     source_layers: KVLayers | None = None,
     importance: torch.Tensor | None = None,
     keep_logits: int = 0,
+    costs: CostModel | None = None,
+    exact: int = 0,
 ) -> RepairResult:
     """Apply ``policy`` to a mapped cache of ``input_ids`` on ``target``; returns the repaired layers.
 
@@ -442,7 +462,7 @@ def repair_cache(
     (:func:`mappings.recompute.repair_tokens`). ``keep_logits``: also recompute the last
     ``keep_logits`` positions (if the plan's tail does not cover them) and return their logits in
     ``result.logits``, e.g. for a probe. ``mapped`` is never modified. An adaptive policy needs a
-    probe to climb against: :func:`climb_repair`.
+    probe to climb against: :func:`climb_repair`. ``costs`` and ``exact``: as :func:`plan_repair`.
     """
     from mappings.cache_io import sync_device
     from mappings.recompute import embed, repair_tokens_and_logits, run_layers
@@ -457,7 +477,7 @@ def repair_cache(
     if policy.budget and policy.scattered_share and importance is None:
         importance = _rank(source, source_layers, input_ids, policy.probe_tokens, seconds)
     plan = plan_repair(policy, n, num_layers, layer_scores=layer_scores, importance=importance,
-                       config=getattr(target, "config", None))
+                       config=getattr(target, "config", None), costs=costs, exact=exact)
     layers = list(mapped)
     if plan.blocks:
         t0 = time.perf_counter()
@@ -500,6 +520,8 @@ def climb_repair(
     importance: torch.Tensor | None = None,
     source: Any = None,
     source_layers: KVLayers | None = None,
+    costs: CostModel | None = None,
+    exact: int = 0,
 ) -> RepairResult:
     """Adaptive repair: the smallest budget of ``policy.rungs`` whose cache passes ``probe``.
 
@@ -519,7 +541,8 @@ def climb_repair(
     beyond the first probe / n), ``recomputed`` (positions fed to the target in all), ``repaired``
     (distinct positions repaired outside the probe tokens) and ``stopped`` (why the climb ended
     without a pass). ``mapped`` is never modified; scattered tokens are ranked (as in
-    :func:`repair_cache`) only when a rung above 0 needs them.
+    :func:`repair_cache`) only when a rung above 0 needs them. ``costs`` prices the rungs (as
+    :func:`plan_repair`); the first ``exact`` positions are already exact and never recomputed.
     """
     from mappings.cache_io import sync_device
     from mappings.recompute import repair_tokens_and_logits
@@ -531,14 +554,15 @@ def climb_repair(
         raise ShapeMismatchError(f"cannot probe the last {tail} tokens of a {n}-token prefix")
     probe_pos = set(range(n - tail, n))
     config = getattr(target, "config", None)
-    model = _ComputeModel.of(config)
+    model = costs if costs is not None else _ComputeModel.of(config)
 
     def share(positions: set[int]) -> float:
         """One rung's pass (its new positions with the probe tokens) as a share of a prefill."""
         return model.share(n, sorted(positions)) if model is not None else len(positions) / n
 
     first_probe = share(probe_pos)
-    repaired: set[int] = set()
+    given = set(range(min(max(0, exact), n - tail)))  # the sinks: exact already, never recomputed
+    repaired: set[int] = set(given)
     seconds: dict[str, float] = {"tokens": 0.0}
     steps: list[dict[str, Any]] = []
     layers, owned = list(mapped), False
@@ -550,7 +574,8 @@ def climb_repair(
     for i, budget in enumerate(policy.rungs):
         if budget and policy.scattered_share and importance is None:
             importance = _rank(source, source_layers, input_ids, policy.probe_tokens, seconds)
-        rung = plan_repair(policy.at(budget), n, num_layers, importance=importance, config=config)
+        rung = plan_repair(policy.at(budget), n, num_layers, importance=importance, config=config, costs=model,
+                           exact=exact)
         new = sorted(set(rung.tokens) - repaired - probe_pos)
         if i and not new:
             steps.append({"budget": budget, "tokens": 0, "skipped": True})
@@ -580,5 +605,5 @@ def climb_repair(
     assert plan is not None and logits is not None  # the first rung always runs
     ladder = {"budgets": list(policy.rungs), "passed": passed, "spent": spent,
               "token_share": (recomputed - tail) / n, "recomputed": recomputed,
-              "repaired": len(repaired), "probe_tokens": tail, "stopped": stopped, "steps": steps}
+              "repaired": len(repaired - given), "probe_tokens": tail, "stopped": stopped, "steps": steps}
     return RepairResult(layers, plan, policy, seconds, logits=logits, ladder=ladder)

@@ -129,6 +129,11 @@ class MappingPolicy(BaseModel):
         None, description="Map, then repair: spend this budget of target compute recomputing sink/tail tokens "
         "(and optionally layer blocks) of every mapped cache; e.g. {budget: 0.1}.",
     )
+    repair_costs: Literal["measured", "compute"] = Field(
+        "measured", description="How a repair budget is priced: 'measured' times each target's passes once on this "
+        "machine (kept beside the mappings), so the budget is a share of its prefill seconds; 'compute' counts "
+        "multiply-adds.",
+    )
 
 
 class MemberResources(BaseModel):

@@ -98,7 +98,8 @@ class Orchestra:
                   breaker: CircuitBreaker | None = None) -> FamilyCache:
         """A FamilyCache with the pipeline's budget, probe tail, gates and repair (to share models across pipelines)."""
         policy = CachePolicy(budget_bytes=pipeline.store_budget_mb << 20, tail_tokens=max(2, pipeline.mapping.tail_tokens),
-                             gate=pipeline.gate, repair=pipeline.mapping.repair)
+                             gate=pipeline.gate, repair=pipeline.mapping.repair,
+                             repair_costs=pipeline.mapping.repair_costs)
         executor = Orchestra.executor_for(pipeline, registry)
         return FamilyCache(executor, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker)
 

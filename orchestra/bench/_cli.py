@@ -65,6 +65,9 @@ def bench(
                                                           "answer (default 24).")] = None,
     qa_repair_budget: Annotated[float, typer.Option("--qa-repair-budget", min=0.0, max=1.0, help="Tasks: repair "
                                                     "budget of the mapped+repair condition.")] = 0.1,
+    repair_costs: Annotated[str, typer.Option("--repair-costs", help="How repair budgets are priced: 'measured' "
+                                              "(the target's timed passes on this machine) or 'compute' "
+                                              "(multiply-adds).")] = "measured",
     home: Annotated[Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or "
                                               "~/.cache/orchestra).")] = None,
     device: Annotated[str, typer.Option("--device", help="Torch device for every model.")] = "cpu",
@@ -82,7 +85,7 @@ def bench(
             repeats=repeats, windows=windows, pipeline_agents=_ints(agents, "--agents"), device=device,
             task_tokens=qa_window, task_max_new_tokens=qa_max_new_tokens, qa_lengths=_ints(qa_lengths, "--qa-lengths"),
             qa_limit=qa_limit, qa_questions=_split(qa_questions), qa_file=str(qa_file) if qa_file else None,
-            qa_repair_budget=qa_repair_budget,
+            qa_repair_budget=qa_repair_budget, repair_costs=repair_costs,
             **({"sections": _split(sections)} if sections else {}),
         )
         result = run_bench(config, out, home=home, command=_command(), progress=not quiet,

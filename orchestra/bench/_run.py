@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -49,6 +49,9 @@ class BenchConfig(BaseModel):
     calibration_window: int | None = Field(None, ge=8)
     repair_length: int | None = Field(None, ge=16, description="prefix tokens of the repair curve")
     repair_budgets: list[float] | None = Field(None, description="repair budgets (fractions of a prefill)")
+    repair_costs: Literal["measured", "compute"] = Field(
+        "measured", description="how repair budgets are priced: the target's timed passes on this machine, or "
+        "multiply-adds (the repair curve and the tasks' mapped+repair condition)")
     device: str = "cpu"
 
     @field_validator("sections")
@@ -134,7 +137,8 @@ def run_bench(
             forward = [p for p in pairs if p.source == pairs[0].source] if pairs else []
             results[name] = run_repair(RepairConfig(
                 pairs=forward, length=cfg.repair_length or 1024, suffix_tokens=cfg.suffix_tokens,
-                windows=cfg.windows or 1, budgets=cfg.repair_budgets or [0.05, 0.15]), fam, progress=progress)
+                windows=cfg.windows or 1, budgets=cfg.repair_budgets or [0.05, 0.15], costs=cfg.repair_costs), fam,
+                progress=progress)
         elif name == "timing":
             results[name] = run_timing(TimingConfig(pairs=pairs, lengths=lengths, repeats=cfg.repeats or 3,
                                                     tail_tokens=cfg.tail_tokens), fam, progress=progress)
@@ -146,7 +150,8 @@ def run_bench(
             results[name] = run_tasks(TaskConfig(
                 source=source, members=targets, window_tokens=cfg.task_tokens or 512,
                 max_new_tokens=cfg.task_max_new_tokens or 24, tail_tokens=max(2, cfg.tail_tokens),
-                repair_budget=cfg.qa_repair_budget, questions=cfg.qa_questions, limit=cfg.qa_limit,
+                repair_budget=cfg.qa_repair_budget, repair_costs=cfg.repair_costs, questions=cfg.qa_questions,
+                limit=cfg.qa_limit,
                 qa_file=cfg.qa_file, lengths=cfg.qa_lengths or []),
                 fam, progress=progress)
         elif name == "pipeline":

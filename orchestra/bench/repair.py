@@ -14,6 +14,8 @@ scored at one budget, next to the token-only point with the same budget.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestra.bench._context import BenchFamily, Pair
@@ -36,6 +38,8 @@ class RepairConfig(_Model):
     variant_budget: float = Field(0.15, description="budget at which layer / scattered variants are scored")
     layer_share: float = Field(0.5, description="share of the variant budget spent on layer blocks")
     scattered_share: float = Field(0.25, description="share of the variant's token budget on attention-picked tokens")
+    costs: Literal["measured", "compute"] = Field(
+        "measured", description="how budgets are priced: the target's timed passes on this machine, or multiply-adds")
 
 
 class RepairPoint(_Model):
@@ -47,8 +51,8 @@ class RepairPoint(_Model):
     kl: float
     top1: float
     top5: float
-    planned_cost: float = Field(description="the plan's multiply-adds counting attention / the prefill's (0 for the "
-                                "map): what the budget bounds")
+    planned_cost: float = Field(description="the plan's predicted cost / the prefill's (0 for the map), in the "
+                                "section's `costs` measure: what the budget bounds")
     measured_cost: float = Field(description="the repair's target seconds / target prefill seconds, same windows "
                                  "(0 for the map, 1 for reprefill): the number to hold against planned_cost")
     token_share: float | None = Field(None, description="recomputed tokens / prefix + recomputed layers / layers")
@@ -98,7 +102,7 @@ def run_repair(config: RepairConfig, fam: BenchFamily, *, progress: bool = True)
         report = evaluate(mapping, ids, source=fam.handle(pair.source), target=fam.handle(pair.target),
                           prefix_tokens=n, suffix_tokens=m, windows=windows, tail_tokens=0, greedy_tokens=0,
                           baselines=(), layer_curves=False, repairs=policies, document_name=fam.document_name,
-                          device=fam.device)
+                          device=fam.device, repair_costs=config.costs)
         ref = report.reference_prefill_seconds
         own = report.mapping_method
         for r in report.methods:
@@ -130,14 +134,16 @@ def repair_markdown(section: RepairSection) -> list[str]:
     lines = [
         "## Map, then repair: quality vs cost", "",
         f"Held-out {section.document}, prefix {c.length} tokens, suffix {c.suffix_tokens}, {c.windows} window(s). "
-        "Costs are fractions of the target's own prefill of the prefix. Planned = the repair's multiply-adds "
-        "counting attention (a trailing token scores ~n keys, an average prefill token n / 2): what the budget "
-        "bounds; token share = recomputed tokens / prefix + recomputed layers / layers; measured = the repair's "
+        "Costs are fractions of the target's own prefill of the prefix. Planned = the repair's predicted cost, "
+        + ("the target's passes priced by its timed pass costs on this machine (`mappings.passcost`: a fixed cost "
+           "per pass, per token, per key scored, per position copied)" if c.costs == "measured" else
+           "its multiply-adds counting attention (a trailing token scores ~n keys, an average prefill token n / 2)")
+        + ": what the budget bounds; token share = recomputed tokens / prefix + recomputed layers / layers; measured = the repair's "
         "target seconds / the target's own prefill seconds in the same windows. Map = the map's seconds, other = "
         "the rest of the repair call (the source ranking scattered tokens), both over the same prefill. `L` = "
         "share of the budget on layer blocks recomputed from residual-mapped hidden states; `S` = share of the "
         "token budget on interior tokens the source attends to most.", "",
-        "| pair | policy | KL | top-1 | top-5 | planned (compute) | token share | measured | measured / planned "
+        f"| pair | policy | KL | top-1 | top-5 | planned ({c.costs}) | token share | measured | measured / planned "
         "| map | other | tokens | layer blocks |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -48,6 +48,8 @@ class TaskConfig(_Model):
     max_new_tokens: int = Field(24, ge=1, description="tokens each answer may generate (greedy)")
     tail_tokens: int = Field(32, ge=2, description="prefix tokens the FamilyCache recomputes on the target after a map")
     repair_budget: float = Field(0.1, gt=0.0, le=1.0, description="repair budget of the mapped+repair condition")
+    repair_costs: Literal["measured", "compute"] = Field(
+        "measured", description="how that budget is priced: the target's timed passes, or multiply-adds")
     stop: list[str] = Field(default_factory=lambda: ["\n\n", "Question:"],
                             description="stop strings: the answer is one reply, not the next question a small model "
                                         "goes on to invent")
@@ -252,7 +254,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
             continue
         members.append(m)
     # Gates open for the measured conditions: the map itself is what is scored; `config.gate` is asked separately.
-    cache = fam.family_cache(source, tail_tokens=config.tail_tokens)
+    cache = fam.family_cache(source, tail_tokens=config.tail_tokens, repair_costs=config.repair_costs)
     open_gate = GatePolicy(offline=None, probe=None)
     repair = RepairPolicy(budget=config.repair_budget)
     asker = _Asker(fam, cache, config.max_new_tokens, config.stop)

@@ -186,12 +186,17 @@ def evaluate_cmd(
     repair: Annotated[
         list[float] | None,
         typer.Option("--repair", min=0.0, max=1.0, help="Also score map-then-repair with this budget (share of "
-                     "a full prefill's compute, attention counted); repeat for a curve."),
+                     "the target's own prefill, priced as --repair-costs says); repeat for a curve."),
     ] = None,
     repair_layers: Annotated[
         float, typer.Option("--repair-layers", min=0.0, max=1.0, help="Share of each repair budget spent on layer "
                             "blocks (needs residual maps: `orchestra calibrate-repair`).")
     ] = 0.0,
+    repair_costs: Annotated[
+        str, typer.Option("--repair-costs", help="How repair budgets and planned costs are priced: 'measured' (this "
+                          "machine's timed passes of the target, kept beside the mapping) or 'compute' "
+                          "(multiply-adds).")
+    ] = "measured",
     repair_scattered: Annotated[
         float, typer.Option("--repair-scattered", min=0.0, max=1.0, help="Share of the token budget spent on "
                             "interior tokens the source's last tokens attend to most.")
@@ -224,7 +229,7 @@ def evaluate_cmd(
             windows=windows,
             tail_tokens=tail_tokens, sink_tokens=sink_tokens, greedy_tokens=greedy_tokens, document_name=document.name,
             device=device,
-            repairs=policies, layer_curves=not no_curves,
+            repairs=policies, layer_curves=not no_curves, repair_costs=repair_costs,
         )
         own = next((r for r in report.methods if r.method == report.mapping_method), None)
         if own is not None and not (own.kl == own.kl and abs(own.kl) != float("inf")):

@@ -524,6 +524,11 @@ class FamilyCache:
                 best = ("source", entry, length)
         return best
 
+    def _costs_dir(self) -> str | None:
+        """Where measured pass costs are kept: beside the mappings (None: a store without a folder)."""
+        directory = getattr(self.mappings, "directory", None)
+        return str(directory / "pass-costs") if directory is not None else None
+
     def _mapping(self, source: str, target: str, cancel: threading.Event | None = None) -> Any:
         s, t = self.executor.info(source), self.executor.info(target)
         key = (s.fingerprint, t.fingerprint)
@@ -610,6 +615,9 @@ class FamilyCache:
             src_cache = self.executor.run([source], _truncate_op, src_entry.cache, length)
             tail_ids = prefix[-tail:]
             sinks = min(self.policy.sink_tokens, max(0, length - tail))  # never into the recomputed tail
+            costs = None
+            if repair is not None and (repair.adaptive or repair.budget > 0) and self.policy.repair_costs == "measured":
+                costs = self.executor.run([req.member], _costs_op, self._costs_dir())
             try:
                 ref = self.executor.run([source, req.member], _reference_op, self.mappings, mapping, tail)
                 check = ProbeCheck(tuple(tail_ids), src_logits, tail_nll(src_logits, _tensor(tail_ids)) + ref.offset_nll,
@@ -627,15 +635,16 @@ class FamilyCache:
                         importance, rank_s = self.executor.run([source], _importance_op, src_cache, src_ids,
                                                                repair.probe_tokens)
                     mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, importance, check, sinks=sinks)
+                                                        tail, repair, hidden, importance, check, sinks=sinks,
+                                                        costs=costs)
                     if summary is not None and importance is not None:
                         summary.setdefault("seconds", {})["rank"] = rank_s
                 elif repair is not None and repair.budget > 0 and repair.scattered_share > 0:
                     mapped, summary = self.executor.run([source, req.member], _map_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, sinks=sinks)
+                                                        tail, repair, hidden, sinks=sinks, costs=costs)
                 else:
                     mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, sinks=sinks)
+                                                        tail, repair, hidden, sinks=sinks, costs=costs)
             except Exception as exc:  # any failure to map (bad tensors, I/O, shapes) is a gate failure
                 raise _MappingFailed(f"mapping {source} -> {req.member} failed: {_why(exc)}") from exc
             probe = {**check.metrics(mapped.logits), "reference_source_kl": ref.source_kl,
@@ -782,17 +791,25 @@ def _truncate_op(model, cache, length):
     return truncate(model, cache, length)
 
 
-def _map_op(source, target, mapping, src_cache, ids, tail, repair, hidden, sinks=0):
+def _map_op(source, target, mapping, src_cache, ids, tail, repair, hidden, sinks=0, costs=None):
     from orchestra.familycache._ops import map_into
 
-    return map_into(source, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)), sinks=sinks)
+    return map_into(source, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)), sinks=sinks,
+                    costs=costs)
 
 
-def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden, importance=None, probe=None, sinks=0):
+def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden, importance=None, probe=None, sinks=0,
+                   costs=None):
     from orchestra.familycache._ops import map_into
 
     return map_into(None, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)),
-                    importance=importance, probe=probe, sinks=sinks)
+                    importance=importance, probe=probe, sinks=sinks, costs=costs)
+
+
+def _costs_op(target, directory):
+    from orchestra.familycache._ops import pass_costs
+
+    return pass_costs(target, directory)
 
 
 def _importance_op(source, cache, ids, probe_tokens):

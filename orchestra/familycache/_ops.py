@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
     from orchestra.registry import LoadedModel
 
-__all__ = ["Computed", "compute_tokens", "tail_logits", "map_into", "source_importance", "truncate", "nbytes_of"]
+__all__ = ["Computed", "compute_tokens", "tail_logits", "map_into", "source_importance", "truncate", "nbytes_of",
+           "pass_costs"]
 
 
 @dataclass
@@ -86,7 +87,8 @@ def tail_logits(model: LoadedModel, cache: Any, ids: list[int], end: int, tail: 
 
 def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int],
              tail: int, repair: Any = None, source_hidden: dict[int, Any] | None = None,
-             importance: Any = None, probe: Any = None, sinks: int = 0) -> tuple[Computed, dict | None]:
+             importance: Any = None, probe: Any = None, sinks: int = 0,
+             costs: Any = None) -> tuple[Computed, dict | None]:
     """Map `source_cache` (exactly the positions of `ids`) onto `target`, repair it per policy, recompute the tail.
 
     Returns the target cache of len(ids) positions with the logits of its last `tail` positions
@@ -97,7 +99,9 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
     only when the repair policy reads the source model, unless `importance` (`source_importance` of
     the source, computed where the source lives) is given. The first `sinks` positions (the caller keeps
     them clear of the tail) are made exact by a `sinks`-token forward on the target before anything reads
-    the map, so the probe already sees them.
+    the map, so the probe already sees them; a repair never recomputes them again, and its plan counts
+    their pass in its budget. `costs` (the target's measured `mappings.passcost.PassCosts`) prices the
+    repair plan in seconds; None prices it in multiply-adds.
     """
     import torch
 
@@ -121,17 +125,25 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
             src_layers = list(cache_layers(source_cache)) if source is not None else None
             if repair.adaptive:
                 res = climb_repair(target.model, list(cache_layers(mapped)), all_ids, repair, probe, tail=tail,
-                                   importance=importance, source=src_model, source_layers=src_layers)
+                                   importance=importance, source=src_model, source_layers=src_layers, costs=costs,
+                                   exact=sinks)
             else:
                 res = repair_cache(target.model, list(cache_layers(mapped)), all_ids, repair,
                                    layer_scores=layer_scores(mapping.manifest), residual=mapping.residual,
                                    source_hidden=source_hidden, source=src_model, source_layers=src_layers,
-                                   importance=importance, keep_logits=tail)
+                                   importance=importance, keep_logits=tail, costs=costs, exact=sinks)
             full, logits, summary = build_cache(res.layers, target.model.config), res.logits, res.summary()
         else:
             logits, full = tail_recompute(target.model, mapped, _ids(target, ids), tail)
     sync_device(target.device)
     return Computed(full, logits[0].float(), time.perf_counter() - t0), summary
+
+
+def pass_costs(target: LoadedModel, directory: str | None) -> Any:
+    """The target's measured pass costs (`mappings.passcost.load_or_measure`), stored in `directory`."""
+    from mappings.passcost import load_or_measure
+
+    return load_or_measure(target.model, target.info.fingerprint, directory)
 
 
 def source_importance(source: LoadedModel, source_cache: Any, ids: list[int], probe_tokens: int) -> tuple[Any, float]:

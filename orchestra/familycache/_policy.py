@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from mappings.repair import RepairPolicy
@@ -30,5 +32,8 @@ class CachePolicy(BaseModel):
     """Gates applied to a mapped cache when the request names none."""
     repair: RepairPolicy | None = None
     """Map, then repair: target compute spent on every fresh map (None or budget 0: pure map; a ladder: adaptive)."""
+    repair_costs: Literal["measured", "compute"] = "measured"
+    """How a repair budget is priced: "measured" times each target's passes once on this machine (stored beside
+    the mappings) so a budget is a share of its prefill seconds; "compute" counts multiply-adds."""
     store: bool = True
     """Keep what is built for later requests (False: every lease owns its cache alone)."""

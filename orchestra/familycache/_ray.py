@@ -765,12 +765,12 @@ class RayExecutor(Executor):
         return store.probe_reference(s, t, mapping, tail, measure=measure)
 
     def _map_with_source(self, members: Sequence[str], mapping: Any, src_cache: Any, ids: list[int], tail: int,
-                         repair: Any, hidden: Any, sinks: int = 0) -> Any:
+                         repair: Any, hidden: Any, sinks: int = 0, costs: Any = None) -> Any:
         """Scattered-token repair: the source ranks positions in its actor, the target maps and repairs in its."""
         source, target = members
         importance, seconds = self.call(source, _importance_op, src_cache, ids, repair.probe_tokens)
         mapped, summary = self.call(target, _core._map_target_op, mapping, src_cache, ids, tail, repair, hidden,
-                                    importance, sinks=sinks)
+                                    importance, sinks=sinks, costs=costs)
         if summary is not None:
             summary.setdefault("seconds", {})["rank"] = seconds
         return mapped, summary

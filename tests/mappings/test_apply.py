@@ -194,3 +194,20 @@ def test_pair_order_index():
 
     assert pair_order_index(1, 4).tolist() == [0, 2, 1, 3]
     assert pair_order_index(2, 4, copies=2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15]
+
+
+def test_exact_prefix_never_writes_into_the_source_cache(tiny_family):
+    """A pass-through layer copies the source's K/V: making the mapped sinks exact leaves the source intact."""
+    model = load(tiny_family.child)
+    cfg = model.config
+    shape = kv_shape(cfg)
+    passthrough = LinearKVMap([LayerMap((i,), "passthrough") for i in range(shape.num_layers)], shape, shape,
+                              RopeSpec.from_config(cfg), RopeSpec.from_config(cfg))
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
+    _, source, _ = forward_with_cache(load(tiny_family.parent), ids, None)
+    before = [(k.clone(), v.clone()) for k, v in cache_layers(source)]
+    mapped = map_cache(passthrough, source, model)
+    assert exact_prefix(model, mapped, ids, 4) == 4
+    for (k, v), (bk, bv) in zip(cache_layers(source), before, strict=True):
+        assert torch.equal(k, bk) and torch.equal(v, bv)
+    assert not torch.equal(cache_layers(mapped)[0][0][:, :, :4], before[0][0][:, :, :4])

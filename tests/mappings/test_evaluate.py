@@ -15,7 +15,7 @@ PREFIX, SUFFIX, TAIL, GREEDY = 192, 32, 32, 16
 @pytest.fixture(scope="session")
 def tiny_report(tiny_mapping, document):
     return evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
-                    greedy_tokens=GREEDY, document_name="gpl-3.txt")
+                    greedy_tokens=GREEDY, document_name="gpl-3.txt", repair_costs="compute")
 
 
 def test_report_has_every_method_and_field(tiny_report, tiny_mapping):
@@ -47,7 +47,7 @@ def test_sinks_row_is_the_map_with_its_first_positions_exact(tiny_report, tiny_m
     assert sinks.kl != own.kl  # the same map, four positions changed: the scores move
     assert sinks.prefill_seconds > 0 and 0 < sinks.cost_fraction < 0.05 and sinks.token_share == pytest.approx(4 / PREFIX)
     bare = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=0,
-                    sink_tokens=0, greedy_tokens=0, layer_curves=False, baselines=())
+                    sink_tokens=0, greedy_tokens=0, layer_curves=False, baselines=(), repair_costs="compute")
     assert not any("+sinks" in r.method for r in bare.methods)
 
 
@@ -131,7 +131,7 @@ def test_repair_rows_trace_the_quality_cost_curve(tiny_mapping, document):
     budgets = (0.1, 0.5, 1.0)
     report = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
                       greedy_tokens=0, layer_curves=False, baselines=("identity",),
-                      repairs=[RepairPolicy(budget=b) for b in budgets])
+                      repairs=[RepairPolicy(budget=b) for b in budgets], repair_costs="compute")
     own = report.row("anchored_kl")
     rows = [report.row(f"anchored_kl+repair@{b * 100:g}%") for b in budgets]
     assert own.cost_fraction == own.token_share == 0.0
@@ -165,7 +165,7 @@ def test_repair_rows_share_one_map_and_report_measured_cost(tiny_mapping, docume
     monkeypatch.setattr(LinearKVMap, "apply", counted)
     report = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
                       greedy_tokens=0, layer_curves=False, baselines=("identity",),
-                      repairs=[RepairPolicy(budget=b) for b in (0.1, 0.25, 0.5)])
+                      repairs=[RepairPolicy(budget=b) for b in (0.1, 0.25, 0.5)], repair_costs="compute")
     assert len(calls) == 4  # identity, the own map, and the two tail rows: no map per repair row
     own = report.row("anchored_kl")
     assert report.row("reprefill").measured_cost == 1.0 and own.measured_cost == 0.0
@@ -174,3 +174,24 @@ def test_repair_rows_share_one_map_and_report_measured_cost(tiny_mapping, docume
         r = report.row(f"anchored_kl+repair@{b * 100:g}%")
         assert r.measured_cost is not None and r.measured_cost > 0 and r.map_seconds == own.map_seconds
         assert r.prefill_seconds >= r.measured_cost * report.reference_prefill_seconds * 0.999
+
+
+def test_measured_costs_price_the_plans_and_are_kept_beside_the_mapping(tiny_mapping, document):
+    """With measured pass costs (the default) every planned cost is the target's predicted seconds over its
+    predicted prefill: the repair stays within its budget in that measure, and the timings are stored once."""
+    from mappings.passcost import PassCosts
+    from mappings.repair import RepairPolicy
+
+    report = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
+                      greedy_tokens=0, layer_curves=False, baselines=(), repairs=[RepairPolicy(budget=1.0)])
+    fingerprint = report.target["fingerprint"]["combined"]
+    stored = list((tiny_mapping.path.parent / "pass-costs").glob(f"{fingerprint[:16]}-*.json"))
+    assert report.pass_costs is not None and len(stored) == 1  # one file per target (the archs share the folder)
+    costs = PassCosts.load(stored[0])
+    assert costs.key["fingerprint"] == report.target["fingerprint"]["combined"]
+    assert report.pass_costs["per_pass"] == costs.per_pass
+    tail_row = report.row(f"anchored_kl+tail{TAIL}")
+    assert tail_row.cost_fraction == pytest.approx(costs.share(PREFIX, range(PREFIX - TAIL, PREFIX)))
+    full = report.row("anchored_kl+repair@100%")
+    assert full.repair["costs"] == "measured" and full.repair["tokens"] == PREFIX
+    assert full.cost_fraction == pytest.approx(1.0)  # a full recompute is one prefill in any measure

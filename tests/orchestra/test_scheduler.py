@@ -199,7 +199,8 @@ async def test_repair_policy_repairs_mapped_caches_and_reports_it(fam, mapstore)
     gate = {"offline": None, "probe": None}
     plain = Orchestra(_pipeline(fam, agents, gate=gate), mappings=mapstore)
     await plain.run(DOC)
-    repaired = Orchestra(_pipeline(fam, agents, gate=gate, mapping={"repair": {"budget": 0.25, "layer_share": 0.5}}),
+    repaired = Orchestra(_pipeline(fam, agents, gate=gate, mapping={"repair": {"budget": 0.25, "layer_share": 0.5},
+                                                                         "repair_costs": "compute"}),
                          mappings=mapstore)
     events = []
     report = await repaired.run(DOC, on_event=events.append)

@@ -47,6 +47,9 @@ def tiny_config(tmp_path_factory):
         qa_questions=TINY_QUESTIONS[:2], qa_file=str(tiny_qa_file(tmp_path_factory.mktemp("qa") / "qa.json")),
         pipeline_tokens=64, pipeline_max_new_tokens=4, calibration_tokens=256, calibration_window=64,
         repair_length=96, repair_budgets=[0.1, 0.5],
+        # budgets in multiply-adds: a tiny model's pass costs about its whole 96-token prefill in seconds, so
+        # measured pricing would buy no tokens (tests/mappings/test_passcost.py covers it)
+        repair_costs="compute",
     )
 
 

@@ -252,3 +252,26 @@ def test_concurrent_requests_with_different_questions_prefill_the_document_once(
     assert any(s.step == "join" for s in leases[1].steps) and any(s.step == "join" for s in leases[2].steps)
     for lease in leases.values():
         lease.release()
+
+
+def test_repair_budgets_are_priced_in_the_targets_timed_passes(registry, mapstore):
+    """The default CachePolicy prices a repair in the target's measured pass seconds: the timings are taken
+    once, stored beside the mappings, and the repair summary says which measure priced its plan."""
+    from mappings.passcost import PassCosts
+    from mappings.repair import RepairPolicy
+
+    doc = _ids(registry, data_text("gpl-3.txt")[:1200])[:400]
+    costs_dir = mapstore.directory / "pass-costs"
+    for costs in ("measured", "compute"):
+        cache = _family_cache(registry, mapstore, repair=RepairPolicy(budget=0.9), repair_costs=costs)
+        cache.acquire_sync("base", doc).release()
+        steps = []
+        with cache.acquire_sync("child", doc, on_step=steps.append) as lease:
+            assert lease.path == "mapped"
+        repair = next(s for s in steps if s.step == "repair").detail
+        assert repair["costs"] == costs and repair["exact"] == 4  # the sinks: exact already, paid, not redone
+        assert 0 < repair["cost"] <= 0.9 + 1e-9
+        if costs == "measured":
+            fingerprint = registry.info("child").fingerprint
+            stored = list(costs_dir.glob(f"{fingerprint[:16]}-*.json"))
+            assert len(stored) == 1 and PassCosts.load(stored[0]).key["fingerprint"] == fingerprint

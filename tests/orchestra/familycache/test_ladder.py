@@ -25,10 +25,11 @@ def _gate(max_excess_nll: float) -> GatePolicy:
 
 
 def _cache(registry, mapstore, gate: GatePolicy, repair: RepairPolicy) -> FamilyCache:
-    # sink_tokens=0: the passes counted here are the ladder's alone (exact sinks are the map step's, test_core)
+    # sink_tokens=0: the passes counted here are the ladder's alone (exact sinks are the map step's, test_core);
+    # budgets in multiply-adds, so the rungs recompute what the counts below expect (timed pricing: test_core)
     return FamilyCache(registry, mapstore, source="base",
                        policy=CachePolicy(gate=gate, repair=repair, tail_tokens=TAIL, min_mapped_tokens=16,
-                                          sink_tokens=0))
+                                          sink_tokens=0, repair_costs="compute"))
 
 
 @pytest.fixture(scope="module")

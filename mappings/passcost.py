@@ -1,0 +1,278 @@
+"""What a repair will cost in seconds on this machine: a model of one target's forward passes, fitted by timing.
+
+The multiply-add measure (:func:`mappings.repair.compute_share`) prices a repair by arithmetic
+alone, so it misses what a small pass pays regardless of its size: the Python and kernel-launch
+overhead of every layer, dequantising int8 weights, the one copy of the cache a repair makes. On
+the bundled family that made a 5 % plan cost 6.5-12 % measured. A :class:`PassCosts` is fitted
+from a dozen timed passes of the model itself and prices the passes :func:`~mappings.recompute.token_passes`
+lists, so a budget means a share of the target's own prefill *seconds*:
+
+    seconds = per_pass * passes + per_token * tokens + per_key * keys scored + per_copied * positions copied
+
+``keys`` is what the compute measure counts for attention (a causal pass of ``q`` tokens from
+position 0 scores ``q (q + 1) / 2`` keys, a pass of ``q`` tokens over ``p`` cached ones ``q (p + q)``);
+``positions copied`` is what a repair copies into its fresh output once per call: every position
+before its trailing run (none for a prefill). The fit is a non-negative least squares on relative error, so the 4-token
+sink pass weighs as much as the 2,048-token prefill. :func:`measure_pass_costs` times the passes;
+:class:`PassCosts` saves to and loads from JSON, keyed by what changes the timings (model
+fingerprint, device, dtype, attention kernel, torch threads and version).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PassCosts", "CostModel", "measure_pass_costs", "load_or_measure", "pass_features", "prefill_features",
+           "costs_key"]
+
+PASSCOST_VERSION = 1
+
+
+def pass_features(n: int, tokens: Sequence[int], *, flash: bool = False, copy: bool = True) -> tuple[float, ...]:
+    """(passes, tokens, keys scored, positions copied) of a repair recomputing ``tokens`` of an ``n``-token cache."""
+    from mappings.recompute import runs, token_passes
+
+    passes = token_passes(n, tokens, flash=flash)
+    keys = sum(q * (past + q) if past else q * (q + 1) / 2 for q, past in passes)
+    spans = runs(tokens)
+    kept = spans[-1][0] if spans and spans[-1][1] == n else n  # copied: every position before the trailing run
+    return (float(len(passes)), float(sum(q for q, _ in passes)), float(keys), float(kept if copy and passes else 0))
+
+
+def prefill_features(n: int) -> tuple[float, ...]:
+    """(passes, tokens, keys scored, positions copied) of a causal prefill of ``n`` tokens."""
+    return (1.0, float(n), n * (n + 1) / 2, 0.0)
+
+
+class CostModel(ABC):
+    """Prices a repair as a share of one prefill of the same cache (what a :class:`RepairPolicy` budget bounds).
+
+    Two kinds: the target's multiply-adds from its config (``kind == "compute"``, what
+    :func:`mappings.repair.compute_share` uses without timings) and :class:`PassCosts` (``"measured"``
+    seconds of this machine).
+    """
+
+    kind: str = "compute"
+
+    @abstractmethod
+    def share(self, n: int, tokens: Sequence[int]) -> float:
+        """The passes recomputing ``tokens`` of an ``n``-token cache, as a share of its prefill."""
+
+
+@dataclass(frozen=True)
+class PassCosts(CostModel):
+    """Seconds of one model's forward passes on one device, as a linear model fitted from timed passes."""
+
+    per_pass: float
+    """Seconds every pass pays whatever its size (per-layer overhead, weight dequantisation, the LM head row)."""
+    per_token: float
+    """Seconds per token through the layers (projections and MLP)."""
+    per_key: float
+    """Seconds per key a query scores (attention)."""
+    per_copied: float
+    """Seconds per cache position a repair copies into its fresh output (once per repair)."""
+    key: dict[str, str] = field(default_factory=dict)
+    """What the timings hold for: model fingerprint, device, dtype, attention kernel, torch threads and version."""
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    """The timed passes: features, measured and fitted seconds (for the fit's own error)."""
+    flash: bool = False
+    """The model's attention takes no dense mask (interior runs are separate passes)."""
+    kind: str = "measured"
+
+    def seconds(self, features: Sequence[float]) -> float:
+        """Predicted seconds of a pass (or repair) with these (passes, tokens, keys, copied) features."""
+        coef = (self.per_pass, self.per_token, self.per_key, self.per_copied)
+        return float(sum(c * f for c, f in zip(coef, features, strict=True)))
+
+    def prefill_seconds(self, n: int) -> float:
+        """Predicted seconds of a causal prefill of ``n`` tokens."""
+        return self.seconds(prefill_features(n))
+
+    def repair_seconds(self, n: int, tokens: Sequence[int], *, copy: bool = True) -> float:
+        """Predicted seconds of recomputing ``tokens`` of an ``n``-token cache (``copy``: into a fresh output)."""
+        return self.seconds(pass_features(n, tokens, flash=self.flash, copy=copy))
+
+    def share(self, n: int, tokens: Sequence[int]) -> float:
+        return self.repair_seconds(n, tokens) / self.prefill_seconds(n)
+
+    @property
+    def fit_error(self) -> float:
+        """Largest relative error of the fit over its own timed passes."""
+        return max((abs(s["fitted"] - s["seconds"]) / s["seconds"] for s in self.samples if s["seconds"] > 0),
+                   default=0.0)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": PASSCOST_VERSION, **asdict(self)}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> PassCosts:
+        data = json.loads(text)
+        if data.pop("version", None) != PASSCOST_VERSION:
+            raise ValueError("pass-cost file of another version: measure again")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> Path:
+        from mappings.atomic import write_atomic
+
+        return write_atomic(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path, key: dict[str, str] | None = None) -> PassCosts | None:
+        """The timings at ``path``, or None when absent, unreadable, of another version or for another ``key``."""
+        try:
+            costs = cls.from_json(Path(path).read_text())
+        except (OSError, ValueError, TypeError):
+            return None
+        if key is not None and costs.key != key:
+            return None
+        return costs
+
+
+def costs_key(model: Any, fingerprint: str) -> dict[str, str]:
+    """What a model's pass timings depend on, beyond the machine: weights, device, dtype, kernel, threads."""
+    import torch
+
+    from mappings.cache_io import model_device, model_dtype
+
+    return {"fingerprint": fingerprint, "device": str(model_device(model)), "dtype": str(model_dtype(model)),
+            "attention": str(getattr(model.config, "_attn_implementation", None) or "eager"),
+            "threads": str(torch.get_num_threads()), "torch": torch.__version__.split("+")[0]}
+
+
+def _nnls(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
+    """Non-negative least squares by active set (four unknowns: dropping negatives one at a time suffices)."""
+    import torch
+
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(y, dtype=torch.float64)
+    active = list(range(a.shape[1]))
+    while active:
+        sol = torch.linalg.lstsq(a[:, active], b[:, None]).solution[:, 0]
+        if bool((sol >= 0).all()):
+            out = [0.0] * a.shape[1]
+            for j, c in zip(active, sol.tolist(), strict=True):
+                out[j] = c
+            return out
+        active.pop(int(sol.argmin()))
+    return [0.0] * a.shape[1]
+
+
+def measure_pass_costs(model: Any, *, max_tokens: int = 2048, repeats: int = 2, key: dict[str, str] | None = None,
+                       seed: int = 0) -> PassCosts:
+    """Time ``model``'s prefills and repair passes on random tokens and fit a :class:`PassCosts`.
+
+    Prefills of ``max_tokens / 8 .. max_tokens`` (capped by the model's positions) and repairs of
+    the largest cache shaped as plans are (sinks, a tail, sinks and a tail, a scattered run), each
+    the fastest of ``repeats`` runs after a warm-up. About six prefills of the largest length in all.
+    """
+    import torch
+
+    from mappings.cache_io import cache_layers, forward_with_cache, model_device, sync_device
+    from mappings.recompute import repair_tokens_and_logits
+
+    limit = getattr(model.config, "max_position_embeddings", None) or max_tokens
+    n = max(64, min(int(max_tokens), int(limit) - 1))
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(getattr(model.config, "vocab_size", 1000))
+    ids = torch.randint(0, vocab, (1, n), generator=gen)
+    dev = model_device(model)
+    flash = "flash" in str(getattr(model.config, "_attn_implementation", None) or "")
+
+    def timed(fn) -> float:
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            sync_device(dev)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    rows: list[tuple[float, ...]] = []
+    ys: list[float] = []
+    labels: list[str] = []
+    with torch.no_grad():
+        forward_with_cache(model, ids[:, : min(n, 32)], None, logits_to_keep=1)  # warm-up: allocations, kernels
+        for m in sorted({max(8, n // 8), max(8, n // 4), max(8, n // 2), n}):
+            secs = timed(lambda m=m: forward_with_cache(model, ids[:, :m], None, logits_to_keep=1))
+            rows.append(prefill_features(m))
+            ys.append(secs)
+            labels.append(f"prefill {m}")
+        _, cache, _ = forward_with_cache(model, ids, None, logits_to_keep=1)
+        layers = list(cache_layers(cache))
+        sink = min(4, n // 8)
+        mid = n // 2
+        plans = {
+            "sinks": range(sink),
+            "tail 16": range(n - 16, n),
+            f"tail {n // 8}": range(n - n // 8, n),
+            "sinks + tail 64": [*range(sink), *range(n - 64, n)],
+            f"sinks + tail {n // 4}": [*range(sink), *range(n - n // 4, n)],
+            "run 32 + tail 16": [*range(mid, mid + 32), *range(n - 16, n)],
+        }
+        for name, tokens in plans.items():
+            pos = sorted(set(tokens))
+            secs = timed(lambda pos=pos: repair_tokens_and_logits(model, layers, ids, pos))
+            rows.append(pass_features(n, pos, flash=flash))
+            ys.append(secs)
+            labels.append(name)
+    # Relative error: divide every row by its seconds, so small passes weigh as much as prefills.
+    coef = _nnls([tuple(f / y for f in r) for r, y in zip(rows, ys, strict=True)], [1.0] * len(ys))
+    costs = PassCosts(*coef, key=dict(key or {}), flash=flash)
+    samples = [{"pass": label, "passes": r[0], "tokens": r[1], "keys": r[2], "copied": r[3], "seconds": y,
+                "fitted": costs.seconds(r)} for label, r, y in zip(labels, rows, ys, strict=True)]
+    return PassCosts(*coef, key=dict(key or {}), samples=samples, flash=flash)
+
+
+_MEASURED: dict[tuple[tuple[str, str], ...], PassCosts] = {}
+_MEASURED_LOCK = threading.Lock()
+
+
+def load_or_measure(model: Any, fingerprint: str, directory: str | Path | None, *, max_tokens: int = 2048,
+                    log: Any = None) -> PassCosts:
+    """``model``'s pass costs: kept from earlier in this process, read from ``directory``, or measured now and stored.
+
+    The file is ``<directory>/<fingerprint[:16]>-<device>-<dtype>-t<threads>.json``; one written for
+    other settings (attention kernel, torch version) is measured again. Measuring takes about six
+    prefills of ``max_tokens`` tokens; the caller holds the model alone meanwhile (timings of a
+    shared model are worthless). A folder that cannot be written only costs a measurement next time.
+    """
+    key = costs_key(model, fingerprint)
+    memo = tuple(sorted(key.items()))
+    path = None
+    if directory is not None:
+        name = f"{fingerprint[:16]}-{key['device'].replace(':', '')}-{key['dtype'].replace('torch.', '')}" \
+               f"-t{key['threads']}.json"
+        path = Path(directory) / name
+    with _MEASURED_LOCK:
+        costs = _MEASURED.get(memo)
+    if costs is None and path is not None:
+        costs = PassCosts.load(path, key)
+        if costs is not None:
+            with _MEASURED_LOCK:
+                _MEASURED[memo] = costs
+            return costs
+    if costs is None:
+        t0 = time.perf_counter()
+        costs = measure_pass_costs(model, max_tokens=max_tokens, key=key)
+        if log is not None:
+            log(f"timed {len(costs.samples)} passes in {time.perf_counter() - t0:.1f} s to price repairs on this "
+                f"machine (largest fit error {costs.fit_error:.0%})")
+        with _MEASURED_LOCK:
+            _MEASURED[memo] = costs
+    if path is not None and not path.is_file():  # measured now, or earlier in this process for another folder
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            costs.save(path)
+        except OSError as exc:
+            logging.getLogger("mappings.passcost").warning(
+                "cannot store pass costs in %s (%s); they will be measured again", path, exc.strerror or exc)
+    return costs
