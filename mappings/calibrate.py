@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from mappings.models import ModelHandle
     from mappings.rope import RopeSpec
     from mappings.store import Mapping
+    from mappings.weighting import RowWeighting
 
 __all__ = ["CalibrationConfig", "calibrate", "prepare_windows", "CorpusWindows", "HeldOut", "capture_heldout",
            "accumulate_stats", "screen_sources", "select_layers", "layer_metrics", "KLJudge", "corpus_digest",
@@ -265,26 +266,36 @@ def screen_sources(
 class KLJudge:
     """Scores a candidate set of mapped prefix caches by the target's next-token KL on held-out suffixes."""
 
-    def __init__(self, target_model: Any, heldout: HeldOut, suffix_tokens: int) -> None:
+    def __init__(self, target_model: Any, heldout: HeldOut, suffix_tokens: int, *, sinks: int = 0) -> None:
+        """``sinks``: the first positions of every candidate are the target's own before it is scored, as in
+        a cache a FamilyCache serves (its ``sink_tokens``), so the choice fits what is served."""
         from mappings.cache_io import build_cache, forward_with_cache, model_device, model_dtype, slice_layers
 
         self.model = target_model
         seq = heldout.ids.shape[1]
         self.m = max(1, min(suffix_tokens, seq // 4))
         self.prefix = seq - self.m
+        self.sinks = max(0, min(int(sinks), self.prefix))
         self.suffix_ids = heldout.ids[:, self.prefix :]
         self.source_prefix = slice_layers(heldout.source, 0, self.prefix)
         true_prefix = slice_layers(heldout.target, 0, self.prefix)
+        self._true_sinks = slice_layers(heldout.target, 0, self.sinks)
         cache = build_cache(true_prefix, target_model.config, model_device(target_model), model_dtype(target_model))
         logits, _, _ = forward_with_cache(target_model, self.suffix_ids, cache)
         self.true_logits = logits.float()
         self._build = build_cache
 
     def kl(self, prefix_layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        import torch
+
         from mappings.cache_io import forward_with_cache, model_device, model_dtype
         from mappings.metrics import kl_divergence
 
-        cache = self._build(list(prefix_layers), self.model.config, model_device(self.model), model_dtype(self.model))
+        layers = list(prefix_layers)
+        if self.sinks:
+            layers = [(torch.cat([ok.to(k), k[:, :, self.sinks :]], 2), torch.cat([ov.to(v), v[:, :, self.sinks :]], 2))
+                      for (k, v), (ok, ov) in zip(layers, self._true_sinks, strict=True)]
+        cache = self._build(layers, self.model.config, model_device(self.model), model_dtype(self.model))
         logits, _, _ = forward_with_cache(self.model, self.suffix_ids, cache)
         return float(kl_divergence(self.true_logits, logits.float().to(self.true_logits.device)).mean())
 
@@ -435,25 +446,31 @@ def layer_metrics(
 def accumulate_stats(
     source: Any, target: Any, windows: Sequence[torch.Tensor], plan: Sequence[tuple[int, ...]], s: KVShape,
     t: KVShape, src_rope: RopeSpec, tgt_rope: RopeSpec, key_space: str, *, batch_size: int = 4,
-    progress: bool = True,
-) -> list[LayerStats]:
+    progress: bool = True, weighting: RowWeighting | None = None,
+) -> tuple[list[LayerStats], list[LayerStats]]:
     """Stream equal-length windows through both models into per-target-layer statistics.
 
     Keys enter in content space (each model's RoPE stripped) unless ``key_space == "rotated"``;
-    target layer ``i`` regresses on the concatenated source layers ``plan[i]``.
+    target layer ``i`` regresses on the concatenated source layers ``plan[i]``. Returns ``(fit, plain)``:
+    the statistics the map is fitted on, with ``weighting``'s rows (sinks left out, values weighted; the
+    same list as ``plain`` without one), and the plain statistics of every row, which a mapping stores so
+    that baselines refit on it are the textbook formulas.
     """
     from tqdm.auto import tqdm
 
     from mappings.capture import capture_windows
     from mappings.fit import LayerStats, RegressionStats
 
-    stats = [
-        LayerStats(RegressionStats.zeros(len(plan[i]) * s.width, t.width),
-                   RegressionStats.zeros(len(plan[i]) * s.width, t.width))
-        for i in range(t.num_layers)
-    ]
+    def zeros() -> list[LayerStats]:
+        return [LayerStats(RegressionStats.zeros(len(plan[i]) * s.width, t.width),
+                           RegressionStats.zeros(len(plan[i]) * s.width, t.width)) for i in range(t.num_layers)]
+
+    weighted = weighting is not None and not weighting.plain
+    stats = zeros()
+    fit = zeros() if weighted else stats
     src_iter = capture_windows(source, windows, batch_size=batch_size, progress=False)
-    tgt_iter = capture_windows(target, windows, batch_size=batch_size, progress=False)
+    tgt_iter = capture_windows(target, windows, batch_size=batch_size, progress=False,
+                               queries=weighted and weighting.needs_queries)
     bar = tqdm(total=len(windows), desc="capturing source+target KV", unit="win", disable=not progress)
     try:
         for sc, tc in zip(src_iter, tgt_iter, strict=True):
@@ -466,13 +483,19 @@ def accumulate_stats(
                 tk = [k.reshape(k.shape[0], -1) for k in tc.keys]
             sv = [v.reshape(v.shape[0], -1) for v in sc.values]
             tv = [v.reshape(v.shape[0], -1) for v in tc.values]
+            rows = weighting.rows(tc, target) if weighted else None
             for i in range(t.num_layers):
-                stats[i].keys.update(_cat_sources(sk, plan[i]), tk[i])
-                stats[i].values.update(_cat_sources(sv, plan[i]), tv[i])
+                xk, xv = _cat_sources(sk, plan[i]), _cat_sources(sv, plan[i])
+                stats[i].keys.update(xk, tk[i])
+                stats[i].values.update(xv, tv[i])
+                if rows is not None:
+                    keep = rows.keep.to(xk.device)
+                    fit[i].keys.update(xk[keep], tk[i][keep])
+                    fit[i].values.update(xv[keep], tv[i][keep], None if rows.values is None else rows.values[i])
             bar.update(len(sc.lengths))
     finally:
         bar.close()
-    return stats
+    return fit, stats
 
 
 def _spec_fits(spec: MethodSpec, card: Any) -> bool:
@@ -540,6 +563,7 @@ def calibrate(
     from mappings.models import load_model
     from mappings.rope import RopeSpec
     from mappings.store import Mapping
+    from mappings.weighting import RowWeighting
 
     say = log or (lambda _msg: None)
     started = time.perf_counter()
@@ -558,6 +582,11 @@ def calibrate(
                 f"method {spec.name!r} needs equal KV heads (and head size for identity anchors); this pair "
                 "differs: use a plain-ridge, per-layer method"
             )
+    if cfg.window <= spec.exact_sinks:
+        raise CorpusTooSmallError(
+            f"calibration windows of {cfg.window} tokens leave nothing to fit after the first {spec.exact_sinks} "
+            "positions (exact in a served cache): raise --window"
+        )
     for side, info in (("source", card.source), ("target", card.target)):
         if info.max_positions is not None and cfg.window > info.max_positions:
             raise DocumentTooLongError(
@@ -581,12 +610,13 @@ def calibrate(
                                  spec.top_k, spec.key_space, cfg.batch_size)
         say("layer plan: " + ", ".join(f"{i}<-{list(p)}" for i, p in enumerate(plan)))
 
-    stats = accumulate_stats(src.model, tgt.model, windows.train, plan, s, t, src_rope, tgt_rope, spec.key_space,
-                             batch_size=cfg.batch_size, progress=progress)
+    fit_stats, stats = accumulate_stats(src.model, tgt.model, windows.train, plan, s, t, src_rope, tgt_rope,
+                                        spec.key_space, batch_size=cfg.batch_size, progress=progress,
+                                        weighting=RowWeighting.of(spec))
 
     # Per-layer selection.
-    judge = KLJudge(tgt.model, heldout, spec.kl_suffix_tokens)
-    kv_map, choices, scores = select_layers(stats, spec, plan, s, t, src_rope, tgt_rope, judge, heldout,
+    judge = KLJudge(tgt.model, heldout, spec.kl_suffix_tokens, sinks=spec.exact_sinks)
+    kv_map, choices, scores = select_layers(fit_stats, spec, plan, s, t, src_rope, tgt_rope, judge, heldout,
                                             sweeps=cfg.sweeps, progress=progress)
     identity = identity_map(src.model.config, tgt.model.config) if card.identical_layout else None
     summary: dict[str, float | None] = {
@@ -594,11 +624,12 @@ def calibrate(
         "kl_identity": judge.kl(identity.apply(judge.source_prefix)) if identity is not None else None,
         "suffix_tokens": float(judge.m),
         "windows": float(heldout.ids.shape[0]),
+        "exact_sinks": float(judge.sinks),
     }
     if spec.selection == "kl":
         from mappings.assemble import fit_kv_map
 
-        default_map = fit_kv_map(stats, spec, plan, s, t, src_rope, tgt_rope)
+        default_map = fit_kv_map(fit_stats, spec, plan, s, t, src_rope, tgt_rope)
         summary["kl_default_alpha"] = judge.kl(default_map.apply(judge.source_prefix))
     with torch.no_grad():
         metrics = layer_metrics(kv_map, heldout, tgt.model, identity)

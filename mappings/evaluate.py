@@ -12,18 +12,19 @@ the target's next-token distributions over those ``M`` positions are compared wi
   forward passes spent on the prefix (the whole prefix for ``reprefill``, the tail for ``+tail``,
   the repair for ``+repair``);
 - ``cost_fraction`` (planned), ``token_share`` and ``measured_cost``: target compute as a fraction
-  of the target's own prefill of the same prefix, planned (the passes' multiply-adds counting
-  attention, :func:`mappings.repair.compute_share`, what a repair budget bounds), the plan's size
-  (recomputed tokens / prefix + layers / layers) and measured (seconds / that prefill's seconds in
-  the same window). The reference prefill keeps only its last position's logits, as a prefill that
-  is continued does.
+  of the target's own prefill of the same prefix, planned (what a repair budget bounds: the passes
+  priced by the target's timed pass costs, :mod:`mappings.passcost`, or by their multiply-adds
+  counting attention, :func:`mappings.repair.compute_share`), the plan's size (recomputed tokens /
+  prefix + layers / layers) and measured (seconds / that prefill's seconds in the same window). The
+  reference prefill keeps only its last position's logits, as a prefill that is continued does.
 
 Methods: ``reprefill`` (truth), ``identity`` (source KV unchanged, identical layouts only),
-``ridge`` / ``anchored`` / ``perhead_rope`` (refitted from the mapping's stored calibration
-statistics), the mapping's own method, and tail-recompute variants. Repair rows repair the
-mapping's own map of the window (mapped once, shared by every row). Single-layer replacement
-(one layer mapped, the rest true) and error accumulation (layers ``0..k`` mapped) are reported
-per layer for the mapping's own method.
+``ridge`` / ``anchored`` / ``perhead_rope`` (refitted from the mapping's stored plain calibration
+statistics), the mapping's own method as a pure map, ``+sinks<k>`` (its first ``k`` positions
+exact: what a FamilyCache serves), and tail-recompute variants. The own tail row, the repair rows
+and the layer curves start from the served cache (mapped once, shared by every row). Single-layer
+replacement (one layer mapped, the rest true) and error accumulation (layers ``0..k`` mapped) are
+reported per layer for the mapping's own method.
 """
 
 from __future__ import annotations
@@ -211,7 +212,9 @@ def evaluate(
     in the manifest; their fingerprints are checked against the mapping (:class:`StaleMappingError`).
     ``repairs``: map-then-repair policies scored as extra rows ``<method>+repair@<budget>``.
     ``sink_tokens``: a row ``<method>+sinks<k>``, the map with its first ``k`` positions the target's own
-    (what a FamilyCache serves by default; 0: no such row). ``repair_costs``: how the repair rows' budgets
+    (what a FamilyCache serves by default; 0: no such row), at least the mapping method's ``exact_sinks`` (a
+    map fitted without its sinks is only served with them). The tail, repair and layer-curve rows start
+    from that served cache, as a FamilyCache's paths do. ``repair_costs``: how the repair rows' budgets
     and every row's planned ``cost`` are priced: ``measured`` (the target's timed passes on this machine,
     :func:`mappings.passcost.load_or_measure`, kept in ``pass-costs/`` beside the mapping, as a FamilyCache
     prices them) or ``compute`` (multiply-adds from the target's config).
@@ -284,6 +287,8 @@ def evaluate(
     order = [b for b in baselines if b in maps] + ([own] if own not in baselines else [])
     tail_rows = ([own] + (["identity"] if "identity" in maps else [])) if tail else []
 
+    # A mapping fitted with exact sinks is only ever served with them (FamilyCache makes at least that many exact)
+    sink_tokens = max(int(sink_tokens), mapping.manifest.method.exact_sinks)
     per_window: list[_Window] = []
     bar = tqdm(total=windows, desc="evaluating windows", disable=not progress)
     for w in range(windows):
@@ -414,51 +419,61 @@ def _evaluate_window(
         if name == own:
             mapped_own, own_map_s = mapped, map_s
         rows[name] = score(cache, map_s, 0.0, 0.0)
+    # What a FamilyCache serves: the map with its first `sinks` positions the target's own (a `sinks`-token
+    # forward). The tail, repair and layer-curve rows all start from it, as the cache's own paths do.
+    served, sink_s, k = mapped_own, 0.0, 0
     if sinks and mapped_own is not None:
         from mappings.apply import exact_prefix
 
-        cache = build_cache([(k.clone(), v.clone()) for k, v in mapped_own], cfg)
+        cache = build_cache([(a.clone(), b.clone()) for a, b in mapped_own], cfg)
         t0 = time.perf_counter()
         k = exact_prefix(target, cache, prefix, sinks)
         sync_device(dev)
         sink_s = time.perf_counter() - t0
+        served = list(cache_layers(cache))
         planned = planned_share(range(k))
         rows[f"{own}+sinks{k}"] = score(cache, own_map_s, sink_s, k / n if planned is None else planned, tokens=k / n)
     for name in tail_rows:
+        if name == own and served is not None:
+            map_s, base, exact = own_map_s, slice_layers(served, 0, n - tail), min(k, n - tail)
+        else:
+            t0 = time.perf_counter()
+            base = maps[name].apply(slice_layers(src_layers, 0, n - tail), device=dev, dtype=dt)
+            sync_device(dev)
+            map_s, exact = time.perf_counter() - t0, 0
         t0 = time.perf_counter()
-        cache = build_cache(maps[name].apply(slice_layers(src_layers, 0, n - tail), device=dev, dtype=dt), cfg)
+        _, cache, _ = forward_with_cache(target, prefix[:, n - tail :], build_cache(base, cfg), logits_to_keep=1)
         sync_device(dev)
-        map_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _, cache, _ = forward_with_cache(target, prefix[:, n - tail :], cache, logits_to_keep=1)
-        sync_device(dev)
-        tail_s = time.perf_counter() - t0
-        planned = planned_share(range(n - tail, n))
-        rows[f"{name}+tail{tail}"] = score(cache, map_s, tail_s, tail / n if planned is None else planned,
-                                           tokens=tail / n)
-    if repairs and mapped_own is not None:
+        tail_s = time.perf_counter() - t0 + (sink_s if exact else 0.0)
+        spent = [*range(exact), *range(n - tail, n)]
+        planned = planned_share(spent)
+        rows[f"{name}+tail{tail}"] = score(cache, map_s, tail_s, len(spent) / n if planned is None else planned,
+                                           tokens=len(spent) / n)
+    if repairs and served is not None:
         from mappings.repair import layer_scores, repair_cache
 
         scores = layer_scores(mapping.manifest) if mapping is not None else None
         residual = mapping.residual if mapping is not None else None
         for policy in repairs:
-            # Every row repairs the same map of the window (repair never modifies its input), so the map is paid
-            # once and each row's seconds are its repair alone.
+            # Every row repairs the same served map of the window (repair never modifies its input), so the map and
+            # its sink pass are paid once; each row's cost counts the sink pass and its repair (the plan never
+            # recomputes the exact sinks again).
             t0 = time.perf_counter()
-            res = repair_cache(target, mapped_own, prefix, policy, layer_scores=scores, residual=residual,
-                               source_hidden=src_hidden, source=source, source_layers=src_layers, costs=costs)
-            repair_s = time.perf_counter() - t0
+            res = repair_cache(target, served, prefix, policy, layer_scores=scores, residual=residual,
+                               source_hidden=src_hidden, source=source, source_layers=src_layers, costs=costs,
+                               exact=k)
+            repair_s = time.perf_counter() - t0 + sink_s
             rows[f"{own}+{policy.label}"] = score(build_cache(res.layers, cfg), own_map_s, repair_s, res.plan.cost,
-                                                  res.summary(), measured=res.target_seconds / ref_seconds,
+                                                  res.summary(), measured=(res.target_seconds + sink_s) / ref_seconds,
                                                   tokens=res.plan.token_share)
 
     single: list[tuple[float, float]] = []
     accum: list[tuple[float, float]] = []
-    if layer_curves and mapped_own is not None:
+    if layer_curves and served is not None:
         for i in range(len(true_layers)):
             for mixed, out in (
-                ([*true_layers[:i], mapped_own[i], *true_layers[i + 1 :]], single),
-                ([*mapped_own[: i + 1], *true_layers[i + 1 :]], accum),
+                ([*true_layers[:i], served[i], *true_layers[i + 1 :]], single),
+                ([*served[: i + 1], *true_layers[i + 1 :]], accum),
             ):
                 logits, _, _ = forward_with_cache(target, suffix, build_cache(mixed, cfg))
                 a = next_token_agreement(true_logits, logits.float())

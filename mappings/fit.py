@@ -94,11 +94,13 @@ class RegressionStats:
     def q(self) -> int:
         return int(self.yty.shape[0])
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add rows ``x`` ``[n, p]`` and ``y`` ``[n, q]``.
+    def update(self, x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Add rows ``x`` ``[n, p]`` and ``y`` ``[n, q]``, each weighing ``weights[i]`` (default 1).
 
         Each batch's products are formed in the inputs' precision (at least fp32; fp64 inputs stay
-        fp64) and accumulated in fp64, so rounding does not grow with the corpus.
+        fp64) and accumulated in fp64, so rounding does not grow with the corpus. Weighted rows make
+        every statistic a weighted sum (``XᵀWX``, ...) and ``n`` the weights' total, rounded: callers
+        normalise weights to a mean of 1 so that ``n`` stays the row count.
         """
         import torch
 
@@ -107,12 +109,20 @@ class RegressionStats:
         work = torch.float64 if torch.float64 in (x.dtype, y.dtype) else torch.float32
         x = x.to(self.xtx.device, work)
         y = y.to(self.xtx.device, work)
-        self.n += int(x.shape[0])
-        self.sum_x += x.sum(0, dtype=torch.float64)
-        self.sum_y += y.sum(0, dtype=torch.float64)
-        self.xtx += (x.T @ x).double()
-        self.xty += (x.T @ y).double()
-        self.yty += (y.T @ y).double()
+        if weights is None:
+            self.n += int(x.shape[0])
+            wx, wy = x, y
+        else:
+            if weights.shape != (x.shape[0],):
+                raise ValueError(f"weights have shape {tuple(weights.shape)}, expected ({x.shape[0]},)")
+            w = weights.to(self.xtx.device, work)[:, None]
+            self.n += int(round(float(weights.sum())))
+            wx, wy = x * w, y * w
+        self.sum_x += wx.sum(0, dtype=torch.float64)
+        self.sum_y += wy.sum(0, dtype=torch.float64)
+        self.xtx += (wx.T @ x).double()
+        self.xty += (wx.T @ y).double()
+        self.yty += (wy.T @ y).double()
 
     def merge(self, other: RegressionStats) -> RegressionStats:
         """Statistics of both data sets together."""

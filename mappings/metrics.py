@@ -64,6 +64,28 @@ def attention_output(
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
+def attention_received(
+    q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor, scaling: float | None = None
+) -> torch.Tensor:
+    """Mean causal attention that queries ``q`` ``[B, Hq, t, D]`` pay to each key of ``k`` ``[B, Hkv, n, D]``.
+
+    ``query_positions`` ``[t]`` are the queries' positions (keys sit at ``0..n-1``; a query sees the
+    keys at or before it). Returns ``[B, Hkv, n]``: softmax weights averaged over the queries and over
+    the query heads sharing each KV head. Queries and keys carry RoPE as cached.
+    """
+    import math
+
+    import torch
+
+    groups = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(groups, dim=1) if groups > 1 else k.float()
+    scores = (q.float() @ keys.transpose(-1, -2)) * (scaling if scaling is not None else 1 / math.sqrt(q.shape[-1]))
+    causal = torch.arange(k.shape[2], device=scores.device)[None, :] > query_positions.to(scores.device)[:, None]
+    scores.masked_fill_(causal, -math.inf)
+    weights = scores.softmax(-1).mean(2)  # [B, Hq, n]
+    return weights.view(k.shape[0], k.shape[1], groups, k.shape[2]).mean(2)
+
+
 def kl_divergence(logits_true: torch.Tensor, logits_other: torch.Tensor) -> torch.Tensor:
     """Per-position ``KL(p_true || p_other)`` in nats, shape ``logits.shape[:-1]``."""
     import torch

@@ -398,6 +398,7 @@ def attention_importance(model: Any, layers: KVLayers, input_ids: torch.Tensor, 
 
     from mappings.cache_io import build_cache, forward_with_cache, slice_layers
     from mappings.capture import capture_queries
+    from mappings.metrics import attention_received
     from mappings.rope import RopeSpec
 
     if input_ids.dim() == 1:
@@ -411,16 +412,11 @@ def attention_importance(model: Any, layers: KVLayers, input_ids: torch.Tensor, 
     positions = torch.arange(n - t, n)
     total = torch.zeros(n)
     for i, (k, _v) in enumerate(layers):
-        kv_heads, d = k.shape[1], k.shape[-1]
+        d = k.shape[-1]
         q = queries[i].float()
         q = q.reshape(q.shape[0], t, -1, d).transpose(1, 2)  # [B, H, t, d]
         q = rope.apply(q, positions.to(q.device))
-        groups = q.shape[1] // kv_heads
-        keys = k[:1].float().repeat_interleave(groups, dim=1)  # [1, H, n, d]
-        scores = (q[:1] @ keys.transpose(-1, -2)) / math.sqrt(d)
-        causal = torch.arange(n, device=scores.device)[None, :] > positions.to(scores.device)[:, None]
-        scores.masked_fill_(causal, -math.inf)
-        total += scores.softmax(-1).mean(dim=(0, 1, 2)).cpu()
+        total += attention_received(q[:1], k[:1], positions).mean(dim=(0, 1)).cpu()
     return total / len(layers)
 
 

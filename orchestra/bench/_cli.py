@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -65,7 +65,7 @@ def bench(
                                                           "answer (default 24).")] = None,
     qa_repair_budget: Annotated[float, typer.Option("--qa-repair-budget", min=0.0, max=1.0, help="Tasks: repair "
                                                     "budget of the mapped+repair condition.")] = 0.1,
-    repair_costs: Annotated[str, typer.Option("--repair-costs", help="How repair budgets are priced: 'measured' "
+    repair_costs: Annotated[Literal["measured", "compute"], typer.Option("--repair-costs", help="How repair budgets are priced: 'measured' "
                                               "(the target's timed passes on this machine) or 'compute' "
                                               "(multiply-adds).")] = "measured",
     home: Annotated[Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -193,7 +193,7 @@ def evaluate_cmd(
                             "blocks (needs residual maps: `orchestra calibrate-repair`).")
     ] = 0.0,
     repair_costs: Annotated[
-        str, typer.Option("--repair-costs", help="How repair budgets and planned costs are priced: 'measured' (this "
+        Literal["measured", "compute"], typer.Option("--repair-costs", help="How repair budgets and planned costs are priced: 'measured' (this "
                           "machine's timed passes of the target, kept beside the mapping) or 'compute' "
                           "(multiply-adds).")
     ] = "measured",

@@ -614,7 +614,9 @@ class FamilyCache:
 
             src_cache = self.executor.run([source], _truncate_op, src_entry.cache, length)
             tail_ids = prefix[-tail:]
-            sinks = min(self.policy.sink_tokens, max(0, length - tail))  # never into the recomputed tail
+            # at least the sinks the map was fitted without (it is only good with them), never into the tail
+            wanted = max(self.policy.sink_tokens, _fitted_sinks(mapping))
+            sinks = min(wanted, max(0, length - tail))
             costs = None
             if repair is not None and (repair.adaptive or repair.budget > 0) and self.policy.repair_costs == "measured":
                 costs = self.executor.run([req.member], _costs_op, self._costs_dir())
@@ -744,6 +746,12 @@ class FamilyCache:
         opened = self.breaker.record(pair, passed, policy)
         return GateDecision(passed, "shadow", f"shadow KL {kl:.4f} {'<=' if passed else '>'} {policy.max_kl}"
                             + ("; breaker opened" if opened else ""), {"shadow_kl": kl, **self.breaker.stats(pair)})
+
+
+def _fitted_sinks(mapping: Any) -> int:
+    """The leading positions a mapping was fitted to have exact (its method's ``exact_sinks``; 0 if unknown)."""
+    method = getattr(getattr(mapping, "manifest", None), "method", None)
+    return int(getattr(method, "exact_sinks", 0) or 0)
 
 
 def _why(exc: BaseException) -> str:

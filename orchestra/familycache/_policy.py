@@ -27,7 +27,8 @@ class CachePolicy(BaseModel):
     """Trailing tokens recomputed on the target after a map; their logits feed the probe and shadow gates."""
     sink_tokens: int = Field(4, ge=0)
     """First positions of every mapped cache recomputed on the target (a forward of this many tokens): the
-    attention sinks, the worst-mapped positions; 0 keeps the pure map."""
+    attention sinks, the worst-mapped positions; at least the mapping's own ``exact_sinks`` (the positions it
+    was fitted without), so 0 keeps the pure map only for maps fitted on every position."""
     gate: GatePolicy = Field(default_factory=GatePolicy)
     """Gates applied to a mapped cache when the request names none."""
     repair: RepairPolicy | None = None

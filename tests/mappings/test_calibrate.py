@@ -35,6 +35,10 @@ def test_manifest_describes_the_calibration(tiny_mapping, corpus):
     layers = kv_shape(load(tiny_mapping.family.child).config).num_layers
     assert man.mapping_version == MAPPING_VERSION
     assert man.method.name == "anchored_kl"
+    # fitted as a FamilyCache serves it: sinks exact (not fitted, exact when judged), values attention-weighted;
+    # the stored statistics are the plain ones of every row, for refitting textbook baselines
+    assert man.method.exact_sinks == 4 and man.method.value_weights == "attention" and man.heldout["exact_sinks"] == 4
+    assert all(st.keys.n == st.values.n == TOKENS for st in tiny_mapping.mapping.stats)
     assert [e.target_layer for e in man.layer_plan] == list(range(layers))
     assert all(e.sources == [e.target_layer] for e in man.layer_plan)
     assert man.calibration.token_count == TOKENS and man.calibration.window == WINDOW

@@ -90,7 +90,8 @@ def test_repair_options_and_calibrate_repair(llama_family, tmp_path):
     calibrate(llama_family.parent, llama_family.child, [(p.name, p.read_text()) for p in
               (DATA / "apache-2.0.txt", DATA / "mpl-2.0.txt")], tokens=TOKENS, window=WINDOW, progress=False).save(path)
     base = ["evaluate", "--mapping", str(path), "--document", str(DATA / "gpl-3.txt"), "--prefix-tokens", "96",
-            "--suffix-tokens", "16", "--greedy-tokens", "0", "--tail-tokens", "0", "--no-layer-curves"]
+            "--suffix-tokens", "16", "--greedy-tokens", "0", "--tail-tokens", "0", "--no-layer-curves",
+            "--repair-costs", "compute"]  # a tiny model's every pass costs ~its prefill in seconds
     result = runner.invoke(app, [*base, "--repair", "0.5", "--repair-layers", "0.5"])
     assert result.exit_code == 2 and "RepairUnavailableError" in result.output and "calibrate-repair" in result.output
     result = runner.invoke(app, ["calibrate-repair", "--mapping", str(path), "--corpus", str(DATA / "apache-2.0.txt"),

@@ -42,18 +42,27 @@ def test_mapped_beats_source_reuse_on_an_unseen_document(tiny_report):
     assert tiny_report.row(f"anchored_kl+tail{TAIL}").kl <= reuse.kl * 1.05
 
 
-def test_sinks_row_is_the_map_with_its_first_positions_exact(tiny_report, tiny_mapping, document):
+def test_sinks_row_is_the_map_with_its_first_positions_exact(tiny_report, tiny_mapping, document, corpus):
     own, sinks = tiny_report.row("anchored_kl"), tiny_report.row("anchored_kl+sinks4")
     assert sinks.kl != own.kl  # the same map, four positions changed: the scores move
     assert sinks.prefill_seconds > 0 and 0 < sinks.cost_fraction < 0.05 and sinks.token_share == pytest.approx(4 / PREFIX)
-    bare = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=0,
-                    sink_tokens=0, greedy_tokens=0, layer_curves=False, baselines=(), repair_costs="compute")
+    # a map fitted without its sinks is only served with them: asking for none still scores the served row
+    forced = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=0,
+                      sink_tokens=0, greedy_tokens=0, layer_curves=False, baselines=(), repair_costs="compute")
+    assert [r.method for r in forced.methods] == ["reprefill", "anchored_kl", "anchored_kl+sinks4"]
+    fam = tiny_mapping.family
+    plain = calibrate(fam.parent, fam.child, corpus, method="anchored", tokens=TOKENS, window=WINDOW, progress=False)
+    assert plain.manifest.method.exact_sinks == 0
+    bare = evaluate(plain, document, source=fam.parent, target=fam.child, prefix_tokens=PREFIX, suffix_tokens=SUFFIX,
+                    tail_tokens=0, sink_tokens=0, greedy_tokens=0, layer_curves=False, baselines=(),
+                    repair_costs="compute")
     assert not any("+sinks" in r.method for r in bare.methods)
 
 
 def test_accumulation_ends_at_the_full_mapping(tiny_report):
+    """The curves are of the served cache (its sinks exact): every layer mapped is the +sinks row."""
     last = tiny_report.accumulation[-1]
-    assert last.kl == pytest.approx(tiny_report.row("anchored_kl").kl, rel=1e-4, abs=1e-7)
+    assert last.kl == pytest.approx(tiny_report.row("anchored_kl+sinks4").kl, rel=1e-4, abs=1e-7)
     assert tiny_report.accumulation[0].kl == pytest.approx(tiny_report.single_layer[0].kl, rel=1e-6, abs=1e-9)
 
 
@@ -139,11 +148,13 @@ def test_repair_rows_trace_the_quality_cost_curve(tiny_mapping, document):
     for b, r in zip(budgets, rows, strict=True):
         assert b - 2.0 / PREFIX < r.cost_fraction <= b + 1e-9  # one more tail token would pass the budget
         assert r.cost_fraction == r.repair["cost"] and r.token_share == r.repair["token_share"]
-        assert r.token_share == pytest.approx(r.repair["tokens"] / PREFIX) and r.prefill_seconds > 0
-        assert r.repair["tokens"] <= round(b * PREFIX)
-    assert rows[2].repair["tokens"] == PREFIX and rows[2].cost_fraction == pytest.approx(1.0)
-    tail_row = report.row(f"anchored_kl+tail{TAIL}")
-    assert tail_row.token_share == pytest.approx(TAIL / PREFIX) and tail_row.cost_fraction > tail_row.token_share
+        # the repair starts from the served cache: its 4 exact sinks are paid in the plan, never recomputed
+        assert r.repair["exact"] == 4 and r.prefill_seconds > 0
+        assert r.token_share == pytest.approx((r.repair["tokens"] + 4) / PREFIX)
+        assert r.repair["tokens"] + 4 <= round(b * PREFIX)
+    assert rows[2].repair["tokens"] == PREFIX - 4 and rows[2].cost_fraction == pytest.approx(1.0)
+    tail_row = report.row(f"anchored_kl+tail{TAIL}")  # the served cache's sinks and the tail
+    assert tail_row.token_share == pytest.approx((TAIL + 4) / PREFIX) and tail_row.cost_fraction > tail_row.token_share
     # half the tokens recomputed (the trailing half): clearly below the pure map on every tiny family
     assert rows[1].kl < own.kl * 0.8
     assert rows[2].kl == pytest.approx(0.0, abs=1e-6) and rows[2].top1 == 1.0
@@ -166,7 +177,7 @@ def test_repair_rows_share_one_map_and_report_measured_cost(tiny_mapping, docume
     report = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
                       greedy_tokens=0, layer_curves=False, baselines=("identity",),
                       repairs=[RepairPolicy(budget=b) for b in (0.1, 0.25, 0.5)], repair_costs="compute")
-    assert len(calls) == 4  # identity, the own map, and the two tail rows: no map per repair row
+    assert len(calls) == 3  # identity, the own map and the identity's tail row: the own tail and repairs reuse it
     own = report.row("anchored_kl")
     assert report.row("reprefill").measured_cost == 1.0 and own.measured_cost == 0.0
     assert report.row(f"anchored_kl+tail{TAIL}").measured_cost > 0
@@ -191,7 +202,7 @@ def test_measured_costs_price_the_plans_and_are_kept_beside_the_mapping(tiny_map
     assert costs.key["fingerprint"] == report.target["fingerprint"]["combined"]
     assert report.pass_costs["per_pass"] == costs.per_pass
     tail_row = report.row(f"anchored_kl+tail{TAIL}")
-    assert tail_row.cost_fraction == pytest.approx(costs.share(PREFIX, range(PREFIX - TAIL, PREFIX)))
+    assert tail_row.cost_fraction == pytest.approx(costs.share(PREFIX, [*range(4), *range(PREFIX - TAIL, PREFIX)]))
     full = report.row("anchored_kl+repair@100%")
-    assert full.repair["costs"] == "measured" and full.repair["tokens"] == PREFIX
+    assert full.repair["costs"] == "measured" and full.repair["tokens"] == PREFIX - 4 and full.repair["exact"] == 4
     assert full.cost_fraction == pytest.approx(1.0)  # a full recompute is one prefill in any measure

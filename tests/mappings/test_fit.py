@@ -124,6 +124,24 @@ def test_streaming_equals_one_shot(gen):
     torch.testing.assert_close(f1[0], f2[0])
 
 
+def test_weighted_rows_count_as_repeated_rows(gen):
+    """A row of weight 2 is that row twice; weight 0 drops it; the weights' total is the row count."""
+    x, w, b = _data(gen)
+    y = x @ w + b + 0.1 * torch.randn(3000, 8, generator=gen, dtype=torch.float64)
+    weights = torch.ones(3000, dtype=torch.float64)
+    weights[:500], weights[500:1000] = 2.0, 0.0
+    weighted = RegressionStats.zeros(12, 8)
+    weighted.update(x, y, weights)
+    repeated = RegressionStats.from_data(torch.cat([x[:500], x[:500], x[1000:]]), torch.cat([y[:500], y[:500], y[1000:]]))
+    assert weighted.n == repeated.n == 3000
+    for name in ("sum_x", "sum_y", "xtx", "xty", "yty"):
+        torch.testing.assert_close(getattr(weighted, name), getattr(repeated, name))
+    torch.testing.assert_close(fit_linear(weighted, alpha=0.1, bias="regularized")[0],
+                               fit_linear(repeated, alpha=0.1, bias="regularized")[0])
+    with pytest.raises(ValueError, match="weights have shape"):
+        weighted.update(x, y, weights[:10])
+
+
 def test_errors_from_statistics_match_direct_computation(gen):
     x, w, b = _data(gen)
     y = x @ w + b + 0.1 * torch.randn(3000, 8, generator=gen, dtype=torch.float64)

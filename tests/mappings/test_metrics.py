@@ -54,6 +54,25 @@ def test_attention_output_handles_gqa_and_causality():
     torch.testing.assert_close(out[0, 0, 16:24], v[0, 1, 0])
 
 
+def test_attention_received_is_causal_softmax_weight_per_kv_head():
+    from mappings.metrics import attention_received
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
+    positions = torch.tensor([5, 8, 9])
+    got = attention_received(q, k, positions, 0.3)
+    assert got.shape == (2, 2, 10)
+    want = torch.zeros(2, 2, 10)
+    for b in range(2):
+        for h in range(4):
+            for j, pos in enumerate(positions.tolist()):
+                weights = torch.softmax(q[b, h, j] @ k[b, h // 2, : pos + 1].T * 0.3, -1)
+                want[b, h // 2, : pos + 1] += weights / (2 * 3)  # two query heads per KV head, three queries
+    torch.testing.assert_close(got, want)
+    assert float(got[..., 6:].sum()) > 0 and torch.all(got[..., 9] > 0)  # later keys: only the queries after them
+    torch.testing.assert_close(got.sum(-1), torch.ones(2, 2))
+
+
 def test_mean_kl_and_tail_nll_match_their_definitions():
     g = torch.Generator().manual_seed(1)
     p, q = torch.randn(6, 13, generator=g), torch.randn(6, 13, generator=g)

@@ -84,8 +84,11 @@ def test_repair_table_shows_planned_token_share_and_measured_side_by_side():
                     measured_cost=0.105, token_share=0.071, map_share=0.009, tokens=291),
     ])
     md = "\n".join(repair_markdown(section))
-    assert ("| pair | policy | KL | top-1 | top-5 | planned (compute) | token share | measured | measured / planned "
-            "| map | other | tokens | layer blocks |") in md
+    assert ("| pair | policy | KL | top-1 | top-5 | planned (measured) | token share | measured | measured / planned "
+            "| map | other | tokens | layer blocks |") in md  # budgets priced by timed passes unless told otherwise
+    assert "timed pass costs on this machine" in md
+    compute = section.model_copy(update={"config": RepairConfig(pairs=[], length=4096, costs="compute")})
+    assert "| planned (compute) |" in "\n".join(repair_markdown(compute))
     assert "| a>b | repair@10% | 0.0060 | 0.970 | 1.000 | 9.8% | 7.1% | 10.5% | 1.07x | 0.9% | 0.0% | 291 | - |" in md
     assert "| a>b | map | 0.0400 | 0.900 | 0.990 | 0.0% | 0.0% | 0.0% | - | 0.9% |" in md
     assert "repair@10%, KL 0.0060, top-1 0.970, planned cost 9.8%, measured 10.5%" in md

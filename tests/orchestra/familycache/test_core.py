@@ -275,3 +275,17 @@ def test_repair_budgets_are_priced_in_the_targets_timed_passes(registry, mapstor
             fingerprint = registry.info("child").fingerprint
             stored = list(costs_dir.glob(f"{fingerprint[:16]}-*.json"))
             assert len(stored) == 1 and PassCosts.load(stored[0]).key["fingerprint"] == fingerprint
+
+
+def test_a_map_fitted_without_its_sinks_is_served_with_them(registry, mapstore):
+    """sink_tokens=0 asks for the pure map, but a map whose method left the first positions out of its fit
+    (anchored_kl's exact_sinks) is only good with them exact: the cache makes them exact anyway."""
+    cache = _family_cache(registry, mapstore, sink_tokens=0)
+    doc = _ids(registry, data_text("gpl-3.txt")[:900])[:200]
+    cache.acquire_sync("base", doc).release()
+    steps = []
+    with cache.acquire_sync("child", doc, on_step=steps.append) as lease:
+        assert lease.path == "mapped"
+        mapping = cache._mapping("base", "child")
+    assert mapping.manifest.method.exact_sinks == 4
+    assert next(s for s in steps if s.step == "map").detail["exact_sinks"] == 4

@@ -15,6 +15,16 @@ TAIL = 16
 
 
 @pytest.fixture(scope="module")
+def mapstore(tmp_path_factory):
+    """Maps fitted on every position (`anchored`: no exact sinks), so with sink_tokens=0 the passes counted
+    below are the ladder's alone (a served map's sinks are the map step's: test_core)."""
+    from orchestra.mapstore import MappingStore
+
+    corpus = [("mpl", data_text("mpl-2.0.txt")[:6000]), ("apache", data_text("apache-2.0.txt")[:6000])]
+    return MappingStore(tmp_path_factory.mktemp("plain-maps"), tokens=2048, corpus=corpus, method="anchored")
+
+
+@pytest.fixture(scope="module")
 def registry(fam):
     return ModelRegistry({"base": str(fam.parent), "child": str(fam.child)}, default_device="cpu")
 

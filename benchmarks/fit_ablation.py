@@ -1,0 +1,134 @@
+"""What each calibration change buys a served map (issue 16, goal 1): one change at a time, same data.
+
+    python benchmarks/fit_ablation.py [--member finetuned ...] [--tokens 8192] [--home DIR] [--out DIR]
+
+For each member the root -> member mapping is calibrated three times on the same corpus and budget
+as `orchestra family calibrate` (MPL-2.0, Apache-2.0 and GFDL-1.3; 8,192 fitting tokens in
+windows of 512), changing one thing at a time from the method as shipped before this change:
+
+- ``before``: every row fitted alike, per-layer λ chosen by the target's held-out KL over the
+  map as it comes out;
+- ``judged with sinks``: the first 4 positions left out of the fit and made the target's own when
+  the KL selection scores a candidate, as a FamilyCache serves every mapped cache;
+- ``+ attention values``: also value rows weighed by the attention the target's last 128 queries
+  of each window pay them (half attention, half uniform): the method's default now.
+
+Every mapping is then scored with ``mappings.evaluate`` on the held-out GPL-3 text, which
+calibration never sees, as served (``+sinks4``: the first 4 positions exact) and as a pure map:
+
+- ``test``: `benchmarks/evaluate_family.py`'s windows, 2 x (3,584 + 128 scored) from token 0;
+- ``dev``: 1 window of 3,584 + 128 from token 1,800, whose 128 scored tokens are none of the test
+  windows' (the changes were picked on it and on the test windows; a second look at other text).
+
+Writes benchmarks/results/fit_ablation.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {
+    "before": {"exact_sinks": 0, "value_weights": "uniform"},
+    "judged with sinks": {"exact_sinks": 4, "value_weights": "uniform"},
+    "+ attention values": {"exact_sinks": 4, "value_weights": "attention"},
+}
+PREFIX, SUFFIX, DEV_OFFSET, SINKS = 3584, 128, 1800, 4
+
+
+def measure(role: str, tokens: int, home: str | None) -> dict[str, Any]:
+    from mappings.calibrate import calibrate
+    from mappings.compat import check_pair
+    from mappings.evaluate import evaluate
+    from mappings.methods import resolve_method
+    from mappings.models import load_model
+    from orchestra.family import load_family
+    from orchestra.texts import CALIBRATION_TEXTS, HELDOUT_TEXT, data_text
+
+    family = load_family(home)
+    root = next(m for m in family.members.values() if m.role == "root")
+    member = next(m for m in family.members.values() if m.role == role)
+    src = load_model(family.member_path(root.name))
+    tgt = load_model(family.member_path(member.name))
+    card = check_pair(src.model, src.tokenizer, tgt.model, tgt.tokenizer)
+    base = resolve_method("auto", same_kv_shape=card.same_kv_shape, same_kv_heads=card.same_kv_heads,
+                          same_depth=card.same_depth)
+    corpus = [(name, data_text(name)) for name in CALIBRATION_TEXTS]
+    ids = tgt.tokenizer(data_text(HELDOUT_TEXT), add_special_tokens=False)["input_ids"]
+    rows = []
+    for label, change in VARIANTS.items():
+        spec = base.model_copy(update=change)
+        t0 = time.perf_counter()
+        mapping = calibrate(src, tgt, corpus, method=spec, tokens=tokens, window=512, progress=False)
+        seconds = time.perf_counter() - t0
+        row: dict[str, Any] = {"variant": label, "method": spec.name, **change, "calibration_seconds": seconds,
+                               "heldout_kl": mapping.manifest.heldout["kl"]}
+        for split, doc, windows in (("test", ids, 2), ("dev", ids[DEV_OFFSET:], 1)):
+            report = evaluate(mapping, doc, source=src, target=tgt, prefix_tokens=PREFIX, suffix_tokens=SUFFIX,
+                              windows=windows, tail_tokens=0, greedy_tokens=0, baselines=(), layer_curves=False,
+                              sink_tokens=SINKS, document_name=HELDOUT_TEXT, repair_costs="compute")
+            pure, served = report.row(spec.name), report.row(f"{spec.name}+sinks{SINKS}")
+            row[split] = {"kl": served.kl, "top1": served.top1, "pure_kl": pure.kl, "pure_top1": pure.top1}
+        print(f"{role} {label}: test KL {row['test']['kl']:.4f} / top-1 {row['test']['top1']:.3f}, "
+              f"dev {row['dev']['kl']:.4f} / {row['dev']['top1']:.3f} ({seconds:.0f} s)", flush=True)
+        rows.append(row)
+    return {"member": role, "name": member.name, "method": base.name, "rows": rows}
+
+
+def markdown(results: list[dict[str, Any]], command: str, tokens: int = 8192) -> str:
+    lines = [
+        "# What each calibration change buys a served map", "",
+        f"Command: `{command}`", "",
+        f"Root -> member mappings calibrated three times on the same data ({tokens:,} tokens of MPL-2.0, Apache-2.0 "
+        "and GFDL-1.3 in windows of 512), one change at a time; scored on the held-out GPL-3 text as served "
+        f"(first {SINKS} positions exact) and as a pure map. test = 2 windows of {PREFIX} + {SUFFIX} scored tokens "
+        f"from token 0 (`evaluate_family.py`'s); dev = 1 window from token {DEV_OFFSET} (other scored tokens). "
+        "KL in nats per token against the member's own prefill; lower is better.", "",
+        "| member | variant | test KL | test top-1 | dev KL | dev top-1 | pure map test KL | held-out KL "
+        "(calibration) | calibration s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        for r in res["rows"]:
+            lines.append(f"| {res['member']} ({res['method']}) | {r['variant']} | {r['test']['kl']:.4f} | "
+                         f"{r['test']['top1']:.3f} | {r['dev']['kl']:.4f} | {r['dev']['top1']:.3f} | "
+                         f"{r['test']['pure_kl']:.4f} | {r['heldout_kl']:.4f} | {r['calibration_seconds']:.0f} |")
+    lines += ["", "Change from `before` to the default (`+ attention values`), served KL:", ""]
+    for res in results:
+        first, last = res["rows"][0], res["rows"][-1]
+        parts = [f"{split} {first[split]['kl']:.4f} -> {last[split]['kl']:.4f} "
+                 f"({last[split]['kl'] / first[split]['kl'] - 1:+.0%})" for split in ("test", "dev")]
+        lines.append(f"- {res['member']}: " + "; ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mappings.atomic import write_atomic
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--member", action="append", help="member role (repeat); default every non-root member")
+    parser.add_argument("--tokens", type=int, default=8192, help="fitting tokens per calibration")
+    parser.add_argument("--home", default=None)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    results = [measure(role, args.tokens, args.home)
+               for role in args.member or ["finetuned", "int8", "quantized", "distilled"]]
+    command = ("python benchmarks/fit_ablation.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "fit_ablation.json", json.dumps({"command": command, "results": results}, indent=2))
+    md = markdown(results, command, args.tokens)
+    write_atomic(args.out / "fit_ablation.md", md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""benchmarks/fit_ablation.py: the variants are the method's defaults one change at a time; the table reads them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def fa():
+    spec = importlib.util.spec_from_file_location("fit_ablation", ROOT / "benchmarks" / "fit_ablation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_variants_walk_from_the_old_method_to_the_default(fa):
+    from mappings.methods import METHODS
+
+    variants = list(fa.VARIANTS.values())
+    assert variants[0] == {"exact_sinks": 0, "value_weights": "uniform"}  # every row alike: the method before
+    for name in ("anchored_kl", "ridge_kl"):
+        spec = METHODS[name]
+        assert variants[-1] == {"exact_sinks": spec.exact_sinks, "value_weights": spec.value_weights}
+    for a, b in zip(variants, variants[1:], strict=False):  # one change at a time
+        assert sum(a[k] != b[k] for k in a) == 1
+
+
+def test_table_and_summary_read_the_rows(fa):
+    def row(label, test, dev):
+        return {"variant": label, "heldout_kl": 0.01, "calibration_seconds": 60.0,
+                "test": {"kl": test, "top1": 0.94, "pure_kl": test * 1.4, "pure_top1": 0.92},
+                "dev": {"kl": dev, "top1": 0.97, "pure_kl": dev * 1.4, "pure_top1": 0.95}}
+
+    results = [{"member": "finetuned", "name": "m", "method": "anchored_kl",
+                "rows": [row("before", 0.0160, 0.0200), row("judged with sinks", 0.0140, 0.0125),
+                         row("+ attention values", 0.0120, 0.0116)]}]
+    md = fa.markdown(results, "python benchmarks/fit_ablation.py", 4096)
+    assert "| finetuned (anchored_kl) | before | 0.0160 | 0.940 | 0.0200 | 0.970 | 0.0224 |" in md
+    assert "- finetuned: test 0.0160 -> 0.0120 (-25%); dev 0.0200 -> 0.0116 (-42%)" in md
+    assert "4,096 tokens" in md
