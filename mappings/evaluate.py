@@ -217,7 +217,8 @@ def evaluate(
     from that served cache, as a FamilyCache's paths do. ``repair_costs``: how the repair rows' budgets
     and every row's planned ``cost`` are priced: ``measured`` (the target's timed passes on this machine,
     :func:`mappings.passcost.load_or_measure`, kept in ``pass-costs/`` beside the mapping, as a FamilyCache
-    prices them) or ``compute`` (multiply-adds from the target's config).
+    prices them) or ``compute`` (multiply-adds from the target's config). Timings are only taken when there
+    are repair rows; without them every planned cost is in compute (the report's ``pass_costs`` is None).
     """
     import torch
     from tqdm.auto import tqdm
@@ -273,7 +274,7 @@ def evaluate(
     if repair_costs not in ("measured", "compute"):
         raise ValueError(f"repair_costs is 'measured' or 'compute', not {repair_costs!r}")
     costs = None
-    if repair_costs == "measured":
+    if repair_costs == "measured" and repairs:  # timing a target (a minute on CPU) pays only where budgets need it
         from mappings.passcost import load_or_measure
 
         where = Path(mapping_dir).parent / "pass-costs" if mapping_dir is not None else None
@@ -334,7 +335,7 @@ def evaluate(
         methods=results, skipped=skipped, single_layer=single, accumulation=accum,
         pass_costs=None if costs is None else {
             "per_pass": costs.per_pass, "per_token": costs.per_token, "per_key": costs.per_key,
-            "per_copied": costs.per_copied, "fit_error": costs.fit_error, "key": costs.key,
+            "per_past_key": costs.per_past_key, "per_copied": costs.per_copied, "fit_error": costs.fit_error, "key": costs.key,
             "predicted_prefill_seconds": costs.prefill_seconds(n)},
     )
 

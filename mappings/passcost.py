@@ -7,13 +7,19 @@ the bundled family that made a 5 % plan cost 6.5-12 % measured. A :class:`PassCo
 from a dozen timed passes of the model itself and prices the passes :func:`~mappings.recompute.token_passes`
 lists, so a budget means a share of the target's own prefill *seconds*:
 
-    seconds = per_pass * passes + per_token * tokens + per_key * keys scored + per_copied * positions copied
+    seconds = per_pass * passes + per_token * tokens + per_key * causal keys + per_past_key * cached keys
+              + per_copied * positions copied
 
-``keys`` is what the compute measure counts for attention (a causal pass of ``q`` tokens from
-position 0 scores ``q (q + 1) / 2`` keys, a pass of ``q`` tokens over ``p`` cached ones ``q (p + q)``);
-``positions copied`` is what a repair copies into its fresh output once per call: every position
-before its trailing run (none for a prefill). The fit is a non-negative least squares on relative error, so the 4-token
-sink pass weighs as much as the 2,048-token prefill. :func:`measure_pass_costs` times the passes;
+A pass of ``q`` tokens over ``p`` cached ones scores ``q (q + 1) / 2`` keys among its own tokens
+(``causal keys``, what a prefill is made of) and ``q p`` cached keys. The two are priced apart:
+on a CPU a prefill's blocked causal attention runs from cache, while a tail's queries read every
+cached K/V of every layer, which costs more per key as the cache outgrows the processor's caches
+(measured on the bundled family: a tail token over 3,584 cached keys costs 1.6x per key what it
+does over 2,048). ``positions copied`` is what a repair copies into its fresh output once per call:
+every position before its trailing run (none for a prefill). The fit is a non-negative least
+squares on relative error, so the 4-token sink pass weighs as much as the longest prefill, and
+the passes are timed at the document lengths repairs run at (up to 4,096 tokens), so long
+documents are interpolated rather than extrapolated. :func:`measure_pass_costs` times the passes;
 :class:`PassCosts` saves to and loads from JSON, keyed by what changes the timings (model
 fingerprint, device, dtype, attention kernel, torch threads and version).
 """
@@ -34,23 +40,26 @@ from typing import Any
 __all__ = ["PassCosts", "CostModel", "measure_pass_costs", "load_or_measure", "pass_features", "prefill_features",
            "costs_key"]
 
-PASSCOST_VERSION = 1
+PASSCOST_VERSION = 2
 
 
 def pass_features(n: int, tokens: Sequence[int], *, flash: bool = False, copy: bool = True) -> tuple[float, ...]:
-    """(passes, tokens, keys scored, positions copied) of a repair recomputing ``tokens`` of an ``n``-token cache."""
+    """(passes, tokens, causal keys, cached keys, positions copied) of a repair recomputing ``tokens`` of an
+    ``n``-token cache."""
     from mappings.recompute import runs, token_passes
 
     passes = token_passes(n, tokens, flash=flash)
-    keys = sum(q * (past + q) if past else q * (q + 1) / 2 for q, past in passes)
+    causal = sum(q * (q + 1) / 2 for q, _ in passes)
+    cached = sum(q * past for q, past in passes)
     spans = runs(tokens)
     kept = spans[-1][0] if spans and spans[-1][1] == n else n  # copied: every position before the trailing run
-    return (float(len(passes)), float(sum(q for q, _ in passes)), float(keys), float(kept if copy and passes else 0))
+    return (float(len(passes)), float(sum(q for q, _ in passes)), float(causal), float(cached),
+            float(kept if copy and passes else 0))
 
 
 def prefill_features(n: int) -> tuple[float, ...]:
-    """(passes, tokens, keys scored, positions copied) of a causal prefill of ``n`` tokens."""
-    return (1.0, float(n), n * (n + 1) / 2, 0.0)
+    """(passes, tokens, causal keys, cached keys, positions copied) of a causal prefill of ``n`` tokens."""
+    return (1.0, float(n), n * (n + 1) / 2, 0.0, 0.0)
 
 
 class CostModel(ABC):
@@ -77,7 +86,9 @@ class PassCosts(CostModel):
     per_token: float
     """Seconds per token through the layers (projections and MLP)."""
     per_key: float
-    """Seconds per key a query scores (attention)."""
+    """Seconds per key a query scores among the pass's own tokens (causal attention, what a prefill does)."""
+    per_past_key: float
+    """Seconds per cached key a query scores (a tail over the mapped cache reads every cached K/V)."""
     per_copied: float
     """Seconds per cache position a repair copies into its fresh output (once per repair)."""
     key: dict[str, str] = field(default_factory=dict)
@@ -89,8 +100,9 @@ class PassCosts(CostModel):
     kind: str = "measured"
 
     def seconds(self, features: Sequence[float]) -> float:
-        """Predicted seconds of a pass (or repair) with these (passes, tokens, keys, copied) features."""
-        coef = (self.per_pass, self.per_token, self.per_key, self.per_copied)
+        """Predicted seconds of a pass (or repair) with these (passes, tokens, causal keys, cached keys, copied)
+        features."""
+        coef = (self.per_pass, self.per_token, self.per_key, self.per_past_key, self.per_copied)
         return float(sum(c * f for c, f in zip(coef, features, strict=True)))
 
     def prefill_seconds(self, n: int) -> float:
@@ -149,7 +161,7 @@ def costs_key(model: Any, fingerprint: str) -> dict[str, str]:
 
 
 def _nnls(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
-    """Non-negative least squares by active set (four unknowns: dropping negatives one at a time suffices)."""
+    """Non-negative least squares by active set (five unknowns: dropping negatives one at a time suffices)."""
     import torch
 
     a = torch.tensor(rows, dtype=torch.float64)
@@ -166,13 +178,15 @@ def _nnls(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
     return [0.0] * a.shape[1]
 
 
-def measure_pass_costs(model: Any, *, max_tokens: int = 2048, repeats: int = 2, key: dict[str, str] | None = None,
+def measure_pass_costs(model: Any, *, max_tokens: int = 4096, repeats: int = 2, key: dict[str, str] | None = None,
                        seed: int = 0) -> PassCosts:
     """Time ``model``'s prefills and repair passes on random tokens and fit a :class:`PassCosts`.
 
-    Prefills of ``max_tokens / 8 .. max_tokens`` (capped by the model's positions) and repairs of
-    the largest cache shaped as plans are (sinks, a tail, sinks and a tail, a scattered run), each
-    the fastest of ``repeats`` runs after a warm-up. About six prefills of the largest length in all.
+    Prefills of ``max_tokens / 8 .. max_tokens`` (capped by the model's positions) and repairs shaped
+    as plans are (sinks, tails, sinks and a tail, a scattered run) of the largest cache, and tails of
+    the half-length one (so cached keys are priced at two cache sizes), each the fastest of
+    ``repeats`` runs after a warm-up (the longest prefill runs once). About four prefills of the largest
+    length in all: 45-70 s for a 135M model at 4,096 tokens on 2 CPU cores.
     """
     import torch
 
@@ -187,32 +201,36 @@ def measure_pass_costs(model: Any, *, max_tokens: int = 2048, repeats: int = 2, 
     dev = model_device(model)
     flash = "flash" in str(getattr(model.config, "_attn_implementation", None) or "")
 
-    def timed(fn) -> float:
-        best = math.inf
-        for _ in range(repeats):
+    def timed(fn, times: int = repeats) -> tuple[float, Any]:
+        best, out = math.inf, None
+        for _ in range(times):
             t0 = time.perf_counter()
-            fn()
+            out = fn()
             sync_device(dev)
             best = min(best, time.perf_counter() - t0)
-        return best
+        return best, out
 
     rows: list[tuple[float, ...]] = []
     ys: list[float] = []
     labels: list[str] = []
     with torch.no_grad():
         forward_with_cache(model, ids[:, : min(n, 32)], None, logits_to_keep=1)  # warm-up: allocations, kernels
+        cache = None
         for m in sorted({max(8, n // 8), max(8, n // 4), max(8, n // 2), n}):
-            secs = timed(lambda m=m: forward_with_cache(model, ids[:, :m], None, logits_to_keep=1))
+            # the longest prefill is timed once (seconds long, it varies least) and its cache is the repairs' own
+            secs, out = timed(lambda m=m: forward_with_cache(model, ids[:, :m], None, logits_to_keep=1),
+                              1 if m == n else repeats)
             rows.append(prefill_features(m))
             ys.append(secs)
             labels.append(f"prefill {m}")
-        _, cache, _ = forward_with_cache(model, ids, None, logits_to_keep=1)
+            cache = out[1]
         layers = list(cache_layers(cache))
         sink = min(4, n // 8)
         mid = n // 2
         plans = {
             "sinks": range(sink),
             "tail 16": range(n - 16, n),
+            f"tail {n // 16}": range(n - n // 16, n),
             f"tail {n // 8}": range(n - n // 8, n),
             "sinks + tail 64": [*range(sink), *range(n - 64, n)],
             f"sinks + tail {n // 4}": [*range(sink), *range(n - n // 4, n)],
@@ -220,15 +238,22 @@ def measure_pass_costs(model: Any, *, max_tokens: int = 2048, repeats: int = 2, 
         }
         for name, tokens in plans.items():
             pos = sorted(set(tokens))
-            secs = timed(lambda pos=pos: repair_tokens_and_logits(model, layers, ids, pos))
+            secs, _ = timed(lambda pos=pos: repair_tokens_and_logits(model, layers, ids, pos))
             rows.append(pass_features(n, pos, flash=flash))
             ys.append(secs)
             labels.append(name)
+        half = [(k[:, :, :mid], v[:, :, :mid]) for k, v in layers]
+        for q in (max(8, mid // 16), max(8, mid // 8)):
+            pos = list(range(mid - q, mid))
+            secs, _ = timed(lambda pos=pos: repair_tokens_and_logits(model, half, ids[:, :mid], pos))
+            rows.append(pass_features(mid, pos, flash=flash))
+            ys.append(secs)
+            labels.append(f"tail {q} of {mid}")
     # Relative error: divide every row by its seconds, so small passes weigh as much as prefills.
     coef = _nnls([tuple(f / y for f in r) for r, y in zip(rows, ys, strict=True)], [1.0] * len(ys))
     costs = PassCosts(*coef, key=dict(key or {}), flash=flash)
-    samples = [{"pass": label, "passes": r[0], "tokens": r[1], "keys": r[2], "copied": r[3], "seconds": y,
-                "fitted": costs.seconds(r)} for label, r, y in zip(labels, rows, ys, strict=True)]
+    samples = [{"pass": label, "passes": r[0], "tokens": r[1], "keys": r[2], "cached_keys": r[3], "copied": r[4],
+                "seconds": y, "fitted": costs.seconds(r)} for label, r, y in zip(labels, rows, ys, strict=True)]
     return PassCosts(*coef, key=dict(key or {}), samples=samples, flash=flash)
 
 
@@ -236,7 +261,7 @@ _MEASURED: dict[tuple[tuple[str, str], ...], PassCosts] = {}
 _MEASURED_LOCK = threading.Lock()
 
 
-def load_or_measure(model: Any, fingerprint: str, directory: str | Path | None, *, max_tokens: int = 2048,
+def load_or_measure(model: Any, fingerprint: str, directory: str | Path | None, *, max_tokens: int = 4096,
                     log: Any = None) -> PassCosts:
     """``model``'s pass costs: kept from earlier in this process, read from ``directory``, or measured now and stored.
 

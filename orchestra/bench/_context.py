@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 __all__ = ["Pair", "BenchFamily", "parse_pairs", "BUNDLED_ALIASES", "FORWARD_PAIRS", "REVERSE_PAIRS"]
 
 # The bundled family by role: roles are stable across rebuilds, member names may not be.
-BUNDLED_ALIASES = {"root": "root", "finetuned": "finetuned", "quantized": "quantized", "distilled": "distilled"}
-FORWARD_PAIRS = ("root>finetuned", "root>quantized", "root>distilled")
-REVERSE_PAIRS = ("finetuned>root", "quantized>root", "distilled>root")
+BUNDLED_ALIASES = {"root": "root", "finetuned": "finetuned", "int8": "int8", "quantized": "quantized",
+                   "distilled": "distilled"}
+FORWARD_PAIRS = ("root>finetuned", "root>int8", "root>quantized", "root>distilled")
+REVERSE_PAIRS = ("finetuned>root", "int8>root", "quantized>root", "distilled>root")
 
 
 class Pair(BaseModel):

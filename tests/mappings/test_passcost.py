@@ -13,19 +13,22 @@ from mappings.repair import RepairPolicy, climb_repair, compute_share, plan_repa
 from tests.mappings.conftest import load
 
 
-def _costs(per_pass: float = 0.0, per_token: float = 1.0, per_key: float = 0.0, per_copied: float = 0.0) -> PassCosts:
-    return PassCosts(per_pass, per_token, per_key, per_copied)
+def _costs(per_pass: float = 0.0, per_token: float = 1.0, per_key: float = 0.0, per_copied: float = 0.0,
+           per_past_key: float | None = None) -> PassCosts:
+    return PassCosts(per_pass=per_pass, per_token=per_token, per_key=per_key,
+                     per_past_key=per_key if per_past_key is None else per_past_key, per_copied=per_copied)
 
 
 def test_features_count_what_the_repair_passes_do():
     n = 100
     tokens = [0, 1, 2, 3, *range(90, 100)]
-    passes, toks, keys, copied = pass_features(n, tokens)
+    passes, toks, causal, cached, copied = pass_features(n, tokens)
     assert token_passes(n, tokens) == [(4, 0), (10, 90)]
     assert (passes, toks, copied) == (2, 14, 90)  # the copy: the positions before the tail
-    assert keys == 4 * 5 / 2 + 10 * (90 + 10)  # a causal pass from 0, then ten queries over 100 keys
-    assert pass_features(n, tokens, copy=False)[3] == 0 and pass_features(n, [])[0] == 0
-    assert prefill_features(8) == (1, 8, 36, 0)
+    assert causal == 4 * 5 / 2 + 10 * 11 / 2  # each pass's queries among its own tokens
+    assert cached == 10 * 90  # the tail's ten queries over the 90 cached positions
+    assert pass_features(n, tokens, copy=False)[4] == 0 and pass_features(n, [])[0] == 0
+    assert prefill_features(8) == (1, 8, 36, 0, 0)
 
 
 def test_a_per_pass_overhead_makes_small_plans_cost_more_than_their_compute():
@@ -69,7 +72,9 @@ def test_measured_costs_fit_the_timed_passes_and_price_plans(tiny_family, tmp_pa
     assert costs.prefill_seconds(256) >= costs.prefill_seconds(32) > 0  # timings: no strict order asserted
     assert {s["pass"] for s in costs.samples} >= {"prefill 256", "sinks", "tail 16"}
     for s in costs.samples:  # the fit reproduces what it was given
-        assert s["fitted"] == pytest.approx(costs.seconds((s["passes"], s["tokens"], s["keys"], s["copied"])))
+        assert s["fitted"] == pytest.approx(
+            costs.seconds((s["passes"], s["tokens"], s["keys"], s["cached_keys"], s["copied"])))
+    assert {"tail 8 of 128", "tail 16 of 128"} <= {s["pass"] for s in costs.samples}  # cached keys at two sizes
     share = costs.share(256, range(256 - 32, 256))
     assert share > 0
     # JSON round trip, and a file for other settings is not used

@@ -42,11 +42,11 @@ def test_quick_and_full_defaults():
 
     quick = BenchConfig(quick=True).resolved()
     assert quick.lengths == [512, 1024] and quick.windows == 1 and quick.pipeline_agents == [2]
-    assert quick.pairs == ["root>finetuned", "root>quantized", "root>distilled", "finetuned>root"]
+    assert quick.pairs == ["root>finetuned", "root>int8", "root>quantized", "root>distilled", "finetuned>root"]
     full = BenchConfig().resolved()
     assert full.lengths == [512, 1024, 2048, 4096, 8192] and full.pipeline_agents == [2, 4, 8]
     assert full.repair_length == 4096 and quick.repair_length == 1024 and 0.15 in full.repair_budgets
-    assert {"finetuned>root", "quantized>root", "distilled>root"} <= set(full.pairs or [])
+    assert {"finetuned>root", "int8>root", "quantized>root", "distilled>root"} <= set(full.pairs or [])
     assert full.task_pairs is None  # tasks: the source into every member the family manifest lists
     assert BenchConfig(pairs=["root>finetuned", "finetuned>root"]).resolved().task_pairs == ["root>finetuned"]
     assert full.task_tokens == 512 and full.task_max_new_tokens == 24 and quick.qa_limit == 12
