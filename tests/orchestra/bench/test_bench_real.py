@@ -24,10 +24,11 @@ def test_quick_bench_on_the_real_family(real_family, tmp_path):
     q = bench.quality
     assert q is not None and q.document == "gpl-3.txt"
     own = q.curves[0].method
-    for method in ("reprefill", "identity", "ridge", "anchored", "perhead_rope", own, f"{own}+tail32"):
+    for method in ("reprefill", "identity", "ridge", "anchored", "perhead_rope", own, f"{own}+sinks4", f"{own}+tail32"):
         assert q.row("root>finetuned", 512, method) is not None
-    # the calibrated map beats reusing the root's KV unchanged on held-out text (KL 0.026 vs 0.085 in calibration)
-    assert q.row("root>finetuned", 512, own).kl < q.row("root>finetuned", 512, "identity").kl
+    # the map as served (its 4 sinks exact) beats reusing the root's KV unchanged on held-out text (held-out KL
+    # 0.018 vs 0.085 in calibration)
+    assert q.row("root>finetuned", 512, f"{own}+sinks4").kl < q.row("root>finetuned", 512, "identity").kl
     assert len(q.curves[0].kl) == 30
 
     row = bench.timing.row("root>finetuned", 512)
