@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def ef():
-    spec = importlib.util.spec_from_file_location("evaluate_family", ROOT / "benchmarks" / "evaluate_family.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("evaluate_family")
 
 
 def _row(method, kl, top1, planned=None, measured=None, token_share=0.0, map_s=0.1):

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def fa():
-    spec = importlib.util.spec_from_file_location("fit_ablation", ROOT / "benchmarks" / "fit_ablation.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fit_ablation")
 
 
 def test_variants_walk_from_the_old_method_to_the_default(fa):

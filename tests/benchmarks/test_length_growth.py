@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def lg():
-    spec = importlib.util.spec_from_file_location("length_growth", ROOT / "benchmarks" / "length_growth.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("length_growth")
 
 
 def _fixed(cuts, kls):
