@@ -418,13 +418,22 @@ def _effective(lm: Any, p: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # --------------------------------------------------------------------------- metrics
 def layer_metrics(
-    kv_map: LinearKVMap, heldout: HeldOut, target_model: Any, identity: LinearKVMap | None,
+    kv_map: LinearKVMap, heldout: HeldOut, target_model: Any, identity: LinearKVMap | None, *, sinks: int = 0,
 ) -> list[dict[str, Any]]:
-    """Held-out fit metrics per target layer (keys compared as cached, i.e. target RoPE applied)."""
+    """Held-out fit metrics per target layer (keys compared as cached, i.e. target RoPE applied).
+
+    ``sinks``: the first positions of the mapped cache are the target's own, as served (a map fitted
+    without them would otherwise be scored on positions it never serves).
+    """
+    import torch
+
     from mappings.capture import decoder_layers
     from mappings.metrics import attention_output, fit_quality, mean_cosine
 
     mapped = kv_map.apply(heldout.source)
+    if sinks:
+        mapped = [(torch.cat([tk[:, :, :sinks].to(k), k[:, :, sinks:]], 2), torch.cat([tv[:, :, :sinks].to(v), v[:, :, sinks:]], 2))
+                  for (k, v), (tk, tv) in zip(mapped, heldout.target, strict=True)]
     ident = identity.apply(heldout.source) if identity is not None else None
     attn_modules = decoder_layers(target_model)
     out = []
@@ -632,7 +641,7 @@ def calibrate(
         default_map = fit_kv_map(fit_stats, spec, plan, s, t, src_rope, tgt_rope)
         summary["kl_default_alpha"] = judge.kl(default_map.apply(judge.source_prefix))
     with torch.no_grad():
-        metrics = layer_metrics(kv_map, heldout, tgt.model, identity)
+        metrics = layer_metrics(kv_map, heldout, tgt.model, identity, sinks=judge.sinks)
     for i, row in enumerate(metrics):
         if scores[i]:
             row["kl_by_option"] = scores[i]
