@@ -161,7 +161,7 @@ def test_every_member_answers_under_every_condition_on_the_lease_it_was_given(ti
     assert k is not None and k.questions == len(TINY_QUESTIONS) and not k.skipped
     members = [a for a in fam.aliases if a != "root"]
     manifest = {r.role for r in fam.family.members.values()} - {"root"}
-    assert set(members) == manifest and members[:3] == ["finetuned", "quantized", "distilled"]  # every member
+    assert set(members) == manifest and members[:4] == ["finetuned", "int8", "quantized", "distilled"]  # every member
     assert k.config.source == "root" and k.config.members == members
     # one answer per question, member and condition; the source answers once
     assert len(k.answers) == len(TINY_QUESTIONS) * (1 + 3 * len(members))
