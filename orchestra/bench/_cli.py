@@ -43,7 +43,7 @@ def bench(
                                       "NAME.json: the results go to NAME.json and NAME.md beside it (e.g. "
                                       "benchmarks/results/qa.json for a tasks-only run).")] = _DEFAULT_OUT,
     pairs: Annotated[str | None, typer.Option("--pairs", help="Comma-separated SOURCE>TARGET aliases (root, finetuned, "
-                                              "quantized, distilled), e.g. 'root>finetuned,finetuned>root'.")] = None,
+                                              "int8, quantized, distilled), e.g. 'root>finetuned,finetuned>root'.")] = None,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Comma-separated document lengths in tokens, e.g. "
                                                 "'512,1k,2k'.")] = None,
     sections: Annotated[str | None, typer.Option("--sections", help="Comma-separated sections to run: crossfamily, "
