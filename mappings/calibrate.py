@@ -286,15 +286,13 @@ class KLJudge:
         self._build = build_cache
 
     def kl(self, prefix_layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        import torch
 
         from mappings.cache_io import forward_with_cache, model_device, model_dtype
         from mappings.metrics import kl_divergence
 
         layers = list(prefix_layers)
         if self.sinks:
-            layers = [(torch.cat([ok.to(k), k[:, :, self.sinks :]], 2), torch.cat([ov.to(v), v[:, :, self.sinks :]], 2))
-                      for (k, v), (ok, ov) in zip(layers, self._true_sinks, strict=True)]
+            layers = _true_prefix(layers, self._true_sinks, self.sinks)
         cache = self._build(layers, self.model.config, model_device(self.model), model_dtype(self.model))
         logits, _, _ = forward_with_cache(self.model, self.suffix_ids, cache)
         return float(kl_divergence(self.true_logits, logits.float().to(self.true_logits.device)).mean())
@@ -416,6 +414,15 @@ def _effective(lm: Any, p: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
     return lm.dense("k"), lm.dense("v")
 
 
+def _true_prefix(layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 true: Sequence[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``layers`` with their first ``n`` positions taken from ``true`` (the target's own K/V), as a cache is served."""
+    import torch
+
+    return [(torch.cat([tk[:, :, :n].to(k), k[:, :, n:]], 2), torch.cat([tv[:, :, :n].to(v), v[:, :, n:]], 2))
+            for (k, v), (tk, tv) in zip(layers, true, strict=True)]
+
+
 # --------------------------------------------------------------------------- metrics
 def layer_metrics(
     kv_map: LinearKVMap, heldout: HeldOut, target_model: Any, identity: LinearKVMap | None, *, sinks: int = 0,
@@ -425,15 +432,13 @@ def layer_metrics(
     ``sinks``: the first positions of the mapped cache are the target's own, as served (a map fitted
     without them would otherwise be scored on positions it never serves).
     """
-    import torch
 
     from mappings.capture import decoder_layers
     from mappings.metrics import attention_output, fit_quality, mean_cosine
 
     mapped = kv_map.apply(heldout.source)
     if sinks:
-        mapped = [(torch.cat([tk[:, :, :sinks].to(k), k[:, :, sinks:]], 2), torch.cat([tv[:, :, :sinks].to(v), v[:, :, sinks:]], 2))
-                  for (k, v), (tk, tv) in zip(mapped, heldout.target, strict=True)]
+        mapped = _true_prefix(mapped, heldout.target, sinks)
     ident = identity.apply(heldout.source) if identity is not None else None
     attn_modules = decoder_layers(target_model)
     out = []
