@@ -89,8 +89,23 @@ def _live_groups() -> list[str]:
 
 
 def _gates(report):
-    return {a.name: [(g["gate"], g["passed"], {k: round(v, 3) for k, v in g["metrics"].items()
-                                                if isinstance(v, float)}) for g in a.gate] for a in report.agents}
+    return {a.name: [(g["gate"], g["passed"], {k: v for k, v in g["metrics"].items() if isinstance(v, float)})
+                     for g in a.gate] for a in report.agents}
+
+
+def _assert_same_gates(got, expected):
+    """Same gates with the same verdicts; metrics equal up to float summation order.
+
+    An actor's torch runs on the threads Ray gives it, not the driver's, so its reductions add in another order
+    and a probe NLL moves in the third decimal (6.856 vs 6.857 seen in CI); rounding both sides cannot absorb
+    that, because a value near a rounding boundary lands on either side of it.
+    """
+    a, b = _gates(got), _gates(expected)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert [(g, p, m.keys()) for g, p, m in a[name]] == [(g, p, m.keys()) for g, p, m in b[name]], name
+        for (_, _, mg), (_, _, me) in zip(a[name], b[name]):
+            assert mg == pytest.approx(me, rel=1e-3, abs=5e-3), name
 
 
 async def test_ray_matches_local(ray_cluster, fam, maps):
@@ -122,7 +137,7 @@ async def test_ray_matches_local(ray_cluster, fam, maps):
         assert [a.output for a in got.agents] == [a.output for a in expected.agents]
         assert [a.cache_path for a in got.agents] == [a.cache_path for a in expected.agents] == \
             ["exact", "mapped", "exact", "mapped"]
-        assert _gates(got) == _gates(expected)
+        _assert_same_gates(got, expected)
         assert [c.repair["tokens"] for c in got.caches if c.repair] == \
             [c.repair["tokens"] for c in expected.caches if c.repair] != []
         assert [(a.actor, bool(a.node)) for a in got.agents] == [("base#0", True), ("child#0", True), ("base#0", True),
