@@ -555,6 +555,9 @@ class FamilyCache:
             return None, "circuit breaker open for this pair after shadow failures"
         try:
             mapping = self._mapping(source, req.member, req.cancel)
+            refused = self._offline_refusal(req, mapping, source)
+            if refused is not None:  # no map, repair or probe can change the manifest: spend nothing on them
+                return None, f"offline gate failed: {refused.reason}"
             if kind == "entry":
                 entry, joined = self._extend_mapped(req, start_entry, length)
             else:
@@ -704,10 +707,27 @@ class FamilyCache:
                 return None
         return policy.probe
 
+    def _offline_refusal(self, req: _Request, mapping: Any, source: str) -> GateDecision | None:
+        """The offline gate's failed decision, recorded on the request, or None when it passes or is off.
+
+        It is decided before the map: the manifest's held-out metrics are all it reads, so a mapping it
+        refuses would only cost a map (seconds at long context) and a probe before the same fallback.
+        """
+        if req.gate.offline is None:
+            return None
+        heldout = mapping.manifest.heldout
+        decision = decide_offline(req.gate.offline, heldout.get("kl"), heldout.get("top1"))
+        if decision.passed:
+            return None
+        req.decisions.append(decision)
+        req.step(CacheStep(step="gate", member=req.member, passed=False, reason=f"offline: {decision.reason}",
+                           metrics=decision.metrics, source=source))
+        return decision
+
     def _gates(self, req: _Request, entry: Entry, mapping: Any, pair: tuple[str, str]) -> list[GateDecision]:
         policy = req.gate
         decisions: list[GateDecision] = []
-        if policy.offline is not None:
+        if policy.offline is not None:  # passed: a refusal returned before the map (_offline_refusal)
             heldout = mapping.manifest.heldout
             decisions.append(decide_offline(policy.offline, heldout.get("kl"), heldout.get("top1")))
         if policy.probe is not None:

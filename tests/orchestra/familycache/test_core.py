@@ -143,6 +143,27 @@ def test_failed_gate_reprefills_on_the_target(registry, mapstore):
     lease.release()
 
 
+def test_offline_gate_refuses_before_the_map(registry, mapstore):
+    """A manifest the offline gate refuses falls back without mapping, repairing or probing first."""
+    strict = GatePolicy.model_validate({"offline": {"max_kl": 1e-9}, "probe": {"tokens": 16, "max_excess_nll": 100.0}})
+    cache = _family_cache(registry, mapstore)
+    doc = _ids(registry, data_text("mpl-2.0.txt")[:250])
+    cache.acquire_sync("base", doc).release()
+    counter = TokenCounter(registry.load("base").model)  # the source's tail logits would be computed for a probe
+    steps = []
+    try:
+        lease = cache.acquire_sync("child", doc, gate=strict, on_step=steps.append)
+    finally:
+        counter.remove()
+    assert lease.path == "reprefilled" and lease.fallback_reason.startswith("offline gate failed: held-out KL")
+    assert [(g.gate, g.passed) for g in lease.gates] == [("offline", False)]
+    assert "heldout_kl" in lease.gates[0].metrics and lease.source == "base"
+    kinds = [s.step for s in steps]
+    assert "map" not in kinds and "repair" not in kinds and kinds.index("gate") < kinds.index("prefill")
+    assert counter.tokens == []
+    lease.release()
+
+
 def test_concurrent_requests_for_one_prefix_build_it_once(registry, mapstore):
     cache = _family_cache(registry, mapstore)
     doc = _ids(registry, data_text("apache-2.0.txt")[:250])
