@@ -192,10 +192,11 @@ def _write_md(path: Path, sections: list[list[str]], summary: list[str]) -> None
              "KL(target's own prefill ‖ method) over the suffix, in nats.", "",
              "Costs are target seconds as a fraction of the target's own prefill of the prefix: planned = the "
              "plan's passes priced by the target's timed pass costs on this machine (`mappings.passcost`: a fixed "
-             "cost per pass, per token, per key scored and per position copied, fitted from a dozen timed passes), "
+             "cost per pass, per token, per key scored, per cached position a pass holds and per position copied, "
+             "fitted from 15 timed passes of the member's architecture), "
              "what a repair budget bounds, the exact sinks' pass included; measured = the sink pass and the "
-             "repair's target seconds / that prefill's seconds in the same window (the prefill keeps only its last "
-             "logits); token share = recomputed tokens / prefix + recomputed layers / layers. Served = the map with "
+             "repair's target seconds / that prefill's seconds in the same window, each the fastest of 2 runs (the "
+             "prefill keeps only its last logits); token share = recomputed tokens / prefix + recomputed layers / layers. Served = the map with "
              "its first 4 positions the target's own (a 4-token forward), what a FamilyCache serves; the repair "
              "rows start from it.", "",
              "| member | default method | served KL / top-1 | pure map KL | source KV unchanged KL | served beats "

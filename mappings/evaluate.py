@@ -30,6 +30,7 @@ reported per layer for the mapping's own method.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -204,6 +205,7 @@ def evaluate(
     progress: bool = False,
     repairs: Sequence[RepairPolicy] = (),
     repair_costs: str = "measured",
+    timing_repeats: int = 2,
 ) -> EvaluationReport:
     """Evaluate a mapping (directory or loaded) on one document; see the module docstring.
 
@@ -219,6 +221,9 @@ def evaluate(
     :func:`mappings.passcost.load_or_measure`, kept in ``pass-costs/`` beside the mapping, as a FamilyCache
     prices them) or ``compute`` (multiply-adds from the target's config). Timings are only taken when there
     are repair rows; without them every planned cost is in compute (the report's ``pass_costs`` is None).
+    ``timing_repeats``: the reference prefill and every repair are timed as the fastest of this many runs
+    (their results are identical), as the pass costs that plan them are: on a shared machine one run can
+    take twice as long as the next, and a measured cost is a ratio of two such timings.
     """
     import torch
     from tqdm.auto import tqdm
@@ -271,6 +276,8 @@ def evaluate(
                 "lower --prefix-tokens (or --greedy-tokens)"
             )
     tail = max(0, min(int(tail_tokens), n - 1))
+    if int(timing_repeats) < 1:
+        raise ValueError(f"timing_repeats is at least 1, not {timing_repeats}")
     if repair_costs not in ("measured", "compute"):
         raise ValueError(f"repair_costs is 'measured' or 'compute', not {repair_costs!r}")
     costs = None
@@ -295,7 +302,8 @@ def evaluate(
     for w in range(windows):
         span = torch.tensor(ids_all[w * (n + m) : w * (n + m) + n + m + 1])[None]
         per_window.append(_evaluate_window(src.model, tgt.model, maps, order, tail_rows, own, span, n, m, tail,
-                                           greedy_tokens, layer_curves, mapping, repairs, sink_tokens, costs))
+                                           greedy_tokens, layer_curves, mapping, repairs, sink_tokens, costs,
+                                           timing_repeats=int(timing_repeats) if repairs else 1))
         bar.update(1)
     bar.close()
 
@@ -335,7 +343,8 @@ def evaluate(
         methods=results, skipped=skipped, single_layer=single, accumulation=accum,
         pass_costs=None if costs is None else {
             "per_pass": costs.per_pass, "per_token": costs.per_token, "per_key": costs.per_key,
-            "per_past_key": costs.per_past_key, "per_copied": costs.per_copied, "fit_error": costs.fit_error, "key": costs.key,
+            "per_past_key": costs.per_past_key, "per_past": costs.per_past, "per_copied": costs.per_copied,
+            "fit_error": costs.fit_error, "key": costs.key, "measured_on": costs.measured_on,
             "predicted_prefill_seconds": costs.prefill_seconds(n)},
     )
 
@@ -355,6 +364,7 @@ def _evaluate_window(
     source: Any, target: Any, maps: dict[str, LinearKVMap], order: Sequence[str], tail_rows: Sequence[str],
     own: str, ids: torch.Tensor, n: int, m: int, tail: int, greedy_tokens: int, layer_curves: bool,
     mapping: Mapping | None = None, repairs: Sequence[RepairPolicy] = (), sinks: int = 0, costs: Any = None,
+    timing_repeats: int = 1,
 ) -> _Window:
     import torch
 
@@ -381,10 +391,12 @@ def _evaluate_window(
 
     # The reference is a prefill as the cache would do it: no logits beyond the last position (all of them
     # would add the LM head for every token, which no repair pays, and flatter the measured costs).
-    t0 = time.perf_counter()
-    _, true_cache, _ = forward_with_cache(target, prefix, None, logits_to_keep=1)
-    sync_device(dev)
-    ref_seconds = time.perf_counter() - t0
+    ref_seconds = math.inf
+    for _ in range(timing_repeats):  # the fastest run: a repair's timing below is the fastest of as many
+        t0 = time.perf_counter()
+        _, true_cache, _ = forward_with_cache(target, prefix, None, logits_to_keep=1)
+        sync_device(dev)
+        ref_seconds = min(ref_seconds, time.perf_counter() - t0)
     true_layers = list(cache_layers(true_cache))
     true_logits, after, _ = forward_with_cache(target, suffix, build_cache(true_layers, cfg))
     true_logits = true_logits.float()
@@ -459,13 +471,18 @@ def _evaluate_window(
             # Every row repairs the same served map of the window (repair never modifies its input), so the map and
             # its sink pass are paid once; each row's cost counts the sink pass and its repair (the plan never
             # recomputes the exact sinks again).
-            t0 = time.perf_counter()
-            res = repair_cache(target, served, prefix, policy, layer_scores=scores, residual=residual,
-                               source_hidden=src_hidden, source=source, source_layers=src_layers, costs=costs,
-                               exact=k)
-            repair_s = time.perf_counter() - t0 + sink_s
+            res, repair_s, target_s = None, math.inf, math.inf
+            for _ in range(timing_repeats):  # deterministic: every run gives the same cache, the fastest is kept
+                t0 = time.perf_counter()
+                run = repair_cache(target, served, prefix, policy, layer_scores=scores, residual=residual,
+                                   source_hidden=src_hidden, source=source, source_layers=src_layers, costs=costs,
+                                   exact=k)
+                repair_s = min(repair_s, time.perf_counter() - t0 + sink_s)
+                if run.target_seconds < target_s:
+                    res, target_s = run, run.target_seconds
+            assert res is not None
             rows[f"{own}+{policy.label}"] = score(build_cache(res.layers, cfg), own_map_s, repair_s, res.plan.cost,
-                                                  res.summary(), measured=(res.target_seconds + sink_s) / ref_seconds,
+                                                  res.summary(), measured=(target_s + sink_s) / ref_seconds,
                                                   tokens=res.plan.token_share)
 
     single: list[tuple[float, float]] = []

@@ -8,20 +8,26 @@ from a dozen timed passes of the model itself and prices the passes :func:`~mapp
 lists, so a budget means a share of the target's own prefill *seconds*:
 
     seconds = per_pass * passes + per_token * tokens + per_key * causal keys + per_past_key * cached keys
-              + per_copied * positions copied
+              + per_past * cached positions + per_copied * positions copied
 
 A pass of ``q`` tokens over ``p`` cached ones scores ``q (q + 1) / 2`` keys among its own tokens
 (``causal keys``, what a prefill is made of) and ``q p`` cached keys. The two are priced apart:
 on a CPU a prefill's blocked causal attention runs from cache, while a tail's queries read every
 cached K/V of every layer, which costs more per key as the cache outgrows the processor's caches
 (measured on the bundled family: a tail token over 3,584 cached keys costs 1.6x per key what it
-does over 2,048). ``positions copied`` is what a repair copies into its fresh output once per call:
-every position before its trailing run (none for a prefill). The fit is a non-negative least
+does over 2,048). ``cached positions`` is ``p`` once per pass, whatever its queries: a
+grouped-query model expands every cached K/V to all its query heads in every layer of every pass
+(SmolLM2: a 1-token pass over 4,096 cached positions takes 0.12 s against 0.05 s over 256, while
+its queries' keys cost a tenth of that), which is what made small tails over long documents cost
+1.5-2.5x their plan under version 2. ``positions copied`` is what a repair copies into its fresh
+output once per call: every position before its trailing run (none for a prefill). The fit is a non-negative least
 squares on relative error, so the 4-token sink pass weighs as much as the longest prefill, and
 the passes are timed at the document lengths repairs run at (up to 4,096 tokens), so long
 documents are interpolated rather than extrapolated. :func:`measure_pass_costs` times the passes;
-:class:`PassCosts` saves to and loads from JSON, keyed by what changes the timings (model
-fingerprint, device, dtype, attention kernel, torch threads and version).
+:class:`PassCosts` saves to and loads from JSON, keyed by what changes the timings: the model's
+architecture (:func:`architecture_hash`: its config and module types, not its weights, so a family's
+same-shaped members, fine-tuned or with quantised-then-dequantised weights, share one timing),
+device, dtype, attention kernel, torch threads and version.
 """
 
 from __future__ import annotations
@@ -38,14 +44,17 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["PassCosts", "CostModel", "measure_pass_costs", "load_or_measure", "pass_features", "prefill_features",
-           "costs_key"]
+           "costs_key", "architecture_hash"]
 
-PASSCOST_VERSION = 2
+PASSCOST_VERSION = 3
+
+FEATURES = ("passes", "tokens", "keys", "cached_keys", "cached_positions", "copied")
+"""The names of a pass's features, in the order :func:`pass_features` returns them (and samples store them)."""
 
 
 def pass_features(n: int, tokens: Sequence[int], *, flash: bool = False, copy: bool = True) -> tuple[float, ...]:
-    """(passes, tokens, causal keys, cached keys, positions copied) of a repair recomputing ``tokens`` of an
-    ``n``-token cache."""
+    """(passes, tokens, causal keys, cached keys, cached positions, positions copied) of a repair recomputing
+    ``tokens`` of an ``n``-token cache."""
     from mappings.recompute import runs, token_passes
 
     passes = token_passes(n, tokens, flash=flash)
@@ -54,12 +63,13 @@ def pass_features(n: int, tokens: Sequence[int], *, flash: bool = False, copy: b
     spans = runs(tokens)
     kept = spans[-1][0] if spans and spans[-1][1] == n else n  # copied: every position before the trailing run
     return (float(len(passes)), float(sum(q for q, _ in passes)), float(causal), float(cached),
-            float(kept if copy and passes else 0))
+            float(sum(past for _, past in passes)), float(kept if copy and passes else 0))
 
 
 def prefill_features(n: int) -> tuple[float, ...]:
-    """(passes, tokens, causal keys, cached keys, positions copied) of a causal prefill of ``n`` tokens."""
-    return (1.0, float(n), n * (n + 1) / 2, 0.0, 0.0)
+    """(passes, tokens, causal keys, cached keys, cached positions, positions copied) of a causal prefill of
+    ``n`` tokens."""
+    return (1.0, float(n), n * (n + 1) / 2, 0.0, 0.0, 0.0)
 
 
 class CostModel(ABC):
@@ -89,21 +99,29 @@ class PassCosts(CostModel):
     """Seconds per key a query scores among the pass's own tokens (causal attention, what a prefill does)."""
     per_past_key: float
     """Seconds per cached key a query scores (a tail over the mapped cache reads every cached K/V)."""
+    per_past: float
+    """Seconds per cached position a pass holds, once per pass (its K/V expanded to every query head)."""
     per_copied: float
     """Seconds per cache position a repair copies into its fresh output (once per repair)."""
     key: dict[str, str] = field(default_factory=dict)
-    """What the timings hold for: model fingerprint, device, dtype, attention kernel, torch threads and version."""
+    """What the timings hold for: model architecture, device, dtype, attention kernel, torch threads and version."""
+    measured_on: str = ""
+    """The fingerprint of the model that was timed (any model of the same architecture may use the timings)."""
     samples: list[dict[str, Any]] = field(default_factory=list)
     """The timed passes: features, measured and fitted seconds (for the fit's own error)."""
     flash: bool = False
     """The model's attention takes no dense mask (interior runs are separate passes)."""
     kind: str = "measured"
 
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """Seconds per unit of each feature, in :data:`FEATURES` order."""
+        return (self.per_pass, self.per_token, self.per_key, self.per_past_key, self.per_past, self.per_copied)
+
     def seconds(self, features: Sequence[float]) -> float:
-        """Predicted seconds of a pass (or repair) with these (passes, tokens, causal keys, cached keys, copied)
-        features."""
-        coef = (self.per_pass, self.per_token, self.per_key, self.per_past_key, self.per_copied)
-        return float(sum(c * f for c, f in zip(coef, features, strict=True)))
+        """Predicted seconds of a pass (or repair) with these features (:data:`FEATURES`, as
+        :func:`pass_features` gives them)."""
+        return float(sum(c * f for c, f in zip(self.coefficients, features, strict=True)))
 
     def prefill_seconds(self, n: int) -> float:
         """Predicted seconds of a causal prefill of ``n`` tokens."""
@@ -149,19 +167,39 @@ class PassCosts(CostModel):
         return costs
 
 
-def costs_key(model: Any, fingerprint: str) -> dict[str, str]:
-    """What a model's pass timings depend on, beyond the machine: weights, device, dtype, kernel, threads."""
+def architecture_hash(model: Any) -> str:
+    """A hash of what a model's pass timings depend on in the model itself: its config and module types.
+
+    Weight values are left out (a dense matmul takes as long whatever the numbers), and so are the
+    config's names and paths. Quantised weights that stay quantised at run time show in their module
+    types (and the config's ``quantization_config``), so they hash apart from the dense model.
+    """
+    import hashlib
+    from collections import Counter
+
+    config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(vars(model.config))
+    drop = {"name_or_path", "transformers_version", "architectures", "auto_map"}
+    shape = {k: v for k, v in config.items() if not k.startswith("_") and k not in drop}
+    modules = Counter(f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules())
+    dtypes = Counter(str(p.dtype) for p in model.parameters())
+    blob = json.dumps({"config": shape, "modules": sorted(modules.items()), "dtypes": sorted(dtypes.items())},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def costs_key(model: Any) -> dict[str, str]:
+    """What a model's pass timings depend on: its architecture, device, dtype, attention kernel and threads."""
     import torch
 
     from mappings.cache_io import model_device, model_dtype
 
-    return {"fingerprint": fingerprint, "device": str(model_device(model)), "dtype": str(model_dtype(model)),
+    return {"architecture": architecture_hash(model), "device": str(model_device(model)), "dtype": str(model_dtype(model)),
             "attention": str(getattr(model.config, "_attn_implementation", None) or "eager"),
             "threads": str(torch.get_num_threads()), "torch": torch.__version__.split("+")[0]}
 
 
 def _nnls(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
-    """Non-negative least squares by active set (five unknowns: dropping negatives one at a time suffices)."""
+    """Non-negative least squares by active set (six unknowns: dropping negatives one at a time suffices)."""
     import torch
 
     a = torch.tensor(rows, dtype=torch.float64)
@@ -179,14 +217,15 @@ def _nnls(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
 
 
 def measure_pass_costs(model: Any, *, max_tokens: int = 4096, repeats: int = 2, key: dict[str, str] | None = None,
-                       seed: int = 0) -> PassCosts:
+                       seed: int = 0, measured_on: str = "") -> PassCosts:
     """Time ``model``'s prefills and repair passes on random tokens and fit a :class:`PassCosts`.
 
     Prefills of ``max_tokens / 8 .. max_tokens`` (capped by the model's positions) and repairs shaped
     as plans are (sinks, tails, sinks and a tail, a scattered run) of the largest cache, and tails of
-    the half-length one (so cached keys are priced at two cache sizes), each the fastest of
-    ``repeats`` runs after a warm-up (the longest prefill runs once). About four prefills of the largest
-    length in all: 45-70 s for a 135M model at 4,096 tokens on 2 CPU cores.
+    the half-length one (so cached keys and cached positions are priced at two cache sizes). A
+    prefill is the fastest of ``repeats`` runs after a warm-up (the longest runs once), a repair pass
+    the fastest of ``repeats + 1`` (they are short, and the small ones are the noisiest). About four
+    prefills of the largest length in all: 50-75 s for a 135M model at 4,096 tokens on 2 CPU cores.
     """
     import torch
 
@@ -229,6 +268,7 @@ def measure_pass_costs(model: Any, *, max_tokens: int = 4096, repeats: int = 2, 
         mid = n // 2
         plans = {
             "sinks": range(sink),
+            "tail 4": range(n - 4, n),
             "tail 16": range(n - 16, n),
             f"tail {n // 16}": range(n - n // 16, n),
             f"tail {n // 8}": range(n - n // 8, n),
@@ -238,23 +278,23 @@ def measure_pass_costs(model: Any, *, max_tokens: int = 4096, repeats: int = 2, 
         }
         for name, tokens in plans.items():
             pos = sorted(set(tokens))
-            secs, _ = timed(lambda pos=pos: repair_tokens_and_logits(model, layers, ids, pos))
+            secs, _ = timed(lambda pos=pos: repair_tokens_and_logits(model, layers, ids, pos), repeats + 1)
             rows.append(pass_features(n, pos, flash=flash))
             ys.append(secs)
             labels.append(name)
         half = [(k[:, :, :mid], v[:, :, :mid]) for k, v in layers]
-        for q in (max(8, mid // 16), max(8, mid // 8)):
+        for q in (4, max(8, mid // 16), max(8, mid // 8)):
             pos = list(range(mid - q, mid))
-            secs, _ = timed(lambda pos=pos: repair_tokens_and_logits(model, half, ids[:, :mid], pos))
+            secs, _ = timed(lambda pos=pos: repair_tokens_and_logits(model, half, ids[:, :mid], pos), repeats + 1)
             rows.append(pass_features(mid, pos, flash=flash))
             ys.append(secs)
             labels.append(f"tail {q} of {mid}")
     # Relative error: divide every row by its seconds, so small passes weigh as much as prefills.
     coef = _nnls([tuple(f / y for f in r) for r, y in zip(rows, ys, strict=True)], [1.0] * len(ys))
     costs = PassCosts(*coef, key=dict(key or {}), flash=flash)
-    samples = [{"pass": label, "passes": r[0], "tokens": r[1], "keys": r[2], "cached_keys": r[3], "copied": r[4],
-                "seconds": y, "fitted": costs.seconds(r)} for label, r, y in zip(labels, rows, ys, strict=True)]
-    return PassCosts(*coef, key=dict(key or {}), samples=samples, flash=flash)
+    samples = [{"pass": label, **dict(zip(FEATURES, r, strict=True)), "seconds": y, "fitted": costs.seconds(r)}
+               for label, r, y in zip(labels, rows, ys, strict=True)]
+    return PassCosts(*coef, key=dict(key or {}), measured_on=measured_on, samples=samples, flash=flash)
 
 
 _MEASURED: dict[tuple[tuple[str, str], ...], PassCosts] = {}
@@ -265,16 +305,20 @@ def load_or_measure(model: Any, fingerprint: str, directory: str | Path | None, 
                     log: Any = None) -> PassCosts:
     """``model``'s pass costs: kept from earlier in this process, read from ``directory``, or measured now and stored.
 
-    The file is ``<directory>/<fingerprint[:16]>-<device>-<dtype>-t<threads>.json``; one written for
-    other settings (attention kernel, torch version) is measured again. Measuring takes about six
-    prefills of ``max_tokens`` tokens; the caller holds the model alone meanwhile (timings of a
-    shared model are worthless). A folder that cannot be written only costs a measurement next time.
+    Timings belong to an architecture (:func:`architecture_hash`), not to one model's weights: the
+    first member of a family timed prices the repairs of every member shaped like it, which also
+    keeps one member's noisy measurement from pricing its repairs apart from its siblings'. The
+    file is ``<directory>/<architecture[:16]>-<device>-<dtype>-t<threads>.json``; one written for
+    other settings (attention kernel, torch version) is measured again. ``fingerprint`` (the timed
+    model's) is recorded in it. Measuring takes about six prefills of ``max_tokens`` tokens; the
+    caller holds the model alone meanwhile (timings of a shared model are worthless). A folder that
+    cannot be written only costs a measurement next time.
     """
-    key = costs_key(model, fingerprint)
+    key = costs_key(model)
     memo = tuple(sorted(key.items()))
     path = None
     if directory is not None:
-        name = f"{fingerprint[:16]}-{key['device'].replace(':', '')}-{key['dtype'].replace('torch.', '')}" \
+        name = f"{key['architecture'][:16]}-{key['device'].replace(':', '')}-{key['dtype'].replace('torch.', '')}" \
                f"-t{key['threads']}.json"
         path = Path(directory) / name
     with _MEASURED_LOCK:
@@ -287,7 +331,7 @@ def load_or_measure(model: Any, fingerprint: str, directory: str | Path | None, 
             return costs
     if costs is None:
         t0 = time.perf_counter()
-        costs = measure_pass_costs(model, max_tokens=max_tokens, key=key)
+        costs = measure_pass_costs(model, max_tokens=max_tokens, key=key, measured_on=fingerprint)
         if log is not None:
             log(f"timed {len(costs.samples)} passes in {time.perf_counter() - t0:.1f} s to price repairs on this "
                 f"machine (largest fit error {costs.fit_error:.0%})")

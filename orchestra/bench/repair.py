@@ -136,10 +136,10 @@ def repair_markdown(section: RepairSection) -> list[str]:
         f"Held-out {section.document}, prefix {c.length} tokens, suffix {c.suffix_tokens}, {c.windows} window(s). "
         "Costs are fractions of the target's own prefill of the prefix. Planned = the repair's predicted cost, "
         + ("the target's passes priced by its timed pass costs on this machine (`mappings.passcost`: a fixed cost "
-           "per pass, per token, per key scored, per position copied)" if c.costs == "measured" else
+           "per pass, per token, per key scored, per cached position a pass holds, per position copied)" if c.costs == "measured" else
            "its multiply-adds counting attention (a trailing token scores ~n keys, an average prefill token n / 2)")
         + ": what the budget bounds; token share = recomputed tokens / prefix + recomputed layers / layers; measured = the repair's "
-        "target seconds / the target's own prefill seconds in the same windows. Map = the map's seconds, other = "
+        "target seconds / the target's own prefill seconds in the same windows, each the fastest of 2 runs. Map = the map's seconds, other = "
         "the rest of the repair call (the source ranking scattered tokens), both over the same prefill. `L` = "
         "share of the budget on layer blocks recomputed from residual-mapped hidden states; `S` = share of the "
         "token budget on interior tokens the source attends to most.", "",

@@ -197,6 +197,10 @@ def evaluate_cmd(
                           "machine's timed passes of the target, kept beside the mapping) or 'compute' "
                           "(multiply-adds).")
     ] = "measured",
+    timing_repeats: Annotated[
+        int, typer.Option("--timing-repeats", min=1, help="Time the target's prefill and each repair as the "
+                          "fastest of this many runs (on a shared machine one run can take twice the next).")
+    ] = 2,
     repair_scattered: Annotated[
         float, typer.Option("--repair-scattered", min=0.0, max=1.0, help="Share of the token budget spent on "
                             "interior tokens the source's last tokens attend to most.")
@@ -230,6 +234,7 @@ def evaluate_cmd(
             tail_tokens=tail_tokens, sink_tokens=sink_tokens, greedy_tokens=greedy_tokens, document_name=document.name,
             device=device,
             repairs=policies, layer_curves=not no_curves, repair_costs=repair_costs,
+            timing_repeats=timing_repeats,
         )
         own = next((r for r in report.methods if r.method == report.mapping_method), None)
         if own is not None and not (own.kl == own.kl and abs(own.kl) != float("inf")):

@@ -195,14 +195,30 @@ def test_measured_costs_price_the_plans_and_are_kept_beside_the_mapping(tiny_map
 
     report = evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
                       greedy_tokens=0, layer_curves=False, baselines=(), repairs=[RepairPolicy(budget=1.0)])
-    fingerprint = report.target["fingerprint"]["combined"]
-    stored = list((tiny_mapping.path.parent / "pass-costs").glob(f"{fingerprint[:16]}-*.json"))
-    assert report.pass_costs is not None and len(stored) == 1  # one file per target (the archs share the folder)
+    arch = report.pass_costs["key"]["architecture"]
+    stored = list((tiny_mapping.path.parent / "pass-costs").glob(f"{arch[:16]}-*.json"))
+    assert len(stored) == 1  # one file per target architecture (the tiny archs share the folder)
     costs = PassCosts.load(stored[0])
-    assert costs.key["fingerprint"] == report.target["fingerprint"]["combined"]
+    assert costs.key["architecture"] == arch and costs.measured_on in ("", report.target["fingerprint"]["combined"])
     assert report.pass_costs["per_pass"] == costs.per_pass
     tail_row = report.row(f"anchored_kl+tail{TAIL}")
     assert tail_row.cost_fraction == pytest.approx(costs.share(PREFIX, [*range(4), *range(PREFIX - TAIL, PREFIX)]))
     full = report.row("anchored_kl+repair@100%")
     assert full.repair["costs"] == "measured" and full.repair["tokens"] == PREFIX - 4 and full.repair["exact"] == 4
     assert full.cost_fraction == pytest.approx(1.0)  # a full recompute is one prefill in any measure
+
+
+def test_timing_repeats_change_timings_only(tiny_mapping, document):
+    """Repairs timed as the fastest of several runs score exactly what one run scores; 0 runs is refused."""
+    from mappings.repair import RepairPolicy
+
+    kw = dict(prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL, greedy_tokens=0, layer_curves=False,
+              baselines=(), repairs=[RepairPolicy(budget=0.5)], repair_costs="compute")
+    once = evaluate(tiny_mapping.path, document, timing_repeats=1, **kw)
+    thrice = evaluate(tiny_mapping.path, document, timing_repeats=3, **kw)
+    for a, b in zip(once.methods, thrice.methods, strict=True):
+        assert (a.method, a.kl, a.top1, a.cost_fraction) == (b.method, b.kl, b.top1, b.cost_fraction)
+    row = thrice.row("anchored_kl+repair@50%")
+    assert row.measured_cost is not None and row.measured_cost > 0
+    with pytest.raises(ValueError, match="timing_repeats"):
+        evaluate(tiny_mapping.path, document, timing_repeats=0, **kw)

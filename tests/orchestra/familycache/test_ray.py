@@ -104,7 +104,7 @@ def _assert_same_gates(got, expected):
     assert a.keys() == b.keys()
     for name in a:
         assert [(g, p, m.keys()) for g, p, m in a[name]] == [(g, p, m.keys()) for g, p, m in b[name]], name
-        for (_, _, mg), (_, _, me) in zip(a[name], b[name]):
+        for (_, _, mg), (_, _, me) in zip(a[name], b[name], strict=True):
             assert mg == pytest.approx(me, rel=1e-3, abs=5e-3), name
 
 
