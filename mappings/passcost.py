@@ -17,8 +17,8 @@ cached K/V of every layer, which costs more per key as the cache outgrows the pr
 (measured on the bundled family: a tail token over 3,584 cached keys costs 1.6x per key what it
 does over 2,048). ``cached positions`` is ``p`` once per pass, whatever its queries: a
 grouped-query model expands every cached K/V to all its query heads in every layer of every pass
-(SmolLM2: a 1-token pass over 4,096 cached positions takes 0.12 s against 0.05 s over 256, while
-its queries' keys cost a tenth of that), which is what made small tails over long documents cost
+(SmolLM2: a 4-token tail takes 0.17 s over 4,092 cached positions and 0.13 s over 2,044, the
+4-token sink pass over none 0.09 s, while those queries' keys cost a tenth of the difference), which is what made small tails over long documents cost
 1.5-2.5x their plan under version 2. ``positions copied`` is what a repair copies into its fresh
 output once per call: every position before its trailing run (none for a prefill). The fit is a non-negative least
 squares on relative error, so the 4-token sink pass weighs as much as the longest prefill, and
