@@ -47,7 +47,7 @@ def bench(
     lengths: Annotated[str | None, typer.Option("--lengths", help="Comma-separated document lengths in tokens, e.g. "
                                                 "'512,1k,2k'.")] = None,
     sections: Annotated[str | None, typer.Option("--sections", help="Comma-separated sections to run: crossfamily, "
-                                                 "quality, timing, tasks, pipeline, calibration (default: all).")] = None,
+                                                 "quality, repair, timing, tasks, pipeline, calibration (default: all).")] = None,
     repeats: Annotated[int | None, typer.Option("--repeats", min=1, help="Timing repetitions (median).")] = None,
     windows: Annotated[int | None, typer.Option("--windows", min=1, help="Quality windows per length.")] = None,
     agents: Annotated[str | None, typer.Option("--agents", help="Pipeline sizes, e.g. '2,4,8'.")] = None,

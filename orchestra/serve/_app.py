@@ -13,7 +13,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,7 +22,6 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -101,6 +100,49 @@ class _BodyLimit:
         return await self.app(scope, replay, send)
 
 
+class _ClosingStream(StreamingResponse):
+    """A streamed reply that closes its generation when the response ends, however it ends.
+
+    The reply's own generator closes it when it runs to the end or is closed; a hang-up can leave the
+    generator suspended and referenced (by a logged traceback, say), so its row would decode on for nobody.
+    Ending here does not wait for the generator to be collected.
+    """
+
+    def __init__(self, content: Any, *, on_end: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._on_end()
+
+
+class _ApiKey:
+    """401 for a request without the server's bearer key, except on the open paths (health, metrics, docs).
+
+    A plain ASGI middleware, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware runs the
+    route in a task of its own, and when a streaming client hangs up mid-reply its cancel scopes can
+    unwind out of order ("Attempted to exit a cancel scope that isn't the current task's"), leaving the
+    reply's generator unclosed and its row decoding to max_tokens for nobody (seen in CI).
+    """
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _local_path(Request(scope)) in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = Request(scope).headers.get("authorization", "")
+        kind, _, token = given.partition(" ")
+        if kind.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+            return await _error_response(Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'"))(
+                scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class _AccessLog:
     """One structured line per request: method, path, status, milliseconds, request id."""
 
@@ -158,14 +200,8 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
                   description="OpenAI-compatible chat completions over a model family whose prefix cache spans "
                               "every member: a prompt cached on one member is mapped into the others.")
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key is not None and _local_path(request) not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                return _error_response(Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'"))
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_ApiKey, key=api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -306,8 +342,8 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
                 await close()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(close),
-                                 headers={"cache-control": "no-cache", **gen.cache_info.headers()})
+        return _ClosingStream(events(), on_end=close, media_type="text/event-stream",
+                              headers={"cache-control": "no-cache", **gen.cache_info.headers()})
 
     def body_usage(gen: Generation) -> bool:
         options = gen.request.stream_options

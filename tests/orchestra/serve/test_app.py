@@ -259,3 +259,38 @@ async def test_an_idle_server_hands_freed_memory_back(client, monkeypatch):
     assert calls == [1]  # the last running generation ended
     monkeypatch.undo()
     engine_module.release_memory()  # the real one: malloc_trim in a thread, harmless anywhere
+
+
+async def test_a_streamed_reply_closes_its_generation_however_the_response_ends():
+    """A send that fails mid-reply (a hang-up) ends the response with the body generator still suspended:
+    the generation is closed all the same, not when the generator is collected."""
+    from orchestra.serve._app import _ClosingStream
+
+    ended: list[bool] = []
+
+    async def body():
+        yield "data: first\n\n"
+        await anyio.sleep(3600)  # a reply that would go on for a long time
+        yield "data: never\n\n"
+
+    async def on_end() -> None:
+        ended.append(True)
+
+    async def receive():
+        await anyio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            raise OSError("connection reset by peer")
+
+    gen = body()
+    response = _ClosingStream(gen, on_end=on_end, media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST", "path": "/",
+             "headers": []}
+    with anyio.fail_after(10):
+        with pytest.raises(BaseException):  # noqa: B017 - whatever Starlette makes of the broken send
+            await response(scope, receive, send)
+    assert ended == [True]
+    assert gen.ag_frame is not None  # the generator itself was not run to its end
+    await gen.aclose()
