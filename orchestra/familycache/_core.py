@@ -555,9 +555,11 @@ class FamilyCache:
             return None, "circuit breaker open for this pair after shadow failures"
         try:
             mapping = self._mapping(source, req.member, req.cancel)
-            refused = self._offline_refusal(req, mapping, source)
-            if refused is not None:  # no map, repair or probe can change the manifest: spend nothing on them
-                return None, f"offline gate failed: {refused.reason}"
+            offline = self._offline(req, mapping)
+            if offline is not None and not offline.passed:  # no map, repair or probe changes the manifest
+                req.decisions.append(offline)
+                self._record(req, [offline], source)
+                return None, f"offline gate failed: {offline.reason}"
             if kind == "entry":
                 entry, joined = self._extend_mapped(req, start_entry, length)
             else:
@@ -566,7 +568,7 @@ class FamilyCache:
             req.decisions.append(GateDecision(False, "mapping", str(exc)))
             req.step(CacheStep(step="gate", member=req.member, passed=False, reason=f"mapping: {exc}", source=source))
             return None, f"mapping gate failed: {exc}"
-        decisions = self._gates(req, entry, mapping, pair)
+        decisions = self._gates(req, entry, pair, offline)
         req.decisions.extend(decisions)
         failed = [d for d in decisions if not d.passed]
         if failed:
@@ -628,7 +630,8 @@ class FamilyCache:
                 check = ProbeCheck(tuple(tail_ids), src_logits, tail_nll(src_logits, _tensor(tail_ids)) + ref.offset_nll,
                                    ref.source_kl)
                 if repair is not None and repair.adaptive:
-                    climb = self._ladder_gate(req, mapping)
+                    # the probe it climbs against; an offline refusal never gets here (decided before the map)
+                    climb = req.gate.probe
                     if climb is None:  # nothing to climb against: the ladder's first budget, as a fixed policy
                         repair = repair.at(repair.budget)
                     else:
@@ -692,23 +695,8 @@ class FamilyCache:
         return entry, joined
 
     # -- gates ----------------------------------------------------------------------------------
-    def _ladder_gate(self, req: _Request, mapping: Any) -> Any:
-        """The probe gate an adaptive repair climbs against, or None when there is nothing to climb for.
-
-        None without a probe gate, and when the offline gate already refuses the mapping (no repair
-        budget changes the manifest's metrics, so climbing would only waste target compute).
-        """
-        policy = req.gate
-        if policy.probe is None:
-            return None
-        if policy.offline is not None:
-            heldout = mapping.manifest.heldout
-            if not decide_offline(policy.offline, heldout.get("kl"), heldout.get("top1")).passed:
-                return None
-        return policy.probe
-
-    def _offline_refusal(self, req: _Request, mapping: Any, source: str) -> GateDecision | None:
-        """The offline gate's failed decision, recorded on the request, or None when it passes or is off.
+    def _offline(self, req: _Request, mapping: Any) -> GateDecision | None:
+        """The offline gate's decision on `mapping` (None when the gate is off).
 
         It is decided before the map: the manifest's held-out metrics are all it reads, so a mapping it
         refuses would only cost a map (seconds at long context) and a probe before the same fallback.
@@ -716,20 +704,19 @@ class FamilyCache:
         if req.gate.offline is None:
             return None
         heldout = mapping.manifest.heldout
-        decision = decide_offline(req.gate.offline, heldout.get("kl"), heldout.get("top1"))
-        if decision.passed:
-            return None
-        req.decisions.append(decision)
-        req.step(CacheStep(step="gate", member=req.member, passed=False, reason=f"offline: {decision.reason}",
-                           metrics=decision.metrics, source=source))
-        return decision
+        return decide_offline(req.gate.offline, heldout.get("kl"), heldout.get("top1"))
 
-    def _gates(self, req: _Request, entry: Entry, mapping: Any, pair: tuple[str, str]) -> list[GateDecision]:
+    def _record(self, req: _Request, decisions: list[GateDecision], source: str | None) -> None:
+        """One `gate` (or `shadow`) step per decision."""
+        for d in decisions:
+            req.step(CacheStep(step="shadow" if d.gate == "shadow" else "gate", member=req.member, passed=d.passed,
+                               reason=f"{d.gate}: {d.reason}", metrics=d.metrics, source=source))
+
+    def _gates(self, req: _Request, entry: Entry, pair: tuple[str, str],
+               offline: GateDecision | None) -> list[GateDecision]:
+        """The gates on a mapped `entry`: the offline decision taken before the map (it passed), then the rest."""
         policy = req.gate
-        decisions: list[GateDecision] = []
-        if policy.offline is not None:  # passed: a refusal returned before the map (_offline_refusal)
-            heldout = mapping.manifest.heldout
-            decisions.append(decide_offline(policy.offline, heldout.get("kl"), heldout.get("top1")))
+        decisions: list[GateDecision] = [offline] if offline is not None else []
         if policy.probe is not None:
             probe = entry.meta.get("probe")
             if not probe:
@@ -739,9 +726,7 @@ class FamilyCache:
                                               probe["probe_source_kl"], probe["reference_source_kl"]))
         if policy.shadow is not None and entry.tail_logits is not None and self.breaker.should_shadow(policy.shadow):
             decisions.append(self._shadow(req, entry, pair))
-        for d in decisions:
-            req.step(CacheStep(step="shadow" if d.gate == "shadow" else "gate", member=req.member, passed=d.passed,
-                               reason=f"{d.gate}: {d.reason}", metrics=d.metrics, source=entry.meta.get("source")))
+        self._record(req, decisions, entry.meta.get("source"))
         return decisions
 
     def _shadow(self, req: _Request, entry: Entry, pair: tuple[str, str]) -> GateDecision:

@@ -133,9 +133,10 @@ class _ApiKey:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _local_path(Request(scope)) in OPEN_PATHS:
+        request = Request(scope) if scope["type"] == "http" else None
+        if request is None or _local_path(request) in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = Request(scope).headers.get("authorization", "")
+        given = request.headers.get("authorization", "")
         kind, _, token = given.partition(" ")
         if kind.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
             return await _error_response(Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'"))(
