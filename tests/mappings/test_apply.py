@@ -189,6 +189,55 @@ def test_complex_pair_path_equals_the_generic_path(tiny_mapping):
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in half)
 
 
+def test_layers_reading_several_sources_map_alike_on_both_paths(llama_family):
+    """Target layers that concatenate overlapping source layers (each source read by two of them) give the
+    same K/V on the fast and generic paths, and V equals the concatenated inputs times the weights (the
+    source layers each conversion holds are released as they go: see the next test)."""
+    model = load(llama_family.parent)
+    s = kv_shape(model.config)
+    rope = RopeSpec.from_config(model.config)
+    g = torch.Generator().manual_seed(3)
+    layers = []
+    for i in range(s.num_layers):
+        sources = (i,) if i == 0 else (i - 1, i)
+        p = len(sources) * s.width
+        layers.append(LayerMap(sources, "map", torch.randn(p, s.width, generator=g) * 0.1, None,
+                               torch.randn(p, s.width, generator=g) * 0.1, torch.randn(s.width, generator=g), 1.0))
+    kv_map = LinearKVMap(layers, s, s, rope, rope)
+    _, cache = prefill(model, _doc_ids(10))
+    src = cache_layers(cache)
+    fast, slow = kv_map.apply(src), kv_map.apply(src, fast=False)
+    for i, ((k, v), (k2, v2)) in enumerate(zip(fast, slow, strict=True)):
+        torch.testing.assert_close(k, k2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v2, atol=1e-5, rtol=1e-5)
+        x = torch.cat([src[j][1].transpose(1, 2).reshape(10, s.width) for j in layers[i].sources], -1)
+        want = (x @ layers[i].v_weight + layers[i].v_bias).view(1, 10, s.kv_heads, s.head_dim).transpose(1, 2)
+        torch.testing.assert_close(v, want, atol=1e-5, rtol=1e-5)
+    partial = kv_map.apply(src, only={1, 2})
+    assert partial[0] == (None, None) and all(k is not None for k, _ in partial[1:3])
+    torch.testing.assert_close(partial[2][0], fast[2][0])
+
+
+def test_converted_source_layers_are_made_once_and_released_after_their_last_reader():
+    from mappings.apply import _Converted
+
+    made: list[int] = []
+    layers = [LayerMap((0,), "map"), LayerMap((0, 1), "map"), LayerMap((1, 2), "map"), LayerMap((2,), "map")]
+    conv = _Converted(lambda i: made.append(i) or torch.full((2,), float(i)), layers, only={0, 1, 2, 3})
+    for lm in layers:
+        for i in lm.sources:
+            assert conv(i)[0].item() == i
+        conv.done(lm)
+        # nothing is held that no later layer reads
+        later = {i for other in layers[layers.index(lm) + 1:] for i in other.sources}
+        assert set(conv._held) <= later
+    assert made == [0, 1, 2] and conv._held == {}
+    skipped = _Converted(lambda i: torch.zeros(1), layers, only={1})  # layers outside `only` are no readers
+    skipped(0), skipped(1)
+    skipped.done(layers[1])
+    assert skipped._held == {}
+
+
 def test_pair_order_index():
     from mappings.apply import pair_order_index
 
