@@ -150,35 +150,46 @@ def _require_finite(layer: int, *tensors: torch.Tensor) -> None:
         raise NonFiniteKVError(f"mapped layer {layer} holds NaN/inf: the source cache or the map is broken; recalibrate")
 
 
-class _Converted:
-    """Source layers converted for the map (fp32 token rows), each held only until the last target layer
-    that reads it is done.
+class _Sources:
+    """The source layers converted for the map (fp32 token rows, keys in content space), each converted on
+    first read and released once the last target layer that reads it has been mapped.
 
-    Holding every converted layer to the end kept a second copy of the source cache alive, and on CPU
-    made every layer's intermediates land on fresh pages: at 4,096 tokens a map touched ~350 MB of new
-    memory (about 90,000 minor page faults), a large share of its time.
+    Holding every converted layer to the end of the map kept a second copy of the source cache alive
+    (180 MB at 4,096 tokens on the bundled family).
     """
 
-    def __init__(self, convert: Any, layers: list[LayerMap], only: set[int] | None) -> None:
-        self._convert = convert
-        self._held: dict[int, torch.Tensor] = {}
+    def __init__(self, keys: Any, values: Any, layers: list[LayerMap], only: set[int] | None) -> None:
+        self._convert = {"k": keys, "v": values}
+        self._held: dict[tuple[str, int], torch.Tensor] = {}
+        self._layers, self._only = layers, only
         self._readers: dict[int, int] = {}
-        for ti, lm in enumerate(layers):
-            if only is None or ti in only:
+        for _, lm in self.walk(release=False):
+            for i in lm.sources:
+                self._readers[i] = self._readers.get(i, 0) + 1
+
+    def walk(self, *, release: bool = True) -> Any:
+        """``(index, layer)`` of the target layers to map; moving past one releases what nobody after it reads."""
+        for ti, lm in enumerate(self._layers):
+            if self._only is not None and ti not in self._only:
+                continue
+            yield ti, lm
+            if release:
                 for i in lm.sources:
-                    self._readers[i] = self._readers.get(i, 0) + 1
+                    self._readers[i] -= 1
+                    if self._readers[i] == 0:
+                        self._held.pop(("k", i), None)
+                        self._held.pop(("v", i), None)
 
-    def __call__(self, i: int) -> torch.Tensor:
-        if i not in self._held:
-            self._held[i] = self._convert(i)
-        return self._held[i]
+    def _get(self, kind: str, i: int) -> torch.Tensor:
+        if (kind, i) not in self._held:
+            self._held[kind, i] = self._convert[kind](i)
+        return self._held[kind, i]
 
-    def done(self, lm: LayerMap) -> None:
-        """``lm`` has been mapped: release the source layers nobody after it reads."""
-        for i in lm.sources:
-            self._readers[i] -= 1
-            if self._readers[i] == 0:
-                self._held.pop(i, None)
+    def keys(self, i: int) -> torch.Tensor:
+        return self._get("k", i)
+
+    def values(self, i: int) -> torch.Tensor:
+        return self._get("v", i)
 
 
 def pair_order_index(heads: int, head_dim: int, copies: int = 1) -> torch.Tensor:
@@ -314,7 +325,6 @@ class LinearKVMap:
         def convert_values(i: int) -> torch.Tensor:
             return source_layers[i][1].to(device=device, dtype=torch.float32).transpose(1, 2).reshape(rows, s.width)
 
-        source_values = _Converted(convert_values, self.layers, only)
 
         def inputs(get, sources: tuple[int, ...]) -> torch.Tensor:
             return get(sources[0]) if len(sources) == 1 else torch.cat([get(i) for i in sources], -1)
@@ -334,24 +344,20 @@ class LinearKVMap:
                 and s.head_dim % 2 == 0 and t.head_dim % 2 == 0)
         if fast:
             return self._apply_pairs(source_layers, positions, seq_len, device, dtype, only, check_finite,
-                                     source_values, inputs)
+                                     convert_values, inputs)
 
-        source_keys = _Converted(convert_keys, self.layers, only)
-        out: KVLayers = []
-        for ti, lm in enumerate(self.layers):
-            if only is not None and ti not in only:
-                out.append((None, None))  # type: ignore[arg-type]
-                continue
+        src = _Sources(convert_keys, convert_values, self.layers, only)
+        out: KVLayers = [(None, None)] * len(self.layers)  # type: ignore[list-item]
+        for ti, lm in src.walk():
             if lm.mode == "passthrough" and (same_rope or not content):
                 k, v = source_layers[lm.sources[0]]
-                out.append((k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)))
-                source_keys.done(lm), source_values.done(lm)
+                out[ti] = (k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
                 continue
             if lm.mode == "passthrough":
-                yk, yv = source_keys(lm.sources[0]), source_values(lm.sources[0])
+                yk, yv = src.keys(lm.sources[0]), src.values(lm.sources[0])
             else:
-                yk = linear(inputs(source_keys, lm.sources), lm, "k")
-                yv = linear(inputs(source_values, lm.sources), lm, "v")
+                yk = linear(inputs(src.keys, lm.sources), lm, "k")
+                yv = linear(inputs(src.values, lm.sources), lm, "v")
             k = yk.view(batch, seq, t.kv_heads, t.head_dim)
             if tgt_tables is not None:
                 k = self.target_rope.apply(k, tables=tgt_tables, heads_last=True)
@@ -359,11 +365,10 @@ class LinearKVMap:
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
             if check_finite:
                 _require_finite(ti, yk, yv)
-            out.append((k.to(dtype), v.to(dtype)))
-            source_keys.done(lm), source_values.done(lm)
+            out[ti] = (k.to(dtype), v.to(dtype))
         return out
 
-    def _apply_pairs(self, source_layers, positions, seq_len, device, dtype, only, check_finite, source_values,
+    def _apply_pairs(self, source_layers, positions, seq_len, device, dtype, only, check_finite, convert_values,
                      inputs) -> KVLayers:
         """Keys via complex RoPE pairs: strip and re-apply are one complex multiply each, and the map's
         key weights are reordered once to pair order, so keys need two copies instead of a dozen passes."""
@@ -383,33 +388,27 @@ class LinearKVMap:
             z.mul_(unrotate)
             return torch.view_as_real(z).reshape(rows, s.width)
 
-        source_keys = _Converted(convert_keys, self.layers, only)
-        out: KVLayers = []
-        for ti, lm in enumerate(self.layers):
-            if only is not None and ti not in only:
-                out.append((None, None))  # type: ignore[arg-type]
-                continue
+        src = _Sources(convert_keys, convert_values, self.layers, only)
+        out: KVLayers = [(None, None)] * len(self.layers)  # type: ignore[list-item]
+        for ti, lm in src.walk():
             if lm.mode == "passthrough" and same_rope:
                 k, v = source_layers[lm.sources[0]]
-                out.append((k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)))
-                source_keys.done(lm), source_values.done(lm)
+                out[ti] = (k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
                 continue
             if lm.mode == "passthrough":
                 z = _to_pairs(source_layers[lm.sources[0]][0].to(device=device, dtype=torch.float32))
                 k = _from_pairs(z.mul_(unrotate * rotate))
-                out.append((k.to(dtype), source_layers[lm.sources[0]][1].to(device=device, dtype=dtype)))
-                source_keys.done(lm), source_values.done(lm)
+                out[ti] = (k.to(dtype), source_layers[lm.sources[0]][1].to(device=device, dtype=dtype))
                 continue
             in_index = pair_order_index(s.kv_heads, s.head_dim, len(lm.sources))
-            yk = _linear(inputs(source_keys, lm.sources), lm.prepared("k", device, in_index, out_index), lm.anchored)
+            yk = _linear(inputs(src.keys, lm.sources), lm.prepared("k", device, in_index, out_index), lm.anchored)
             z = torch.view_as_complex(yk.view(batch, seq, t.kv_heads, t.head_dim // 2, 2))
             k = _from_pairs(z.mul_(rotate))
-            yv = _linear(inputs(source_values, lm.sources), lm.prepared("v", device), lm.anchored)
+            yv = _linear(inputs(src.values, lm.sources), lm.prepared("v", device), lm.anchored)
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
             if check_finite:
                 _require_finite(ti, yk, yv)
-            out.append((k.to(dtype), v.to(dtype)))
-            source_keys.done(lm), source_values.done(lm)
+            out[ti] = (k.to(dtype), v.to(dtype))
         return out
 
     def num_parameters(self) -> int:

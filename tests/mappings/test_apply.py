@@ -219,24 +219,29 @@ def test_layers_reading_several_sources_map_alike_on_both_paths(llama_family):
 
 
 def test_converted_source_layers_are_made_once_and_released_after_their_last_reader():
-    from mappings.apply import _Converted
+    from mappings.apply import _Sources
 
-    made: list[int] = []
+    made: list[tuple[str, int]] = []
+
+    def convert(kind):
+        return lambda i: made.append((kind, i)) or torch.full((2,), float(i))
+
     layers = [LayerMap((0,), "map"), LayerMap((0, 1), "map"), LayerMap((1, 2), "map"), LayerMap((2,), "map")]
-    conv = _Converted(lambda i: made.append(i) or torch.full((2,), float(i)), layers, only={0, 1, 2, 3})
-    for lm in layers:
+    src = _Sources(convert("k"), convert("v"), layers, only=None)
+    for ti, lm in src.walk():
         for i in lm.sources:
-            assert conv(i)[0].item() == i
-        conv.done(lm)
-        # nothing is held that no later layer reads
-        later = {i for other in layers[layers.index(lm) + 1:] for i in other.sources}
-        assert set(conv._held) <= later
-    assert made == [0, 1, 2] and conv._held == {}
-    skipped = _Converted(lambda i: torch.zeros(1), layers, only={1})  # layers outside `only` are no readers
-    skipped(0), skipped(1)
-    skipped.done(layers[1])
-    assert skipped._held == {}
-
+            assert src.keys(i)[0].item() == src.values(i)[0].item() == i
+        later = {i for other in layers[ti + 1:] for i in other.sources}
+        held = {i for _, i in src._held}
+        assert held <= later | set(lm.sources)  # nothing is held that neither this layer nor a later one reads
+    assert sorted(made) == [(k, i) for k in "kv" for i in range(3)] and src._held == {}
+    # layers outside `only` are neither walked nor readers
+    skipped = _Sources(convert("k"), convert("v"), layers, only={1})
+    walked = []
+    for ti, _ in skipped.walk():
+        walked.append(ti)
+        skipped.keys(0), skipped.values(1)
+    assert walked == [1] and skipped._held == {}
 
 def test_pair_order_index():
     from mappings.apply import pair_order_index
