@@ -45,8 +45,9 @@ def products_seconds(kv_map: Any, rows: int, repeats: int = 3) -> tuple[float, i
     from mappings.apply import _linear
 
     g = torch.Generator().manual_seed(0)
-    work = [(torch.randn(rows, lm.dense(kind).shape[0], generator=g), lm.prepared(kind, "cpu"), lm.anchored)
-            for lm in kv_map.layers if lm.mode == "map" for kind in ("k", "v")]
+    weights = [(lm.prepared(kind, "cpu"), lm.anchored) for lm in kv_map.layers if lm.mode == "map" for kind in "kv"]
+    work = [(torch.randn(rows, (w["weight"] if "weight" in w else w["down"]).shape[0], generator=g), w, anchored)
+            for w, anchored in weights]
     if not work:
         return 0.0, 0
 
@@ -117,10 +118,7 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
 
 def main() -> None:
     from mappings.atomic import write_atomic
-    from mappings.models import load_model
-    from mappings.store import load_mapping
-    from orchestra.bench import machine_info
-    from orchestra.family import load_family
+    from orchestra.bench import BenchFamily, Pair, machine_info
     from orchestra.texts import data_text
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,22 +129,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     args = parser.parse_args()
 
-    family = load_family(args.home)
-    root = family.member("root")
-    source = load_model(family.member_path(root.name))
+    fam = BenchFamily.bundled(args.home)
+    source = fam.loaded("root")
     ids = source.tokenizer(data_text("gpl-3.txt"), add_special_tokens=False)["input_ids"][: args.length]
-    store = Path(family.home) / "mappings"
     results = []
-    for role in args.members.split(","):
-        member = family.member(role.strip())
-        folders = sorted(store.glob(f"{root.name}__to__{member.name}__*"))
-        if not folders:
-            raise SystemExit(f"no mapping {root.name} -> {member.name} in {store}: run `orchestra family calibrate`")
-        target = load_model(family.member_path(member.name))
-        mapping = load_mapping(folders[-1], source.fingerprint, target.fingerprint)
-        results.append({"member": role.strip(), **measure(source.model, target.model, mapping.kv_map, ids,
-                                                          args.repeats)})
-        del target, mapping
+    for role in (r.strip() for r in args.members.split(",")):
+        mapping = fam.mapping(Pair(source="root", target=role))  # the stored one; calibrated first if missing
+        results.append({"member": role, **measure(source.model, fam.loaded(role).model, mapping.kv_map, ids,
+                                                  args.repeats)})
     command = "python benchmarks/map_memory.py " + " ".join(sys.argv[1:])
     machine = machine_info()
     args.out.mkdir(parents=True, exist_ok=True)
