@@ -11,7 +11,7 @@ that needs them is first used.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agents.errors import (
     AgentError,
@@ -156,7 +156,7 @@ if TYPE_CHECKING:
     from agents.structured import extract_json_object, parse_output, run_with_repairs
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value

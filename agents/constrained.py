@@ -16,15 +16,36 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
-__all__ = ["TokenConstraint", "JsonConstraint"]
+if TYPE_CHECKING:
+    import torch
+    import xgrammar
+
+    from mappings.types import Tokenizer
+
+__all__ = ["TokenConstraint", "JsonConstraint", "GRAMMAR_INSTALL", "require_grammar"]
+
+GRAMMAR_INSTALL = "pip install 'xgrammar>=0.1.20'"
+
+
+def require_grammar() -> None:
+    """Raise `MissingDependencyError` (with the pip command) unless xgrammar can be imported."""
+    import importlib.util
+
+    if importlib.util.find_spec("xgrammar") is None:
+        from agents.errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            f"JSON agents decode under a grammar of their schema and xgrammar is not installed: {GRAMMAR_INSTALL} "
+            "(it is a core dependency of orchestra-kv; reinstall the package)", name="xgrammar")
 
 
 class TokenConstraint(Protocol):
     """What a decoding loop asks of a constraint, once per generated token."""
 
-    def mask(self, logits: Any) -> None:
+    def mask(self, logits: torch.Tensor) -> None:
         """Set the logits ([vocab], in place) of every token not allowed next to -inf."""
 
     def accept(self, token_id: int) -> None:
@@ -35,15 +56,24 @@ class TokenConstraint(Protocol):
 
 
 _LOCK = threading.Lock()
-_COMPILERS: dict[tuple[int, int], Any] = {}
-_GRAMMARS: OrderedDict[tuple[int, int, str], Any] = OrderedDict()
+_COMPILERS: dict[tuple[int, int], xgrammar.GrammarCompiler] = {}
+_GRAMMARS: OrderedDict[tuple[int, int, str], xgrammar.CompiledGrammar] = OrderedDict()
+
+
+class _Layout(TypedDict, total=False):
+    """xgrammar's JSON layout options (`GrammarCompiler.compile_json_schema` keywords)."""
+
+    any_whitespace: bool
+    indent: int
+
+
 _MAX_GRAMMARS = 256  # compiled schemas kept; a server taking arbitrary schemas must not grow without bound
 
 
 class JsonConstraint:
     """Tokens restricted to a JSON object, optionally following `schema`."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: xgrammar.CompiledGrammar, vocab_size: int) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -52,7 +82,7 @@ class JsonConstraint:
         self.vocab_size = vocab_size
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, schema: dict[str, Any] | None = None, *, vocab_size: int | None = None,
+    def for_tokenizer(cls, tokenizer: Tokenizer, schema: Mapping[str, object] | None = None, *, vocab_size: int | None = None,
                       fixed_layout: bool = False) -> JsonConstraint:
         """A fresh constraint (one per generation); `vocab_size` is the model's logits width when it pads the vocab.
 
@@ -66,28 +96,29 @@ class JsonConstraint:
         size = int(vocab_size or len(tokenizer))
         key = (id(tokenizer), size)
         text = (json.dumps(schema, sort_keys=True) if schema is not None else "") + ("\x00fixed" if fixed_layout else "")
+        grammar_key = (*key, text)
         with _LOCK:
             compiler = _COMPILERS.get(key)
             if compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size)
                 compiler = _COMPILERS[key] = xgr.GrammarCompiler(info)
-            compiled = _GRAMMARS.get((*key, text))
+            compiled = _GRAMMARS.get(grammar_key)
             if compiled is not None:
-                _GRAMMARS.move_to_end((*key, text))
+                _GRAMMARS.move_to_end(grammar_key)
             if compiled is None:
-                layout: dict[str, Any] = {"any_whitespace": False, "indent": 2} if fixed_layout else {}
+                layout: _Layout = {"any_whitespace": False, "indent": 2} if fixed_layout else {}
                 if schema is not None:
                     compiled = compiler.compile_json_schema(json.dumps(schema, sort_keys=True), **layout)
                 elif fixed_layout:
                     compiled = compiler.compile_json_schema('{"type": "object"}', **layout)
                 else:
                     compiled = compiler.compile_builtin_json_grammar()
-                _GRAMMARS[(*key, text)] = compiled
+                _GRAMMARS[grammar_key] = compiled
                 while len(_GRAMMARS) > _MAX_GRAMMARS:
                     _GRAMMARS.popitem(last=False)
         return cls(compiled, size)
 
-    def mask(self, logits: Any) -> None:
+    def mask(self, logits: torch.Tensor) -> None:
         self._matcher.fill_next_token_bitmask(self._bitmask)
         view = logits.view(1, -1)[:, : self.vocab_size]
         self._xgr.apply_token_bitmask_inplace(view, self._bitmask.to(view.device))

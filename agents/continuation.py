@@ -15,13 +15,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from agents.constrained import TokenConstraint
 from agents.detok import TextAssembler
 from agents.kv import check_context, check_prefix_cache, forward_tokens
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from mappings.types import CacheLike, Model, Tokenizer
 from agents.sampling import Sampler
 from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
 
@@ -52,7 +57,7 @@ class Continuation:
         return len(self.token_ids) / self.generation_s if self.generation_s > 0 else 0.0
 
 
-def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+def eos_token_ids(model: Model, tokenizer: Tokenizer) -> frozenset[int]:
     """Token ids that end generation: from the generation config, the model config and the tokenizer."""
     found: set[int] = set()
     sources = (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer)
@@ -82,7 +87,7 @@ class TokenStream:
     (an agent's JSON-object tracker when no grammar constrains the reply).
     """
 
-    def __init__(self, tokenizer: Any, eos: frozenset[int], *, max_new_tokens: int, temperature: float = 0.0,
+    def __init__(self, tokenizer: Tokenizer, eos: frozenset[int], *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int | None = None, seed: int | None = None, stop: Sequence[str] = (),
                  on_token: Callable[[str, int, int], None] | None = None,
                  constraint: TokenConstraint | None = None, repetition_penalty: float = 1.0,
@@ -147,9 +152,9 @@ class TokenStream:
 
 
 def continue_ids(
-    model: Any,
-    tokenizer: Any,
-    prefix_cache: Any | None,
+    model: Model,
+    tokenizer: Tokenizer,
+    prefix_cache: CacheLike | None,
     prefix_len: int,
     new_ids: Sequence[int],
     *,
@@ -161,7 +166,7 @@ def continue_ids(
     stop: Sequence[str] = (),
     on_token: Callable[[str, int, int], None] | None = None,
     cancel: threading.Event | Callable[[], bool] | None = None,
-    lock: Any = None,
+    lock: AbstractContextManager[object] | None = None,
     constraint: TokenConstraint | None = None,
     repetition_penalty: float = 1.0,
     no_repeat_ngram_size: int = 0,

@@ -15,7 +15,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from agents.spec import AgentSpec
 
@@ -80,7 +80,7 @@ def prompt_examples(spec: AgentSpec) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def first_json_object(text: str) -> dict[str, Any] | None:
+def first_json_object(text: str) -> dict[str, object] | None:
     """The first JSON object that parses, scanning each '{' in order (code fences and chatter allowed).
 
     Lives here because agents.structured imports this module, not the reverse; structured re-exports it.
@@ -99,8 +99,8 @@ def first_json_object(text: str) -> dict[str, Any] | None:
     return None
 
 
-def _schema_examples(node: Any) -> list[Any]:
-    out: list[Any] = []
+def _schema_examples(node: object) -> list[object]:
+    out: list[object] = []
     if isinstance(node, dict):
         for key, value in node.items():
             if key in ("examples", "example"):
@@ -113,7 +113,7 @@ def _schema_examples(node: Any) -> list[Any]:
     return out
 
 
-def _strings(value: Any) -> Iterable[str]:
+def _strings(value: object) -> Iterable[str]:
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
@@ -186,7 +186,7 @@ def _example_copy(pieces: Sequence[str], examples: Sequence[str]) -> Degeneracy 
     return None
 
 
-def check_value(value: Any, *, spec: AgentSpec | None = None, examples: Sequence[str] = (),
+def check_value(value: object, *, spec: AgentSpec | None = None, examples: Sequence[str] = (),
                 policy: DegeneracyPolicy = DEFAULT_POLICY) -> Degeneracy | None:
     """None if a parsed JSON value looks like a real reply, else why it is degenerate.
 
@@ -206,7 +206,8 @@ def check_value(value: Any, *, spec: AgentSpec | None = None, examples: Sequence
     for items in _lists(value):
         texts = [_norm(s) for s in items if isinstance(s, str)]
         if len(texts) >= 2 and len(set(texts)) == 1:
-            return Degeneracy("repeated_line", f"all {len(texts)} list items are the same: {items[0][:60]!r}")
+            first = next(s for s in items if isinstance(s, str))
+            return Degeneracy("repeated_line", f"all {len(texts)} list items are the same: {first[:60]!r}")
     for piece in strings:
         echo = _echo(piece, spec, policy)
         if echo is not None:
@@ -229,7 +230,7 @@ def _longest_blank_run(text: str) -> int:
     return max(longest, trailing - 1)
 
 
-def _has_content(value: Any) -> bool:
+def _has_content(value: object) -> bool:
     if isinstance(value, dict):
         return any(_has_content(v) for v in value.values())
     if isinstance(value, list):
@@ -237,7 +238,7 @@ def _has_content(value: Any) -> bool:
     return value is not None
 
 
-def _lists(value: Any) -> Iterable[list[Any]]:
+def _lists(value: object) -> Iterable[list[object]]:
     if isinstance(value, dict):
         for v in value.values():
             yield from _lists(v)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from mappings.types import Tokenizer
 
 __all__ = ["TextAssembler"]
 
@@ -18,7 +21,7 @@ __all__ = ["TextAssembler"]
 class TextAssembler:
     """Incremental detokenizer + stop-string matcher for one generation."""
 
-    tokenizer: Any
+    tokenizer: Tokenizer
     stop: Sequence[str] = ()
     ids: list[int] = field(default_factory=list)
     decoded: str = ""
@@ -30,7 +33,8 @@ class TextAssembler:
     _read_offset: int = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # one id list decodes to one str (transformers types `decode` as `str | list[str]`, for batches too)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     def _advance(self, final: bool) -> None:
         prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])

@@ -15,6 +15,7 @@ __all__ = [
     "AgentOutputError",
     "OutputValidationError",
     "TruncatedOutputError",
+    "MissingDependencyError",
 ]
 
 
@@ -140,3 +141,11 @@ class TruncatedOutputError(AgentOutputError):
             raw_output=raw_output,
             attempts=attempts,
         )
+
+
+class MissingDependencyError(AgentError, ImportError):
+    """A library an agent needs is not installed; the message names the package and the pip command.
+
+    Raised instead of quietly running without it: a JSON agent decoded without its grammar writes
+    other replies (truncated or malformed objects), which is a different agent, not a slower one.
+    """

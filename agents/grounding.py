@@ -17,7 +17,7 @@ check after decoding stays, for unconstrained decoding and for schemas the gramm
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict
 
@@ -50,19 +50,19 @@ def is_grounded(item: str, normalized_document: str) -> bool:
     return bool(norm) and f" {norm} " in f" {normalized_document} "  # whole words only
 
 
-def ground_value(value: dict[str, Any], document: str) -> tuple[dict[str, Any], Grounding]:
+def ground_value(value: Mapping[str, object], document: str) -> tuple[dict[str, object], Grounding]:
     """``value`` with ungrounded string items removed from its lists, and the grounding counts."""
     doc = normalize(document)
     checked = grounded = 0
     ungrounded: list[str] = []
     repeated = 0
 
-    def visit(node: Any) -> Any:
+    def visit(node: object) -> object:
         nonlocal checked, grounded, repeated
         if isinstance(node, dict):
             return {k: visit(v) for k, v in node.items()}
         if isinstance(node, list):
-            kept = []
+            kept: list[object] = []
             seen: set[str] = set()
             for item in node:
                 if isinstance(item, str):
@@ -87,7 +87,8 @@ def ground_value(value: dict[str, Any], document: str) -> tuple[dict[str, Any], 
                 ungrounded.append(node)
         return node
 
-    return visit(value), Grounding(checked=checked, grounded=grounded, ungrounded=ungrounded, repeated=repeated)
+    kept = {k: visit(v) for k, v in value.items()}  # visit(value), as a dict
+    return kept, Grounding(checked=checked, grounded=grounded, ungrounded=ungrounded, repeated=repeated)
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+|\n\s*\n")
@@ -113,8 +114,8 @@ def document_sentences(document: str, *, min_chars: int = 24, max_chars: int = 3
     return out
 
 
-def grounded_schema(schema: dict[str, Any], document: str | None = None, *, max_items: int | None = None,
-                    min_chars: int = 24) -> dict[str, Any] | None:
+def grounded_schema(schema: Mapping[str, object], document: str | None = None, *, max_items: int | None = None,
+                    min_chars: int = 24) -> dict[str, object] | None:
     """``schema`` for the grammar: each array-of-strings property limited to the document's sentences
     (when ``document`` is given) and every array to ``max_items``; None when nothing changes.
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from agents.errors import ContextOverflowError, PrefixCacheMismatchError
+
+if TYPE_CHECKING:
+    from mappings.types import CacheLike, KVCache, Model
 from mappings.cache_io import (
     cache_kwarg,
     cache_layers,
@@ -50,7 +53,7 @@ cache_tensors = cache_layers
 """(keys, values) per layer, each [batch, kv_heads, seq, head_dim]: :func:`mappings.cache_io.cache_layers`."""
 
 
-def max_positions(model: Any) -> int | None:
+def max_positions(model: Model) -> int | None:
     """The model's maximum number of positions (from its config), or None if it declares none."""
     config = model.config
     if hasattr(config, "get_text_config"):
@@ -59,7 +62,7 @@ def max_positions(model: Any) -> int | None:
     return int(value) if value else None
 
 
-def check_context(model: Any, prefix_tokens: int, suffix_tokens: int = 0, max_new_tokens: int = 0,
+def check_context(model: Model | int, prefix_tokens: int, suffix_tokens: int = 0, max_new_tokens: int = 0,
                   *, agent: str | None = None) -> None:
     """Raise ContextOverflowError if prefix + suffix + max_new_tokens exceed the model's max positions.
 
@@ -71,14 +74,14 @@ def check_context(model: Any, prefix_tokens: int, suffix_tokens: int = 0, max_ne
                                    max_new_tokens=max_new_tokens, agent=agent)
 
 
-def check_prefix_cache(cache: Any, prefix_tokens: int) -> None:
+def check_prefix_cache(cache: CacheLike, prefix_tokens: int) -> None:
     """Raise PrefixCacheMismatchError unless the cache holds exactly ``prefix_tokens`` positions."""
     held = cache_length(cache)
     if held != prefix_tokens:
         raise PrefixCacheMismatchError(held, prefix_tokens)
 
 
-def forward_tokens(model: Any, ids: torch.Tensor | list[int], cache: Any, start: int) -> torch.Tensor:
+def forward_tokens(model: Model, ids: torch.Tensor | list[int], cache: CacheLike, start: int) -> torch.Tensor:
     """Run ``ids`` at positions ``start...`` through the model, extending ``cache`` in place.
 
     Returns the logits of the last position, shape [vocab], float32 (only that position's logits
@@ -95,13 +98,13 @@ def forward_tokens(model: Any, ids: torch.Tensor | list[int], cache: Any, start:
 class Prefill:
     """A full prefill: the cache holding every prefix position, the last position's logits, seconds."""
 
-    cache: Any
+    cache: KVCache
     seconds: float
     tokens: int
     last_logits: torch.Tensor
 
 
-def prefill_document(model: Any, prefix_ids: list[int] | torch.Tensor, *, chunk_size: int | None = None) -> Prefill:
+def prefill_document(model: Model, prefix_ids: list[int] | torch.Tensor, *, chunk_size: int | None = None) -> Prefill:
     """Prefill ``prefix_ids`` on ``model`` from scratch and return the cache and the time it took.
 
     ``chunk_size`` bounds peak memory on long documents (None: one forward pass).

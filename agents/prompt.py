@@ -29,10 +29,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from agents.errors import EmptyDocumentError
 from agents.spec import AgentSpec
+
+if TYPE_CHECKING:
+    from mappings.types import Tokenizer
 
 __all__ = [
     "DEFAULT_PREAMBLE",
@@ -73,7 +76,7 @@ _PROBES = ("Write one word.", "Answer the question in two sentences, please.")  
 _ENCODE_LOCK = threading.Lock()
 
 
-def _encode(tokenizer: Any, text: str, *, split_special_tokens: bool = False) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str, *, split_special_tokens: bool = False) -> list[int]:
     """Token ids of ``text`` without any special tokens added."""
     with _ENCODE_LOCK:
         if split_special_tokens:
@@ -84,7 +87,7 @@ def _encode(tokenizer: Any, text: str, *, split_special_tokens: bool = False) ->
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _leading_bos(tokenizer: Any) -> list[int]:
+def _leading_bos(tokenizer: Tokenizer) -> list[int]:
     """[bos_id] if the tokenizer adds a BOS token at the start of a sequence by itself, else []."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
@@ -95,7 +98,7 @@ def _leading_bos(tokenizer: Any) -> list[int]:
     return [bos] if with_special[:1] == [bos] and without[:1] != [bos] else []
 
 
-def has_chat_template(tokenizer: Any) -> bool:
+def has_chat_template(tokenizer: Tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
@@ -122,13 +125,13 @@ def _messages(system_role: bool, agent_text: str, repairs: Sequence[RepairTurn])
     return first
 
 
-def _render(tokenizer: Any, system_role: bool, agent_text: str, repairs: Sequence[RepairTurn]) -> str:
+def _render(tokenizer: Tokenizer, system_role: bool, agent_text: str, repairs: Sequence[RepairTurn]) -> str:
     with _ENCODE_LOCK:
         return str(tokenizer.apply_chat_template(_messages(system_role, agent_text, repairs), tokenize=False,
                                                  add_generation_prompt=True))
 
 
-def _find_layout(tokenizer: Any) -> _ChatLayout | None:
+def _find_layout(tokenizer: Tokenizer) -> _ChatLayout | None:
     probe_repair = (RepairTurn(previous_output="{}", instruction="Try again."),)
     for system_role in (True, False):
         try:
@@ -146,7 +149,7 @@ def _find_layout(tokenizer: Any) -> _ChatLayout | None:
     return None
 
 
-def _chat_layout(tokenizer: Any) -> _ChatLayout | None:
+def _chat_layout(tokenizer: Tokenizer) -> _ChatLayout | None:
     """The tokenizer's chat-native layout, or None for the raw layout (cached per tokenizer and template)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template or not isinstance(template, str):
@@ -161,12 +164,12 @@ def _chat_layout(tokenizer: Any) -> _ChatLayout | None:
     return layout
 
 
-def chat_native(tokenizer: Any) -> bool:
+def chat_native(tokenizer: Tokenizer) -> bool:
     """Whether prompts for this tokenizer use the chat-native layout (the same answer for prefix and suffix)."""
     return _chat_layout(tokenizer) is not None
 
 
-def _resolve(tokenizer: Any, use_chat_template: bool | None) -> _ChatLayout | None:
+def _resolve(tokenizer: Tokenizer, use_chat_template: bool | None) -> _ChatLayout | None:
     if use_chat_template is False:
         return None
     layout = _chat_layout(tokenizer)
@@ -208,14 +211,14 @@ class DocumentPrompt:
         """The raw-layout prefix as text (without any BOS token the tokenizer may add)."""
         return f"{self.preamble}{_document_block(self.document)}"
 
-    def text_for(self, tokenizer: Any) -> str:
+    def text_for(self, tokenizer: Tokenizer) -> str:
         """The prefix as text in the layout this tokenizer gets (without a BOS the tokenizer adds by itself)."""
         layout = _resolve(tokenizer, self.use_chat_template)
         if layout is None:
             return self.text
         return f"{layout.head}{CHAT_DOCUMENT_INTRO}{_document_block(self.document)}"
 
-    def token_ids(self, tokenizer: Any) -> list[int]:
+    def token_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The prefix token ids (identical for every agent; for every member sharing the tokenizer).
 
         Special-token strings inside the document are tokenized as plain text, so a document cannot
@@ -248,7 +251,7 @@ class Suffix:
     """True for the chat-native layout (the suffix closes the document's user turn)."""
 
 
-def _user_message(spec: AgentSpec, upstream: Mapping[str, Any] | None) -> str:
+def _user_message(spec: AgentSpec, upstream: Mapping[str, object] | None) -> str:
     task = spec.render_task(upstream).strip()
     fmt = spec.output.format_instructions()
     return f"{task}\n\n{fmt}" if fmt else task
@@ -261,7 +264,7 @@ def _plain_suffix(spec: AgentSpec, user: str, repairs: Sequence[RepairTurn]) -> 
     return text
 
 
-def _chat_suffix(tokenizer: Any, layout: _ChatLayout, spec: AgentSpec, user: str,
+def _chat_suffix(tokenizer: Tokenizer, layout: _ChatLayout, spec: AgentSpec, user: str,
                  repairs: Sequence[RepairTurn]) -> str:
     role = spec.role.strip()
     agent_text = f"\n{role}\n\n{user}" if role else f"\n{user}"
@@ -274,9 +277,9 @@ def _chat_suffix(tokenizer: Any, layout: _ChatLayout, spec: AgentSpec, user: str
 
 
 def build_suffix(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     spec: AgentSpec,
-    upstream: Mapping[str, Any] | None = None,
+    upstream: Mapping[str, object] | None = None,
     *,
     repairs: Sequence[RepairTurn] = (),
     use_chat_template: bool | None = None,
@@ -296,6 +299,6 @@ def build_suffix(
     return Suffix(text=text, ids=tuple(_encode(tokenizer, text)), chat_template=layout is not None)
 
 
-def suffix_ids(tokenizer: Any, spec: AgentSpec, upstream: Mapping[str, Any] | None = None) -> list[int]:
+def suffix_ids(tokenizer: Tokenizer, spec: AgentSpec, upstream: Mapping[str, object] | None = None) -> list[int]:
     """Token ids of the agent-specific suffix (see build_suffix)."""
     return list(build_suffix(tokenizer, spec, upstream).ids)

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -33,6 +33,12 @@ from agents.sampling import Sampler
 from agents.spec import AgentSpec
 from agents.structured import JsonObjectTracker, run_with_repairs
 from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from agents.constrained import JsonConstraint
+    from mappings.types import CacheLike, Model, Tokenizer
 
 __all__ = ["TokenEvent", "AgentTimings", "AgentResult", "FinishReason", "generate", "eos_token_ids"]
 
@@ -79,7 +85,7 @@ class AgentResult(BaseModel):
     """The agent's name."""
     text: str
     """Output text (cut before a stop string; the raw reply for JSON agents)."""
-    parsed: Any = None
+    parsed: object = None
     """For JSON agents: the validated object (a pydantic model instance, or a dict for schemas)."""
     token_ids: list[int]
     """Generated token ids of the accepted attempt (including a final EOS)."""
@@ -144,15 +150,18 @@ class _Generation:
     constrained: bool = False
 
 
-def _json_constraint(model: Any, tokenizer: Any, spec: AgentSpec, document: str | None = None) -> Any | None:
-    """A fresh grammar constraint for a JSON agent's reply, or None (free text, or xgrammar unavailable).
+def _json_constraint(model: Model, tokenizer: Tokenizer, spec: AgentSpec,
+                     document: str | None = None) -> JsonConstraint | None:
+    """A fresh grammar constraint for a JSON agent's reply, or None (free text, or a tokenizer xgrammar cannot read).
 
     For grounded agents with the ``document`` given, list items are limited to its sentences first.
     """
     output = spec.output
     if output.kind != "json" or not output.constrained:
         return None
-    from agents.constrained import JsonConstraint
+    from agents.constrained import JsonConstraint, require_grammar
+
+    require_grammar()  # without it the agent would decode unconstrained: another agent, not a slower one
 
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None) or None
@@ -171,16 +180,16 @@ def _json_constraint(model: Any, tokenizer: Any, spec: AgentSpec, document: str 
     except Exception:  # noqa: BLE001 - a schema feature xgrammar cannot compile: any JSON object, then the tracker
         try:
             return JsonConstraint.for_tokenizer(tokenizer, None, vocab_size=vocab, fixed_layout=True)
-        except Exception:  # noqa: BLE001 - no xgrammar / unsupported tokenizer: unconstrained + repair loop
+        except Exception:  # noqa: BLE001 - a tokenizer xgrammar cannot read: unconstrained + repair loop
             return None
 
 
 def _decode_once(
-    model: Any,
-    tokenizer: Any,
+    model: Model,
+    tokenizer: Tokenizer,
     spec: AgentSpec,
     prefix_ids: list[int],
-    prefix_cache: Any | None,
+    prefix_cache: CacheLike | None,
     suffix: Suffix,
     *,
     attempt: int,
@@ -188,7 +197,7 @@ def _decode_once(
     on_token: Callable[[TokenEvent], None] | None,
     cancelled: CancelCheck,
     clock: _Clock,
-    lock: Any = None,
+    lock: AbstractContextManager[object] | None = None,
     document: str | None = None,
 ) -> _Generation:
     settings = spec.generation
@@ -242,23 +251,23 @@ def _decode_once(
             logits = forward_tokens(model, [token], cache, position)
         position += 1
     clock.generation_s += time.perf_counter() - t2
-    finish: FinishReason = stream.finish if stream.finish in ("eos", "stop", "length") else "length"  # type: ignore[assignment]
+    finish: FinishReason = stream.finish if stream.finish in ("eos", "stop", "length") else "length"
     return _Generation(text=stream.assembler.text, finish_reason=finish, token_ids=list(stream.ids), suffix=suffix,
                        constrained=constraint is not None)
 
 
 def generate(
-    model: Any,
-    tokenizer: Any,
+    model: Model,
+    tokenizer: Tokenizer,
     spec: AgentSpec,
     *,
     prefix_ids: Sequence[int],
-    prefix_cache: Any | None = None,
-    upstream: Mapping[str, Any] | None = None,
+    prefix_cache: CacheLike | None = None,
+    upstream: Mapping[str, object] | None = None,
     on_token: Callable[[TokenEvent], None] | None = None,
     cancel: CancelCheck | threading.Event | None = None,
     use_chat_template: bool | None = None,
-    lock: Any = None,
+    lock: AbstractContextManager[object] | None = None,
 ) -> AgentResult:
     """Run ``spec`` on ``model`` after the document prefix ``prefix_ids``; return its result.
 
@@ -281,7 +290,8 @@ def generate(
     eos = eos_token_ids(model, tokenizer)
 
     # grounding compares against the document as the model saw it: the prefix, decoded, between the markers
-    document = (document_span(tokenizer.decode(prefix)) if spec.output.kind == "json" and spec.output.grounded
+    # (`decode` of one id list is one str; transformers types it `str | list[str]` for batches too)
+    document = (document_span(cast(str, tokenizer.decode(prefix))) if spec.output.kind == "json" and spec.output.grounded
                 else None)
 
     def attempt(index: int, repairs: Sequence[RepairTurn]) -> _Generation:

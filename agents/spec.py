@@ -14,7 +14,7 @@ import json
 import re
 import string
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
@@ -33,6 +33,7 @@ from agents.schema import check_schema, schema_errors
 
 __all__ = [
     "AGENT_NAME_PATTERN",
+    "ParsedOutput",
     "MAX_NEW_TOKENS",
     "MaxNewTokens",
     "GenerationSettings",
@@ -133,7 +134,7 @@ def escape_template(text: str, syntax: TemplateSyntax = "format") -> str:
     return text.replace("$", "$$")
 
 
-def upstream_text(value: Any) -> str:
+def upstream_text(value: object) -> str:
     """The text an upstream output contributes to a prompt (JSON for structured outputs)."""
     if isinstance(value, str):
         return value
@@ -169,7 +170,7 @@ class GenerationSettings(BaseModel):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _stop_list(cls, value: Any) -> Any:
+    def _stop_list(cls, value: object) -> object:
         return (value,) if isinstance(value, str) else value
 
     @field_validator("stop")
@@ -191,7 +192,7 @@ def _import_model(path: str) -> type[BaseModel]:
     if not module_name or not attr:
         raise ValueError(f"output model {path!r} must be an import path like 'package.module:ClassName'")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: object = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
@@ -199,6 +200,10 @@ def _import_model(path: str) -> type[BaseModel]:
     if not (isinstance(obj, type) and issubclass(obj, BaseModel)):
         raise ValueError(f"output model {path!r} is not a pydantic model class")
     return obj
+
+
+ParsedOutput = BaseModel | dict[str, object]
+"""A JSON agent's validated reply: an instance of its output model, or the object itself (schema outputs)."""
 
 
 class OutputSpec(BaseModel):
@@ -210,7 +215,7 @@ class OutputSpec(BaseModel):
     """"text": the output is free text; "json": the first JSON object in it is parsed and validated."""
     model: type[BaseModel] | None = None
     """Pydantic model the JSON object must validate against (or its import path 'pkg.mod:Class')."""
-    json_schema: dict[str, Any] | None = None
+    json_schema: dict[str, object] | None = None
     """JSON schema the object must satisfy (used when no model is given); see agents.schema."""
     max_repairs: int = Field(1, ge=0, le=5)
     """How many times an invalid or truncated JSON reply is re-generated with a repair instruction."""
@@ -225,12 +230,12 @@ class OutputSpec(BaseModel):
 
     @field_validator("model", mode="before")
     @classmethod
-    def _model_from_path(cls, value: Any) -> Any:
+    def _model_from_path(cls, value: object) -> object:
         return _import_model(value) if isinstance(value, str) else value
 
     @field_validator("json_schema")
     @classmethod
-    def _schema_ok(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _schema_ok(cls, value: dict[str, object] | None) -> dict[str, object] | None:
         if value is not None:
             check_schema(value)
         return value
@@ -249,7 +254,7 @@ class OutputSpec(BaseModel):
     def _model_path(self, value: type[BaseModel] | None) -> str | None:
         return None if value is None else f"{value.__module__}:{value.__qualname__}"
 
-    def schema_dict(self) -> dict[str, Any] | None:
+    def schema_dict(self) -> dict[str, object] | None:
         """The JSON schema of the expected object (from the model if given)."""
         if self.model is not None:
             return self.model.model_json_schema()
@@ -268,7 +273,7 @@ class OutputSpec(BaseModel):
         compact = json.dumps(_strip_titles(schema), separators=(",", ":"), ensure_ascii=False)
         return f"Reply with only a JSON object that follows this JSON schema, and nothing else:\n{compact}{copy}"
 
-    def validate_value(self, value: Any) -> Any:
+    def validate_value(self, value: object) -> ParsedOutput:
         """Validate a parsed JSON object: a model instance, or the object itself; ValueError if invalid."""
         if not isinstance(value, dict):
             raise ValueError(f"expected a JSON object, got {type(value).__name__}")
@@ -281,7 +286,7 @@ class OutputSpec(BaseModel):
         return value
 
 
-def _strip_titles(node: Any) -> Any:
+def _strip_titles(node: object) -> object:
     """Pydantic schemas carry 'title' on every node; drop them to keep prompts short."""
     if isinstance(node, dict):
         return {k: _strip_titles(v) for k, v in node.items() if k != "title" or isinstance(v, dict)}
@@ -323,7 +328,7 @@ class AgentSpec(BaseModel):
         """Names of the upstream outputs the task template references, in order of first use."""
         return tuple(dict.fromkeys(name for kind, name in self._segments if kind == "ref"))
 
-    def render_task(self, upstream: Mapping[str, Any] | None = None) -> str:
+    def render_task(self, upstream: Mapping[str, object] | None = None) -> str:
         """The task with upstream outputs filled in; UnknownUpstreamError if one is missing."""
         upstream = upstream or {}
         missing = [name for name in self.required_inputs() if name not in upstream]
@@ -331,7 +336,7 @@ class AgentSpec(BaseModel):
             raise UnknownUpstreamError(self.name, missing, upstream.keys())
         return "".join(text if kind == "text" else upstream_text(upstream[text]) for kind, text in self._segments)
 
-    def with_generation(self, **changes: Any) -> AgentSpec:
+    def with_generation(self, **changes: object) -> AgentSpec:
         """A copy with some generation settings changed (validated)."""
         settings = GenerationSettings.model_validate({**self.generation.model_dump(), **changes})
         return self.model_copy(update={"generation": settings})

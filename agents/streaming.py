@@ -10,25 +10,17 @@ worker thread is always joined before the block exits, so no compute outlives it
 from __future__ import annotations
 
 import inspect
-import math
-import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any
 
 import anyio
-import anyio.to_thread
-from anyio import from_thread
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from agents.bridge import ThreadStream, WorkerCancelledError
 from agents.errors import GenerationCancelledError
 from agents.runner import AgentResult, TokenEvent, generate
 from agents.spec import AgentSpec
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["AgentStream", "stream_agent", "run_agent"]
 
@@ -36,23 +28,15 @@ __all__ = ["AgentStream", "stream_agent", "run_agent"]
 class AgentStream:
     """Async iterator over one agent's TokenEvents; `result` once the stream is exhausted."""
 
-    def __init__(self, agent: str, receive: MemoryObjectReceiveStream[TokenEvent]) -> None:
+    def __init__(self, agent: str, stream: ThreadStream[TokenEvent, AgentResult]) -> None:
         self.agent = agent
-        self._receive = receive
-        self._result: AgentResult | None = None
-        self._error: BaseException | None = None
-        self._done = False
+        self._stream = stream
 
     def __aiter__(self) -> AgentStream:
         return self
 
     async def __anext__(self) -> TokenEvent:
-        try:
-            return await self._receive.receive()
-        except anyio.EndOfStream:
-            if self._error is not None:
-                raise self._error from None
-            raise StopAsyncIteration from None
+        return await self._stream.__anext__()  # the agent's error, unwrapped, once its tokens are out
 
     async def wait(self) -> AgentResult:
         """Drain the remaining events and return the result (raises the agent's error, if any)."""
@@ -62,15 +46,16 @@ class AgentStream:
 
     @property
     def done(self) -> bool:
-        return self._done
+        return self._stream.done
 
     @property
     def result(self) -> AgentResult:
-        if self._error is not None:
-            raise self._error
-        if self._result is None:
+        if not self._stream.done:
             raise RuntimeError(f"agent {self.agent!r} has not finished; iterate the stream to the end first")
-        return self._result
+        try:
+            return self._stream.result_nowait()
+        except WorkerCancelledError:  # left while it was still queued (e.g. on the limiter): no token made
+            raise GenerationCancelledError(self.agent, 0) from None
 
 
 @asynccontextmanager
@@ -91,52 +76,15 @@ async def stream_agent(
     Arguments are those of `agents.runner.generate`. Errors of the agent (AgentError and others) are
     raised from the iteration / ``result``, unwrapped.
     """
-    cancel = threading.Event()
-    send: MemoryObjectSendStream[TokenEvent]
-    send, receive = anyio.create_memory_object_stream[TokenEvent](max_buffer_size=math.inf)
-    stream = AgentStream(spec.name, receive)
 
-    emitted = [0]
+    def work(emit: Callable[[TokenEvent], None], cancel: threading.Event) -> AgentResult:  # the worker thread
+        return generate(model, tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=prefix_cache, upstream=upstream,
+                        on_token=emit, cancel=cancel, use_chat_template=use_chat_template, lock=lock)
 
-    def emit(event: TokenEvent) -> None:  # runs in the worker thread
-        emitted[0] += 1
-        try:
-            from_thread.run_sync(send.send_nowait, event)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            cancel.set()  # nobody is listening any more
-
-    async def worker() -> None:
-        async with send:
-            try:
-                stream._result = await anyio.to_thread.run_sync(
-                    partial(generate, model, tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=prefix_cache,
-                            upstream=upstream, on_token=emit, cancel=cancel,
-                            use_chat_template=use_chat_template, lock=lock),
-                    limiter=limiter,
-                )
-            except Exception as exc:  # handed to the consumer unwrapped, not as an ExceptionGroup
-                stream._error = exc
-            finally:
-                if stream._result is None and stream._error is None:  # cancelled before the thread ran
-                    stream._error = GenerationCancelledError(spec.name, emitted[0])
-                stream._done = True
-
-    try:
-        async with receive, anyio.create_task_group() as tg:
-            tg.start_soon(worker)
-            try:
-                yield stream
-            finally:
-                if not stream.done:
-                    # The consumer left early or was cancelled: stop at the next token (a running thread is
-                    # still waited for; one still queued on the limiter never starts).
-                    cancel.set()
-                    tg.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The worker never raises, so the group holds what the caller's own block raised: re-raise it as is.
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+    # Leaving the block early or being cancelled stops decoding at the next token and joins the thread
+    # (one still queued on the limiter never starts); the caller's own errors leave the block unwrapped.
+    async with ThreadStream(work, limiter=limiter) as stream:
+        yield AgentStream(spec.name, stream)
 
 
 async def run_agent(

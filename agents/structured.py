@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
+
+from pydantic import BaseModel
 
 from agents.degenerate import Degeneracy, check_value, first_json_object
 from agents.errors import OutputValidationError, TruncatedOutputError
 from agents.grounding import Grounding, ground_value
 from agents.prompt import RepairTurn
-from agents.spec import AgentSpec, OutputSpec
+from agents.spec import AgentSpec, OutputSpec, ParsedOutput
 
 __all__ = [
     "Generation",
@@ -33,8 +35,12 @@ _MAX_ECHO = 1500  # characters of a rejected reply echoed back in a repair turn
 
 
 class Generation(Protocol):
-    text: str
-    finish_reason: str
+    # Read-only, so a generation whose finish_reason is a narrower Literal still matches.
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def finish_reason(self) -> str: ...
 
 
 G = TypeVar("G", bound=Generation)
@@ -80,12 +86,12 @@ class JsonObjectTracker:
         return self.started and not self.complete
 
 
-def extract_json_object(text: str) -> dict[str, Any] | None:
+def extract_json_object(text: str) -> dict[str, object] | None:
     """The first JSON object that parses, scanning each '{' in order (code fences and chatter allowed)."""
     return first_json_object(text)
 
 
-def salvage_truncated(text: str) -> dict[str, Any] | None:
+def salvage_truncated(text: str) -> dict[str, object] | None:
     """The complete part of a JSON object cut off at max_new_tokens: drop the unfinished item, close the rest.
 
     Only values inside arrays are dropped (a list of facts cut mid-fact keeps the facts before it);
@@ -96,7 +102,7 @@ def salvage_truncated(text: str) -> dict[str, Any] | None:
         return None
     stack: list[str] = []
     in_string = escaped = False
-    best: dict[str, Any] | None = None
+    best: dict[str, object] | None = None
     for pos in range(start, len(text)):
         ch = text[pos]
         if in_string:
@@ -124,7 +130,7 @@ def salvage_truncated(text: str) -> dict[str, Any] | None:
     return best
 
 
-def _closed(head: str, stack: list[str]) -> dict[str, Any] | None:
+def _closed(head: str, stack: list[str]) -> dict[str, object] | None:
     closing = "".join("]" if c == "[" else "}" for c in reversed(stack))
     try:
         value = json.loads(head + closing)
@@ -142,7 +148,8 @@ class OutputProblem:
     instruction: str
 
 
-def parse_output(text: str, output: OutputSpec, finish_reason: str) -> tuple[Any, OutputProblem | None]:
+def parse_output(text: str, output: OutputSpec,
+                 finish_reason: str) -> tuple[ParsedOutput | None, OutputProblem | None]:
     """(validated value, None) on success, else (None, problem)."""
     fmt = output.format_instructions()
     value = extract_json_object(text)
@@ -196,7 +203,7 @@ class Structured(Generic[G]):
     """The accepted generation, its validated value, and how many attempts it took."""
 
     generation: G
-    value: Any
+    value: ParsedOutput
     attempts: int
     degenerate: Degeneracy | None = None
     """Set when the last attempt was valid JSON but degenerate (see agents.degenerate); the run reports it."""
@@ -204,8 +211,8 @@ class Structured(Generic[G]):
     """For grounded outputs: the accepted attempt's grounded / ungrounded items (ungrounded ones dropped)."""
 
 
-def _review(spec: AgentSpec, value: Any, document: str | None
-            ) -> tuple[Any, Grounding | None, Degeneracy | None, OutputProblem | None]:
+def _review(spec: AgentSpec, value: ParsedOutput, document: str | None
+            ) -> tuple[ParsedOutput, Grounding | None, Degeneracy | None, OutputProblem | None]:
     """Semantic checks after validation: degenerate content, then grounding (which may drop items)."""
     fmt = spec.output.format_instructions()
     degenerate = check_value(value, spec=spec)
@@ -216,7 +223,7 @@ def _review(spec: AgentSpec, value: Any, document: str | None
                         f"document above with its own content. {fmt}")
     if not spec.output.grounded or document is None:
         return value, None, None, None
-    raw = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    raw = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
     kept, grounding = ground_value(raw, document)
     if grounding.grounded == 0:
         return value, grounding, None, OutputProblem(
@@ -254,6 +261,7 @@ def run_with_repairs(
         value, problem = parse_output(generation.text, spec.output, generation.finish_reason)
         grounding = degenerate = None
         if problem is None:
+            assert value is not None  # parse_output gives a value whenever it finds no problem
             value, grounding, degenerate, problem = _review(spec, value, document)
             if problem is None:
                 return Structured(generation=generation, value=value, attempts=index + 1, grounding=grounding)

@@ -42,7 +42,7 @@ def products_seconds(kv_map: Any, rows: int, repeats: int = 3) -> tuple[float, i
     conversions, RoPE and copies."""
     import torch
 
-    from mappings.apply import _linear
+    from mappings.apply import map_product
 
     g = torch.Generator().manual_seed(0)
     weights = [(lm.prepared(kind, "cpu"), lm.anchored) for lm in kv_map.layers if lm.mode == "map" for kind in "kv"]
@@ -53,7 +53,7 @@ def products_seconds(kv_map: Any, rows: int, repeats: int = 3) -> tuple[float, i
 
     def run() -> None:
         for x, w, anchored in work:
-            _linear(x, w, anchored)
+            map_product(x, w, anchored)
 
     with torch.no_grad():
         run()  # first-call costs

@@ -21,8 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from orchestra.bench import machine_info
-    from orchestra.bench.pipeline import compare_pipeline, pipeline_markdown
+    from orchestra.bench import compare_pipeline, machine_info, pipeline_markdown
     from orchestra.family import load_family
     from orchestra.pipeline import load_pipeline
     from orchestra.scheduler import Orchestra

@@ -14,7 +14,7 @@ Importing this package is cheap: torch and transformers load on first use of a n
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 __all__ = [
     # errors
@@ -50,6 +50,7 @@ __all__ = [
     "model_device",
     "model_dtype",
     "sync_device",
+    "ForwardOutputs",
     "KVShape",
     "kv_shape",
     "KVCapture",
@@ -109,6 +110,21 @@ __all__ = [
     "ResidualMap",
     "fit_residual_maps",
     "add_residual_maps",
+    # type aliases (for annotations)
+    "Tensor",
+    "Device",
+    "DeviceLike",
+    "DType",
+    "Module",
+    "Model",
+    "ModelConfig",
+    "Tokenizer",
+    "KVCache",
+    "LegacyCache",
+    "CacheLike",
+    "JSONScalar",
+    "JSONValue",
+    "JSONDict",
 ]
 
 _WHERE = {
@@ -121,7 +137,7 @@ _WHERE = {
     "mappings.models": ["ModelHandle", "load_model"],
     "mappings.cache_io": ["KVLayers", "cache_layers", "build_cache", "cache_kwarg", "cache_length", "slice_layers",
                           "truncate_cache", "copy_cache", "new_cache", "forward_with_cache", "prefill",
-                          "model_device", "model_dtype", "sync_device"],
+                          "model_device", "model_dtype", "sync_device", "ForwardOutputs"],
     "mappings.capture": ["KVShape", "kv_shape", "KVCapture", "capture_kv", "capture_texts", "capture_windows",
                          "capture_queries", "make_windows"],
     "mappings.rope": ["RopeSpec"],
@@ -140,6 +156,8 @@ _WHERE = {
     "mappings.recompute": ["run_layers", "repair_tokens"],
     "mappings.residual": ["ResidualMap", "fit_residual_maps"],
     "mappings.calibrate_repair": ["add_residual_maps"],
+    "mappings.types": ["Tensor", "Device", "DeviceLike", "DType", "Module", "Model", "ModelConfig", "Tokenizer",
+                       "KVCache", "LegacyCache", "CacheLike", "JSONScalar", "JSONValue", "JSONDict"],
 }
 _LAZY = {name: module for module, names in _WHERE.items() for name in names}
 
@@ -147,6 +165,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mappings.apply import LayerMap, LinearKVMap, identity_map, map_cache, tail_recompute
     from mappings.assemble import fit_kv_map
     from mappings.cache_io import (
+        ForwardOutputs,
         KVLayers,
         build_cache,
         cache_kwarg,
@@ -209,9 +228,25 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mappings.residual import ResidualMap, fit_residual_maps
     from mappings.rope import RopeSpec
     from mappings.store import Mapping, load_mapping, read_manifest, save_mapping
+    from mappings.types import (
+        CacheLike,
+        Device,
+        DeviceLike,
+        DType,
+        JSONDict,
+        JSONScalar,
+        JSONValue,
+        KVCache,
+        LegacyCache,
+        Model,
+        ModelConfig,
+        Module,
+        Tensor,
+        Tokenizer,
+    )
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'mappings' has no attribute {name!r}")

@@ -13,7 +13,7 @@ pair order once, so keys cost two copies instead of a dozen elementwise passes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from mappings.cache_io import (
     KVLayers,
@@ -28,9 +28,14 @@ from mappings.errors import DocumentTooLongError, NonFiniteKVError, ShapeMismatc
 from mappings.rope import RopeSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Mapping
+
     import torch
 
-__all__ = ["LayerMap", "LinearKVMap", "map_cache", "tail_recompute", "exact_prefix", "identity_map", "pair_order_index"]
+    from mappings.types import CacheLike, DeviceLike, DType, KVCache, Model, ModelConfig
+
+__all__ = ["LayerMap", "LinearKVMap", "map_cache", "map_product", "tail_recompute", "exact_prefix", "identity_map",
+           "pair_order_index"]
 
 
 @dataclass
@@ -61,10 +66,10 @@ class LayerMap:
     """``[r, target_width]`` second factor of the low-rank value map."""
     anchored: bool = False
     """Low-rank form only: add the first source layer's features unchanged (the identity anchor)."""
-    _pair_order: dict[Any, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
+    _pair_order: dict[tuple[str, str, int | None, int | None], dict[str, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
 
-    def prepared(self, kind: str, device: Any, in_index: torch.Tensor | None = None,
-                 out_index: torch.Tensor | None = None) -> dict[str, Any]:
+    def prepared(self, kind: str, device: DeviceLike | None, in_index: torch.Tensor | None = None,
+                 out_index: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """``kind``'s tensors ready to apply on ``device`` (cached), optionally with features reordered.
 
         Dense: ``weight`` (+ ``bias``). Low-rank: ``down`` and ``up`` with the bias appended as an
@@ -84,7 +89,7 @@ class LayerMap:
                 return t.contiguous()
 
             weight, bias = getattr(self, f"{kind}_weight"), getattr(self, f"{kind}_bias")
-            out: dict[str, Any] = {}
+            out: dict[str, torch.Tensor] = {}
             if weight is not None:
                 out["weight"] = pick(weight, in_index, out_index)
                 if bias is not None:
@@ -158,7 +163,8 @@ class _Sources:
     (180 MB at 4,096 tokens on the bundled family).
     """
 
-    def __init__(self, keys: Any, values: Any, layers: list[LayerMap], only: set[int] | None) -> None:
+    def __init__(self, keys: Callable[[int], torch.Tensor], values: Callable[[int], torch.Tensor],
+                 layers: list[LayerMap], only: set[int] | None) -> None:
         self._convert = {"k": keys, "v": values}
         self._held: dict[tuple[str, int], torch.Tensor] = {}
         self._layers, self._only = layers, only
@@ -167,7 +173,7 @@ class _Sources:
             for i in lm.sources:
                 self._readers[i] = self._readers.get(i, 0) + 1
 
-    def walk(self, *, release: bool = True) -> Any:
+    def walk(self, *, release: bool = True) -> Iterator[tuple[int, LayerMap]]:
         """``(index, layer)`` of the target layers to map; moving past one releases what nobody after it reads."""
         for ti, lm in enumerate(self._layers):
             if self._only is not None and ti not in self._only:
@@ -207,7 +213,7 @@ def pair_order_index(heads: int, head_dim: int, copies: int = 1) -> torch.Tensor
     return torch.cat([c * width + per_head for c in range(copies)])
 
 
-def _linear(x: torch.Tensor, w: dict[str, Any], anchored: bool) -> torch.Tensor:
+def map_product(x: torch.Tensor, w: Mapping[str, torch.Tensor], anchored: bool) -> torch.Tensor:
     """``x W + b`` (dense) or ``anchor + [x·down, 1]·up`` (low rank, bias folded into ``up``), fused."""
     import torch
 
@@ -216,6 +222,21 @@ def _linear(x: torch.Tensor, w: dict[str, Any], anchored: bool) -> torch.Tensor:
     low = torch.nn.functional.pad(x @ w["down"], (0, 1), value=1.0)
     q = w["up"].shape[1]
     return torch.addmm(x[:, :q], low, w["up"]) if anchored else low @ w["up"]
+
+
+def _layer_product(x: torch.Tensor, lm: LayerMap, kind: str, device: DeviceLike | None) -> torch.Tensor:
+    """The generic path's ``x W + b`` for one layer's keys or values, from the stored (unprepared) weights."""
+    import torch
+
+    w, b = getattr(lm, f"{kind}_weight"), getattr(lm, f"{kind}_bias")
+    if w is not None:
+        w = w.to(device)
+        return x @ w if b is None else torch.addmm(b.to(device), x, w)
+    down, up = getattr(lm, f"{kind}_down").to(device), getattr(lm, f"{kind}_up").to(device)
+    y = (x @ down) @ up
+    if lm.anchored:
+        y += x[:, : y.shape[1]]
+    return y if b is None else y.add_(b.to(device))
 
 
 def _to_pairs(k: torch.Tensor) -> torch.Tensor:
@@ -258,7 +279,7 @@ class LinearKVMap:
                 f"map has {len(self.layers)} layer entries, target has {self.target_shape.num_layers} layers"
             )
 
-    def to(self, device: Any) -> LinearKVMap:
+    def to(self, device: DeviceLike) -> LinearKVMap:
         """Move the weights to ``device`` (in place); returns self."""
         for lm in self.layers:
             for name, t in lm.tensors().items():
@@ -284,8 +305,8 @@ class LinearKVMap:
         source_layers: KVLayers,
         positions: torch.Tensor | None = None,
         *,
-        device: Any = None,
-        dtype: Any = None,
+        device: DeviceLike | None = None,
+        dtype: DType | None = None,
         only: set[int] | None = None,
         check_finite: bool = False,
         fast: bool = True,
@@ -329,17 +350,6 @@ class LinearKVMap:
         def inputs(get, sources: tuple[int, ...]) -> torch.Tensor:
             return get(sources[0]) if len(sources) == 1 else torch.cat([get(i) for i in sources], -1)
 
-        def linear(x: torch.Tensor, lm: LayerMap, kind: str) -> torch.Tensor:
-            w, b = getattr(lm, f"{kind}_weight"), getattr(lm, f"{kind}_bias")
-            if w is not None:
-                w = w.to(device)
-                return x @ w if b is None else torch.addmm(b.to(device), x, w)
-            down, up = getattr(lm, f"{kind}_down").to(device), getattr(lm, f"{kind}_up").to(device)
-            y = (x @ down) @ up
-            if lm.anchored:
-                y += x[:, : y.shape[1]]
-            return y if b is None else y.add_(b.to(device))
-
         fast = (fast and content and self.source_rope.full_rotary and self.target_rope.full_rotary
                 and s.head_dim % 2 == 0 and t.head_dim % 2 == 0)
         if fast:
@@ -356,8 +366,8 @@ class LinearKVMap:
             if lm.mode == "passthrough":
                 yk, yv = src.keys(lm.sources[0]), src.values(lm.sources[0])
             else:
-                yk = linear(inputs(src.keys, lm.sources), lm, "k")
-                yv = linear(inputs(src.values, lm.sources), lm, "v")
+                yk = _layer_product(inputs(src.keys, lm.sources), lm, "k", device)
+                yv = _layer_product(inputs(src.values, lm.sources), lm, "v", device)
             k = yk.view(batch, seq, t.kv_heads, t.head_dim)
             if tgt_tables is not None:
                 k = self.target_rope.apply(k, tables=tgt_tables, heads_last=True)
@@ -401,10 +411,10 @@ class LinearKVMap:
                 out[ti] = (k.to(dtype), source_layers[lm.sources[0]][1].to(device=device, dtype=dtype))
                 continue
             in_index = pair_order_index(s.kv_heads, s.head_dim, len(lm.sources))
-            yk = _linear(inputs(src.keys, lm.sources), lm.prepared("k", device, in_index, out_index), lm.anchored)
+            yk = map_product(inputs(src.keys, lm.sources), lm.prepared("k", device, in_index, out_index), lm.anchored)
             z = torch.view_as_complex(yk.view(batch, seq, t.kv_heads, t.head_dim // 2, 2))
             k = _from_pairs(z.mul_(rotate))
-            yv = _linear(inputs(src.values, lm.sources), lm.prepared("v", device), lm.anchored)
+            yv = map_product(inputs(src.values, lm.sources), lm.prepared("v", device), lm.anchored)
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
             if check_finite:
                 _require_finite(ti, yk, yv)
@@ -416,7 +426,7 @@ class LinearKVMap:
         return sum(int(t.numel()) for lm in self.layers for t in lm.tensors().values())
 
 
-def identity_map(source_config: Any, target_config: Any) -> LinearKVMap:
+def identity_map(source_config: ModelConfig, target_config: ModelConfig) -> LinearKVMap:
     """The 'reuse the source KV unchanged' map (needs identical cache layouts)."""
     s, t = kv_shape(source_config), kv_shape(target_config)
     if s != t:
@@ -431,12 +441,12 @@ def identity_map(source_config: Any, target_config: Any) -> LinearKVMap:
 
 def map_cache(
     kv_map: LinearKVMap,
-    source_cache: Any,
-    target_model: Any,
+    source_cache: CacheLike,
+    target_model: Model,
     positions: torch.Tensor | None = None,
     *,
     check_finite: bool = True,
-) -> Any:
+) -> KVCache:
     """Map a source cache (any form) to a ``DynamicCache`` for ``target_model`` (its device and dtype)."""
     layers = cache_layers(source_cache)
     target_cfg = target_model.config
@@ -458,11 +468,15 @@ def map_cache(
     # A pass-through layer is the source's own tensor; the cache returned here is the target's to change in
     # place (exact_prefix writes its sinks into it), so it must not share storage with the source's.
     held = {t.untyped_storage().data_ptr() for pair in layers for t in pair}
-    mapped = [tuple(t.clone() if t.untyped_storage().data_ptr() in held else t for t in pair) for pair in mapped]
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t.untyped_storage().data_ptr() in held else t
+
+    mapped = [(own(k), own(v)) for k, v in mapped]
     return build_cache(mapped, config=target_cfg)
 
 
-def exact_prefix(target_model: Any, mapped_cache: Any, input_ids: torch.Tensor, count: int) -> int:
+def exact_prefix(target_model: Model, mapped_cache: CacheLike, input_ids: torch.Tensor, count: int) -> int:
     """Overwrite the first ``count`` positions of ``mapped_cache`` with the target's own K/V; returns how many.
 
     Nothing precedes the first positions, so a forward of their ``count`` tokens alone gives their
@@ -487,8 +501,8 @@ def exact_prefix(target_model: Any, mapped_cache: Any, input_ids: torch.Tensor, 
 
 
 def tail_recompute(
-    target_model: Any, mapped_cache: Any, input_ids: torch.Tensor, m: int
-) -> tuple[torch.Tensor, Any]:
+    target_model: Model, mapped_cache: KVCache, input_ids: torch.Tensor, m: int
+) -> tuple[torch.Tensor, KVCache]:
     """Recompute the last ``m`` tokens of ``input_ids`` on the target over the mapped prefix.
 
     ``input_ids`` ``[batch, n]`` is the whole prefix; the mapped cache covers at least its first

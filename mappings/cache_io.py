@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import copy
 import inspect
-from functools import cache as _memoize
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 from mappings.errors import ShapeMismatchError, UnsupportedModelError
 
 if TYPE_CHECKING:
     import torch
+    from transformers.utils import ModelOutput
+
+    from mappings.types import CacheLike, DeviceLike, DType, KVCache, Model, ModelConfig, Module
 
 __all__ = [
     "KVLayers",
@@ -48,13 +50,35 @@ __all__ = [
     "model_device",
     "model_dtype",
     "sync_device",
+    "ForwardOutputs",
 ]
 
 KVLayers = list[tuple["torch.Tensor", "torch.Tensor"]]
 """Per-layer ``(keys, values)``, each ``[batch, kv_heads, seq, head_dim]``."""
 
 
-def cache_layers(cache: Any) -> KVLayers:
+class ForwardOutputs(Protocol):
+    """The model's own output object, third in :func:`forward_with_cache`'s result (a ``ModelOutput``).
+
+    ``hidden_states`` (the embeddings, then each layer's output, ``[batch, seq, hidden]``) is only
+    filled when ``output_hidden_states=True`` was asked for; otherwise it is None.
+    """
+
+    @property
+    def logits(self) -> torch.Tensor: ...
+
+    @property
+    def hidden_states(self) -> tuple[torch.Tensor, ...]: ...
+
+
+class _ListCache(Protocol):
+    """A transformers 4.x ``DynamicCache``: per-layer tensors in two lists."""
+
+    key_cache: list[torch.Tensor]
+    value_cache: list[torch.Tensor]
+
+
+def cache_layers(cache: CacheLike) -> KVLayers:
     """Per-layer ``(K, V)`` of a cache in any supported form (tensors are not copied)."""
     if cache is None:
         raise ShapeMismatchError("no cache given: run the model with use_cache=True first")
@@ -84,7 +108,7 @@ def cache_layers(cache: Any) -> KVLayers:
     )
 
 
-def cache_length(cache: Any) -> int:
+def cache_length(cache: CacheLike) -> int:
     """Number of cached positions."""
     if hasattr(cache, "get_seq_length"):
         return int(cache.get_seq_length())
@@ -98,8 +122,9 @@ def slice_layers(layers: KVLayers, start: int = 0, stop: int | None = None) -> K
 
 
 def build_cache(
-    layers: KVLayers, config: Any = None, device: Any = None, dtype: Any = None
-) -> Any:
+    layers: KVLayers, config: ModelConfig | None = None, device: DeviceLike | None = None,
+    dtype: DType | None = None,
+) -> KVCache:
     """A fresh ``DynamicCache`` holding ``layers``, on ``device``/``dtype`` when given.
 
     With ``config`` the cache gets the model's own layer types (e.g. sliding-window layers).
@@ -115,7 +140,7 @@ def build_cache(
     return cache
 
 
-def _empty_cache(config: Any = None) -> Any:
+def _empty_cache(config: ModelConfig | None = None) -> KVCache:
     from transformers import DynamicCache
 
     if config is None:
@@ -126,7 +151,7 @@ def _empty_cache(config: Any = None) -> Any:
         return DynamicCache()
 
 
-def new_cache(model: Any) -> Any:
+def new_cache(model: Model) -> KVCache:
     """An empty ``DynamicCache`` configured for ``model`` (its own layer types, e.g. sliding windows).
 
     What a prefill that the model will later continue should start from. :func:`forward_with_cache`
@@ -136,7 +161,7 @@ def new_cache(model: Any) -> Any:
     return _empty_cache(model.config)
 
 
-def truncate_cache(cache: Any, length: int, config: Any = None) -> Any:
+def truncate_cache(cache: CacheLike, length: int, config: ModelConfig | None = None) -> KVCache:
     """A cache holding the first ``length`` positions of ``cache``: views, ``cache`` itself untouched.
 
     Works on every supported cache form and on transformers 4.x and 5.x alike (their
@@ -151,7 +176,7 @@ def truncate_cache(cache: Any, length: int, config: Any = None) -> Any:
     return build_cache(slice_layers(cache_layers(cache), 0, length), config)
 
 
-def _clone_cache(cache: Any, device: torch.device, dtype: torch.dtype) -> Any:
+def _clone_cache(cache: CacheLike, device: torch.device, dtype: torch.dtype) -> KVCache | None:
     """Copy the cache's structure shallowly and its tensors deeply (much faster than ``copy.deepcopy``).
 
     Keys and values go to ``device``/``dtype``; other state tensors (lengths, window sizes) are
@@ -179,14 +204,15 @@ def _clone_cache(cache: Any, device: torch.device, dtype: torch.dtype) -> Any:
             fresh.layers.append(twin)
         return fresh
     if hasattr(cache, "key_cache") and hasattr(cache, "value_cache"):  # transformers 4.x
-        fresh = copy.copy(cache)
-        fresh.key_cache = [clone(k) for k in cache.key_cache]
-        fresh.value_cache = [clone(v) for v in cache.value_cache]
-        return fresh
+        lists = cast("_ListCache", cache)
+        twin_cache = copy.copy(lists)
+        twin_cache.key_cache = [clone(k) for k in lists.key_cache]
+        twin_cache.value_cache = [clone(v) for v in lists.value_cache]
+        return cast("KVCache", twin_cache)
     return None
 
 
-def copy_cache(cache: Any, model: Any) -> Any:
+def copy_cache(cache: CacheLike, model: Module) -> KVCache:
     """A private deep copy of ``cache`` on ``model``'s device and dtype; ``cache`` is never modified.
 
     One document cache serves many agents (and threads) at once, so whoever extends a cache
@@ -211,7 +237,7 @@ def copy_cache(cache: Any, model: Any) -> Any:
     return fresh
 
 
-def _adopt(cache: Any, index: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _adopt(cache: KVCache, index: int, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Hand ``k``/``v`` to an empty full-attention ``DynamicLayer`` without the copy ``update`` makes."""
     try:
         from transformers.cache_utils import DynamicLayer
@@ -228,13 +254,19 @@ def _adopt(cache: Any, index: int, k: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
-@_memoize
-def _forward_params(cls: type) -> frozenset[str]:
+# A plain dict rather than functools.cache: mypy does not accept class objects as its Hashable arguments.
+_FORWARD_PARAMS: dict[type[torch.nn.Module], frozenset[str]] = {}
+
+
+def _forward_params(cls: type[torch.nn.Module]) -> frozenset[str]:
     """Parameter names of ``cls.forward``, once per class (signature inspection is slow per token)."""
-    return frozenset(inspect.signature(cls.forward).parameters)
+    params = _FORWARD_PARAMS.get(cls)
+    if params is None:
+        params = _FORWARD_PARAMS[cls] = frozenset(inspect.signature(cls.forward).parameters)
+    return params
 
 
-def cache_kwarg(model: Any) -> str:
+def cache_kwarg(model: torch.nn.Module) -> str:
     """``"cache"`` when the model's forward takes ``cache=`` (transformers 5), else ``"past_key_values"``.
 
     Works on whole models and on single decoder layers; looked up once per class.
@@ -242,7 +274,7 @@ def cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in _forward_params(type(model)) else "past_key_values"
 
 
-def _logits_kwargs(model: Any, keep: int | None) -> dict[str, int]:
+def _logits_kwargs(model: torch.nn.Module, keep: int | None) -> dict[str, int]:
     """The keyword asking for only the last ``keep`` positions' logits, in the spelling the model takes."""
     if keep is None:
         return {}
@@ -254,7 +286,7 @@ def _logits_kwargs(model: Any, keep: int | None) -> dict[str, int]:
     return {}
 
 
-def _output_cache(out: Any) -> Any:
+def _output_cache(out: ModelOutput) -> KVCache | None:
     keys = set(out.keys()) if hasattr(out, "keys") else set()
     for name in ("cache", "past_key_values"):
         if name in keys and out[name] is not None:
@@ -262,7 +294,7 @@ def _output_cache(out: Any) -> Any:
     return getattr(out, "cache", None)
 
 
-def model_device(model: Any) -> torch.device:
+def model_device(model: Module) -> torch.device:
     """The device of the model's first parameter: where inputs and caches for it must go."""
     try:
         return next(model.parameters()).device
@@ -270,7 +302,7 @@ def model_device(model: Any) -> torch.device:
         raise UnsupportedModelError(f"{type(model).__name__} has no parameters: cannot tell its device") from None
 
 
-def model_dtype(model: Any) -> torch.dtype:
+def model_dtype(model: Module) -> torch.dtype:
     """The dtype of the model's first floating-point parameter (float32 when it has none).
 
     The one rule for the whole project: quantized members keep integer weights next to float
@@ -299,15 +331,15 @@ def sync_device(device: str | torch.device) -> None:
 
 
 def forward_with_cache(
-    model: Any,
+    model: Module,
     input_ids: torch.Tensor,
-    cache: Any = None,
+    cache: CacheLike | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     output_hidden_states: bool = False,
     logits_to_keep: int | None = None,
-) -> tuple[torch.Tensor, Any, Any]:
+) -> tuple[torch.Tensor, KVCache, ForwardOutputs]:
     """Run ``input_ids`` after ``cache`` (None: from scratch); returns ``(logits, cache, outputs)``.
 
     Positions continue after the cached prefix unless ``position_ids`` is given. An
@@ -334,7 +366,7 @@ def forward_with_cache(
             position_ids = torch.arange(past, past + input_ids.shape[1], device=device)[None].expand(
                 input_ids.shape[0], -1
             )
-    kwargs: dict[str, Any] = {
+    kwargs: dict[str, object] = {
         "input_ids": input_ids,
         "position_ids": position_ids.to(device),
         "use_cache": True,
@@ -352,8 +384,8 @@ def forward_with_cache(
 
 
 def prefill(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-) -> tuple[torch.Tensor, Any]:
+    model: Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, KVCache]:
     """Prefill ``input_ids`` from scratch; returns ``(logits, cache)``."""
     logits, cache, _ = forward_with_cache(model, input_ids, None, attention_mask=attention_mask)
     return logits, cache

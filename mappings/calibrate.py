@@ -25,16 +25,22 @@ from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 from mappings.errors import CorpusTooSmallError, DocumentTooLongError, ShapeMismatchError
 
 if TYPE_CHECKING:
-    import torch
+    from pathlib import Path
 
-    from mappings.apply import LinearKVMap
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from mappings.apply import LayerMap, LinearKVMap
     from mappings.capture import KVCapture, KVShape
+    from mappings.compat import PairCard
     from mappings.fit import LayerStats
+    from mappings.manifest import MappingManifest
     from mappings.methods import MethodSpec
     from mappings.models import ModelHandle
     from mappings.rope import RopeSpec
@@ -46,6 +52,8 @@ __all__ = ["CalibrationConfig", "calibrate", "prepare_windows", "CorpusWindows",
            "model_info"]
 
 Corpus = Sequence[str] | Sequence[tuple[str, str]] | MappingABC[str, str]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ def corpus_digest(texts: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def _spread(items: list[Any], k: int) -> list[Any]:
+def _spread(items: list[_T], k: int) -> list[_T]:
     """``k`` items spread evenly over ``items`` (all when k >= len)."""
     if k >= len(items):
         return list(items)
@@ -122,7 +130,7 @@ def _spread(items: list[Any], k: int) -> list[Any]:
     return [items[int(i * step)] for i in range(k)]
 
 
-def prepare_windows(corpus: Corpus, tokenizer: Any, config: CalibrationConfig) -> CorpusWindows:
+def prepare_windows(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, config: CalibrationConfig) -> CorpusWindows:
     """Tokenize the corpus and split it into training and held-out windows."""
     from mappings.capture import make_windows
 
@@ -191,7 +199,7 @@ def _dense(cap: KVCapture, batch: int, seq: int) -> list[tuple[torch.Tensor, tor
     return out
 
 
-def capture_heldout(source: Any, target: Any, windows: Sequence[torch.Tensor], *, queries: bool = True,
+def capture_heldout(source: PreTrainedModel, target: PreTrainedModel, windows: Sequence[torch.Tensor], *, queries: bool = True,
                     batch_size: int = 4) -> HeldOut:
     """Capture equal-length windows on both models and keep them (fp32, CPU)."""
     import torch
@@ -208,6 +216,7 @@ def capture_heldout(source: Any, target: Any, windows: Sequence[torch.Tensor], *
         src_parts.append(_dense(sc, chunk.shape[0], seq))
         tgt_parts.append(_dense(tc, chunk.shape[0], seq))
         if queries:
+            assert tc.queries is not None  # capture_kv records them when asked to
             q_parts.append([q.view(chunk.shape[0], seq, *q.shape[1:]).transpose(1, 2) for q in tc.queries])
 
     def cat(parts):
@@ -236,7 +245,8 @@ def _content(layers: list[tuple[torch.Tensor, torch.Tensor]], rope: RopeSpec, ke
 
 
 def screen_sources(
-    source: Any, target: Any, windows: Sequence[torch.Tensor], heldout: HeldOut, src_rope: RopeSpec,
+    source: PreTrainedModel, target: PreTrainedModel, windows: Sequence[torch.Tensor], heldout: HeldOut,
+    src_rope: RopeSpec,
     tgt_rope: RopeSpec, top_k: int, key_space: str, batch_size: int,
 ) -> tuple[list[tuple[int, ...]], list[list[float]]]:
     """Per target layer, the ``top_k`` source layers with the best held-out single-source R² (best first)."""
@@ -266,7 +276,7 @@ def screen_sources(
 class KLJudge:
     """Scores a candidate set of mapped prefix caches by the target's next-token KL on held-out suffixes."""
 
-    def __init__(self, target_model: Any, heldout: HeldOut, suffix_tokens: int, *, sinks: int = 0) -> None:
+    def __init__(self, target_model: PreTrainedModel, heldout: HeldOut, suffix_tokens: int, *, sinks: int = 0) -> None:
         """``sinks``: the first positions of every candidate are the target's own before it is scored, as in
         a cache a FamilyCache serves (its ``sink_tokens``), so the choice fits what is served."""
         from mappings.cache_io import build_cache, forward_with_cache, model_device, model_dtype, slice_layers
@@ -320,9 +330,9 @@ def select_layers(
     options: list[float | None] = list(spec.alphas)
     if spec.passthrough:
         options.append(None)
-    fitted: dict[tuple[int, float | None], Any] = {}
+    fitted: dict[tuple[int, float | None], LayerMap] = {}
 
-    def layer_for(i: int, option: float | None):
+    def layer_for(i: int, option: float | None) -> LayerMap:
         if (i, option) not in fitted:
             fitted[(i, option)] = fit_layer(stats[i], spec, option, plan[i], s, t)
         return fitted[(i, option)]
@@ -340,7 +350,7 @@ def select_layers(
                 lm = layer_for(i, option)
                 wk, wv = _effective(lm, xk.shape[1], tk[i].shape[1])
                 scores[i][_option_name(option)] = sk.relative_error(wk, lm.k_bias) + sv.relative_error(wv, lm.v_bias)
-            best = min(options, key=lambda o, i=i: scores[i][_option_name(o)])
+            best = min(options, key=lambda o: scores[i][_option_name(o)])
             choices[i] = best
             kv_map.layers[i] = layer_for(i, best)
         return kv_map, choices, scores
@@ -369,9 +379,9 @@ def select_layers(
                 if sweep:
                     scores[i] = {}
                 if spec.search == "grid":
-                    best = min(ordered, key=lambda o, i=i: score(i, o))
+                    best = min(ordered, key=lambda o: score(i, o))
                 else:
-                    best = _local_search(ordered, start, lambda o, i=i: score(i, o))
+                    best = _local_search(ordered, start, partial(score, i))
                 choices[i] = best
                 kv_map.layers[i] = layer_for(i, best)
                 current[i] = kv_map.apply(judge.source_prefix, only={i})[i]
@@ -380,7 +390,7 @@ def select_layers(
     return kv_map, choices, scores
 
 
-def _local_search(ordered: Sequence[Any], start: int, cost: Callable[[Any], float]) -> Any:
+def _local_search(ordered: Sequence[_T], start: int, cost: Callable[[_T], float]) -> _T:
     """Walk an ordered grid from ``start`` toward lower cost until it rises (assumes one valley)."""
     best = start
     left = cost(ordered[start - 1]) if start > 0 else float("inf")
@@ -404,7 +414,7 @@ def _cat_sources(feats: Sequence[torch.Tensor], sources: Sequence[int]) -> torch
     return torch.cat([feats[j] for j in sources], -1) if len(sources) > 1 else feats[sources[0]]
 
 
-def _effective(lm: Any, p: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _effective(lm: LayerMap, p: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights of a layer map as matrices (pass-through: identity on the first source)."""
     from mappings.fit import identity_prior
 
@@ -425,8 +435,9 @@ def _true_prefix(layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
 
 # --------------------------------------------------------------------------- metrics
 def layer_metrics(
-    kv_map: LinearKVMap, heldout: HeldOut, target_model: Any, identity: LinearKVMap | None, *, sinks: int = 0,
-) -> list[dict[str, Any]]:
+    kv_map: LinearKVMap, heldout: HeldOut, target_model: PreTrainedModel, identity: LinearKVMap | None, *,
+    sinks: int = 0,
+) -> list[dict[str, object]]:
     """Held-out fit metrics per target layer (keys compared as cached, i.e. target RoPE applied).
 
     ``sinks``: the first positions of the mapped cache are the target's own, as served (a map fitted
@@ -443,7 +454,7 @@ def layer_metrics(
     attn_modules = decoder_layers(target_model)
     out = []
     for i, ((mk, mv), (tk, tv)) in enumerate(zip(mapped, heldout.target, strict=True)):
-        row: dict[str, Any] = {"layer": i, "keys": fit_quality(_flat(mk), _flat(tk)),
+        row: dict[str, object] = {"layer": i, "keys": fit_quality(_flat(mk), _flat(tk)),
                                "values": fit_quality(_flat(mv), _flat(tv))}
         if heldout.queries is not None:
             attn = getattr(attn_modules[i], "self_attn", None)
@@ -458,7 +469,8 @@ def layer_metrics(
 
 
 def accumulate_stats(
-    source: Any, target: Any, windows: Sequence[torch.Tensor], plan: Sequence[tuple[int, ...]], s: KVShape,
+    source: PreTrainedModel, target: PreTrainedModel, windows: Sequence[torch.Tensor], plan: Sequence[tuple[int, ...]],
+    s: KVShape,
     t: KVShape, src_rope: RopeSpec, tgt_rope: RopeSpec, key_space: str, *, batch_size: int = 4,
     progress: bool = True, weighting: RowWeighting | None = None,
 ) -> tuple[list[LayerStats], list[LayerStats]]:
@@ -479,12 +491,12 @@ def accumulate_stats(
         return [LayerStats(RegressionStats.zeros(len(plan[i]) * s.width, t.width),
                            RegressionStats.zeros(len(plan[i]) * s.width, t.width)) for i in range(t.num_layers)]
 
-    weighted = weighting is not None and not weighting.plain
+    active = weighting if weighting is not None and not weighting.plain else None  # None: every row plain
     stats = zeros()
-    fit = zeros() if weighted else stats
+    fit = zeros() if active is not None else stats
     src_iter = capture_windows(source, windows, batch_size=batch_size, progress=False)
     tgt_iter = capture_windows(target, windows, batch_size=batch_size, progress=False,
-                               queries=weighted and weighting.needs_queries)
+                               queries=active is not None and active.needs_queries)
     bar = tqdm(total=len(windows), desc="capturing source+target KV", unit="win", disable=not progress)
     try:
         for sc, tc in zip(src_iter, tgt_iter, strict=True):
@@ -497,7 +509,7 @@ def accumulate_stats(
                 tk = [k.reshape(k.shape[0], -1) for k in tc.keys]
             sv = [v.reshape(v.shape[0], -1) for v in sc.values]
             tv = [v.reshape(v.shape[0], -1) for v in tc.values]
-            rows = weighting.rows(tc, target) if weighted else None
+            rows = active.rows(tc, target) if active is not None else None
             for i in range(t.num_layers):
                 xk, xv = _cat_sources(sk, plan[i]), _cat_sources(sv, plan[i])
                 stats[i].keys.update(xk, tk[i])
@@ -512,13 +524,13 @@ def accumulate_stats(
     return fit, stats
 
 
-def _spec_fits(spec: MethodSpec, card: Any) -> bool:
+def _spec_fits(spec: MethodSpec, card: PairCard) -> bool:
     if spec.needs_same_shape and not card.same_kv_shape:
         return False
     return not (spec.granularity == "head" and not card.same_kv_heads)
 
 
-def model_info(handle: ModelHandle) -> dict[str, Any]:
+def model_info(handle: ModelHandle) -> dict[str, object]:
     """The manifest's description of one side of the pair."""
     from mappings.cache_io import model_dtype
     from mappings.capture import kv_shape
@@ -537,8 +549,8 @@ def model_info(handle: ModelHandle) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- entry point
 def calibrate(
-    source: Any,
-    target: Any,
+    source: str | Path | ModelHandle | PreTrainedModel,
+    target: str | Path | ModelHandle | PreTrainedModel,
     corpus: Corpus,
     *,
     method: str | MethodSpec = "auto",
@@ -547,10 +559,10 @@ def calibrate(
     heldout_fraction: float = 0.125,
     stride: int | None = None,
     progress: bool = True,
-    source_tokenizer: Any = None,
-    target_tokenizer: Any = None,
+    source_tokenizer: PreTrainedTokenizerBase | None = None,
+    target_tokenizer: PreTrainedTokenizerBase | None = None,
     device: str = "cpu",
-    dtype: Any = None,
+    dtype: torch.dtype | str | None = None,
     config: CalibrationConfig | None = None,
     log: Callable[[str], None] | None = None,
 ) -> Mapping:
@@ -560,20 +572,9 @@ def calibrate(
     calibration statistics. Raises :class:`TokenizerMismatchError`, :class:`CorpusTooSmallError`,
     :class:`NonFiniteKVError`, :class:`ShapeMismatchError` (method not possible for this pair).
     """
-    import torch
-
     from mappings.apply import identity_map
     from mappings.capture import kv_shape
     from mappings.compat import check_pair
-    from mappings.manifest import (
-        CalibrationInfo,
-        FileRecord,
-        LayerMetrics,
-        LayerPlanEntry,
-        MappingManifest,
-        ModelInfo,
-    )
-    from mappings.methods import resolve_method
     from mappings.models import load_model
     from mappings.rope import RopeSpec
     from mappings.store import Mapping
@@ -586,27 +587,8 @@ def calibrate(
     tgt = load_model(target, target_tokenizer, device=device, dtype=dtype)
     card = check_pair(src.model, src.tokenizer, tgt.model, tgt.tokenizer, source_name=src.name, target_name=tgt.name)
     say(card.render())
-    if isinstance(method, str):
-        spec = resolve_method(method, same_kv_shape=card.same_kv_shape, same_kv_heads=card.same_kv_heads,
-                              same_depth=card.same_depth)
-    else:
-        spec = method
-        if not _spec_fits(spec, card):
-            raise ShapeMismatchError(
-                f"method {spec.name!r} needs equal KV heads (and head size for identity anchors); this pair "
-                "differs: use a plain-ridge, per-layer method"
-            )
-    if cfg.window <= spec.exact_sinks:
-        raise CorpusTooSmallError(
-            f"calibration windows of {cfg.window} tokens leave nothing to fit after the first {spec.exact_sinks} "
-            "positions (exact in a served cache): raise --window"
-        )
-    for side, info in (("source", card.source), ("target", card.target)):
-        if info.max_positions is not None and cfg.window > info.max_positions:
-            raise DocumentTooLongError(
-                f"calibration windows of {cfg.window} tokens exceed the {side}'s {info.max_positions} positions; "
-                "lower --window"
-            )
+    spec = _method_for(method, card)
+    _check_window(cfg.window, spec, card)
     windows = prepare_windows(corpus, src.tokenizer, cfg)
     s, t = kv_shape(src.model.config), kv_shape(tgt.model.config)
     src_rope, tgt_rope = RopeSpec.from_config(src.model.config), RopeSpec.from_config(tgt.model.config)
@@ -614,11 +596,9 @@ def calibrate(
         f"{len(windows.heldout)} held-out window(s) from the {windows.heldout_from}")
 
     heldout = capture_heldout(src.model, tgt.model, windows.heldout, queries=True, batch_size=cfg.batch_size)
-
-    # Layer plan: which source layers feed each target layer.
     if card.same_depth:
         plan: list[tuple[int, ...]] = [(i,) for i in range(t.num_layers)]
-    else:
+    else:  # which source layers feed each target layer
         n_screen = max(1, min(len(windows.train), cfg.screen_tokens // cfg.window))
         plan, _ = screen_sources(src.model, tgt.model, windows.train[:n_screen], heldout, src_rope, tgt_rope,
                                  spec.top_k, spec.key_space, cfg.batch_size)
@@ -633,29 +613,93 @@ def calibrate(
     kv_map, choices, scores = select_layers(fit_stats, spec, plan, s, t, src_rope, tgt_rope, judge, heldout,
                                             sweeps=cfg.sweeps, progress=progress)
     identity = identity_map(src.model.config, tgt.model.config) if card.identical_layout else None
-    summary: dict[str, float | None] = {
+    summary = _heldout_summary(judge, kv_map, identity, heldout)
+    if spec.selection == "kl":
+        from mappings.assemble import fit_kv_map
+
+        default_map = fit_kv_map(fit_stats, spec, plan, s, t, src_rope, tgt_rope)
+        summary["kl_default_alpha"] = judge.kl(default_map.apply(judge.source_prefix))
+    metrics = _selected_metrics(kv_map, heldout, tgt.model, identity, judge.sinks, spec, choices, scores)
+    say(f"held-out KL {summary['kl']:.4f}" + (
+        f" (source KV unchanged: {summary['kl_identity']:.4f})" if summary["kl_identity"] is not None else ""))
+
+    manifest = _manifest(src, tgt, spec, plan, kv_map, windows, cfg.window, metrics, summary, card.differences,
+                         seconds=round(time.perf_counter() - started, 3))
+    return Mapping(kv_map, manifest, stats)
+
+
+def _method_for(method: str | MethodSpec, card: PairCard) -> MethodSpec:
+    """The method named (``auto``: the best this pair allows), or the spec given if the pair fits it."""
+    from mappings.methods import resolve_method
+
+    if isinstance(method, str):
+        return resolve_method(method, same_kv_shape=card.same_kv_shape, same_kv_heads=card.same_kv_heads,
+                              same_depth=card.same_depth)
+    if not _spec_fits(method, card):
+        raise ShapeMismatchError(
+            f"method {method.name!r} needs equal KV heads (and head size for identity anchors); this pair "
+            "differs: use a plain-ridge, per-layer method"
+        )
+    return method
+
+
+def _check_window(window: int, spec: MethodSpec, card: PairCard) -> None:
+    """Refuse a window that leaves nothing to fit past the sinks, or that either model cannot position."""
+    if window <= spec.exact_sinks:
+        raise CorpusTooSmallError(
+            f"calibration windows of {window} tokens leave nothing to fit after the first {spec.exact_sinks} "
+            "positions (exact in a served cache): raise --window"
+        )
+    for side, info in (("source", card.source), ("target", card.target)):
+        if info.max_positions is not None and window > info.max_positions:
+            raise DocumentTooLongError(
+                f"calibration windows of {window} tokens exceed the {side}'s {info.max_positions} positions; "
+                "lower --window"
+            )
+
+
+def _heldout_summary(judge: KLJudge, kv_map: LinearKVMap, identity: LinearKVMap | None, heldout: HeldOut) -> dict[str, float | None]:
+    """The fitted map's held-out KL beside the source KV's unchanged (identical layouts only)."""
+    return {
         "kl": judge.kl(kv_map.apply(judge.source_prefix)),
         "kl_identity": judge.kl(identity.apply(judge.source_prefix)) if identity is not None else None,
         "suffix_tokens": float(judge.m),
         "windows": float(heldout.ids.shape[0]),
         "exact_sinks": float(judge.sinks),
     }
-    if spec.selection == "kl":
-        from mappings.assemble import fit_kv_map
 
-        default_map = fit_kv_map(fit_stats, spec, plan, s, t, src_rope, tgt_rope)
-        summary["kl_default_alpha"] = judge.kl(default_map.apply(judge.source_prefix))
+
+def _selected_metrics(kv_map: LinearKVMap, heldout: HeldOut, target_model: PreTrainedModel,
+                      identity: LinearKVMap | None, sinks: int, spec: MethodSpec, choices: Sequence[float | None],
+                      scores: Sequence[dict[str, float]]) -> list[dict[str, object]]:
+    """Per-layer held-out metrics, with the KL of every option the selection scored (and, when it selected by
+    KL, the chosen option's as the layer's KL)."""
+    import torch
+
     with torch.no_grad():
-        metrics = layer_metrics(kv_map, heldout, tgt.model, identity, sinks=judge.sinks)
+        metrics = layer_metrics(kv_map, heldout, target_model, identity, sinks=sinks)
     for i, row in enumerate(metrics):
         if scores[i]:
             row["kl_by_option"] = scores[i]
             if spec.selection == "kl":
                 row["kl"] = scores[i][_option_name(choices[i])]
-    say(f"held-out KL {summary['kl']:.4f}" + (
-        f" (source KV unchanged: {summary['kl_identity']:.4f})" if summary["kl_identity"] is not None else ""))
+    return metrics
 
-    manifest = MappingManifest(
+
+def _manifest(src: ModelHandle, tgt: ModelHandle, spec: MethodSpec, plan: Sequence[tuple[int, ...]],
+              kv_map: LinearKVMap, windows: CorpusWindows, window: int, metrics: list[dict[str, object]],
+              summary: dict[str, float | None], differences: list[str], *, seconds: float) -> MappingManifest:
+    """The mapping's manifest; its tensor record is filled in when the mapping is saved."""
+    from mappings.manifest import (
+        CalibrationInfo,
+        FileRecord,
+        LayerMetrics,
+        LayerPlanEntry,
+        MappingManifest,
+        ModelInfo,
+    )
+
+    return MappingManifest(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         source=ModelInfo(**model_info(src)),
         target=ModelInfo(**model_info(tgt)),
@@ -667,14 +711,13 @@ def calibrate(
         ],
         calibration=CalibrationInfo(
             corpus_sha256=windows.digest, corpus_names=windows.names,
-            token_count=len(windows.train) * cfg.window, heldout_tokens=len(windows.heldout) * cfg.window,
-            window=cfg.window, stride=windows.stride, train_windows=len(windows.train),
+            token_count=len(windows.train) * window, heldout_tokens=len(windows.heldout) * window,
+            window=window, stride=windows.stride, train_windows=len(windows.train),
             heldout_windows=len(windows.heldout),
-            heldout_from=windows.heldout_from, seconds=round(time.perf_counter() - started, 3),
+            heldout_from=windows.heldout_from, seconds=seconds,
         ),
         metrics=[LayerMetrics(**row) for row in metrics],
         heldout=summary,
-        pair_differences=card.differences,
+        pair_differences=differences,
         tensors=FileRecord(name="mapping.safetensors", sha256="", bytes=0),
     )
-    return Mapping(kv_map, manifest, stats)

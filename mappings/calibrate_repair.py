@@ -10,19 +10,24 @@ imports it, which is what keeps those modules free of import cycles.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from mappings.calibrate import Corpus
+    from mappings.models import ModelHandle
     from mappings.store import Mapping
+    from mappings.types import Model
 
 __all__ = ["add_residual_maps"]
 
 
 def add_residual_maps(
     mapping: Mapping,
-    source: Any,
-    target: Any,
-    corpus: Any,
+    source: str | Path | ModelHandle | Model,
+    target: str | Path | ModelHandle | Model,
+    corpus: Corpus,
     *,
     tokens: int = 4096,
     window: int = 512,

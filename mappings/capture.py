@@ -10,15 +10,18 @@ applied); :mod:`mappings.rope` strips it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from mappings.cache_io import cache_layers, forward_with_cache, model_device
 from mappings.errors import CorpusTooSmallError, NonFiniteKVError, UnsupportedModelError
 
 if TYPE_CHECKING:
     import torch
+    from torch.utils.hooks import RemovableHandle
+
+    from mappings.types import Model, ModelConfig, Module, Tokenizer
 
 __all__ = [
     "KVCapture",
@@ -53,7 +56,7 @@ class KVShape:
         return {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
 
 
-def kv_shape(config: Any) -> KVShape:
+def kv_shape(config: ModelConfig) -> KVShape:
     """The cache layout a config implies."""
     from mappings.rope import head_dim_of
 
@@ -109,23 +112,24 @@ class KVCapture:
         return [self.dense(i) for i in range(self.num_layers)]
 
 
-def decoder_layers(model: Any) -> Sequence[Any]:
+def decoder_layers(model: Module) -> Sequence[Module]:
     """The decoder layer modules of a causal LM."""
     for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers"):
-        obj = model
+        obj: object = model
         try:
             for part in path.split("."):
                 obj = getattr(obj, part)
         except AttributeError:
             continue
-        return obj
-    if hasattr(model, "get_decoder"):
-        return model.get_decoder().layers
+        return cast("Sequence[Module]", obj)  # an nn.ModuleList
+    get_decoder = getattr(model, "get_decoder", None)
+    if get_decoder is not None:
+        return cast("Sequence[Module]", get_decoder().layers)
     raise UnsupportedModelError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
 @contextmanager
-def capture_queries(model: Any) -> Iterator[dict[int, torch.Tensor]]:
+def capture_queries(model: Module) -> Iterator[dict[int, torch.Tensor]]:
     """Record every decoder layer's queries during the forward passes run inside the block.
 
     Yields a dict that forward hooks fill: layer index -> the output of that layer's
@@ -140,8 +144,8 @@ def capture_queries(model: Any) -> Iterator[dict[int, torch.Tensor]]:
             model(input_ids=ids)
         q0 = queries[0]
     """
-    store: dict[int, Any] = {}
-    handles: list[Any] = []
+    store: dict[int, torch.Tensor] = {}
+    handles: list[RemovableHandle] = []
     try:
         for i, layer in enumerate(decoder_layers(model)):
             attn = getattr(layer, "self_attn", None)
@@ -151,7 +155,7 @@ def capture_queries(model: Any) -> Iterator[dict[int, torch.Tensor]]:
                     f"layer {i} of {type(model).__name__} has no self_attn.q_proj; queries cannot be captured"
                 )
 
-            def hook(_module: Any, _inputs: Any, output: Any, i: int = i) -> None:
+            def hook(_module: Module, _inputs: tuple[object, ...], output: torch.Tensor, i: int = i) -> None:
                 store[i] = output.detach()
 
             handles.append(target.register_forward_hook(hook))
@@ -174,7 +178,7 @@ def _check_finite(name: str, layer: int, t: torch.Tensor) -> None:
 
 
 def capture_kv(
-    model: Any,
+    model: Model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
@@ -203,7 +207,8 @@ def capture_kv(
     if not bool(valid.any()):
         raise CorpusTooSmallError("nothing to capture: every position of the batch is padding")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    with capture_queries(model) if queries else nullcontext({}) as store:
+    hooks: AbstractContextManager[dict[int, torch.Tensor]] = capture_queries(model) if queries else nullcontext({})
+    with hooks as store:
         out_logits, cache, out = forward_with_cache(
             model, input_ids, None, attention_mask=attention_mask, position_ids=position_ids,
             output_hidden_states=hidden_states, logits_to_keep=None if logits else 1,
@@ -249,7 +254,7 @@ def capture_kv(
 
 
 def capture_texts(
-    model: Any, tokenizer: Any, texts: Sequence[str], *, padding_side: str = "right", **kwargs: Any
+    model: Model, tokenizer: Tokenizer, texts: Sequence[str], *, padding_side: str = "right", **kwargs: bool
 ) -> KVCapture:
     """Tokenize ``texts`` (no special tokens), pad them into one batch and capture."""
     if not texts:
@@ -275,15 +280,19 @@ def make_windows(ids: Sequence[int] | torch.Tensor, window: int, stride: int | N
 
 
 def capture_windows(
-    model: Any,
+    model: Model,
     windows: Sequence[torch.Tensor],
     *,
     batch_size: int = 4,
     progress: bool = True,
     desc: str = "capturing",
-    **kwargs: Any,
+    hidden_states: bool = False,
+    queries: bool = False,
+    logits: bool = False,
+    check_finite: bool = True,
 ) -> Iterator[KVCapture]:
-    """Capture equal-length token windows batch by batch (a tqdm bar when ``progress``)."""
+    """Capture equal-length token windows batch by batch (a tqdm bar when ``progress``); the flags are
+    :func:`capture_kv`'s."""
     import torch
     from tqdm.auto import tqdm
 
@@ -291,7 +300,8 @@ def capture_windows(
     try:
         for start in range(0, len(windows), batch_size):
             batch = torch.stack(list(windows[start : start + batch_size]))
-            yield capture_kv(model, batch, **kwargs)
+            yield capture_kv(model, batch, hidden_states=hidden_states, queries=queries, logits=logits,
+                             check_finite=check_finite)
             bar.update(batch.shape[0])
     finally:
         bar.close()

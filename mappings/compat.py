@@ -8,9 +8,12 @@ head size, depth, dtype — is listed on the :class:`PairCard` and handled by th
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mappings.errors import TokenizerMismatchError
+
+if TYPE_CHECKING:
+    from mappings.types import JSONDict, Model, ModelConfig, Tokenizer
 
 __all__ = ["ModelCard", "PairCard", "check_pair", "compare_tokenizers", "model_card", "PROBE_TEXT"]
 
@@ -42,25 +45,32 @@ class ModelCard:
     """Embedding rows."""
     max_positions: int | None
     """Maximum positions (max_position_embeddings)."""
-    rope: dict[str, Any]
+    rope: JSONDict
     """RoPE type and parameters."""
     dtype: str
     """Parameter dtype."""
 
 
-def model_card(model_or_config: Any, name: str | None = None) -> ModelCard:
+def model_card(model_or_config: Model | ModelConfig, name: str | None = None) -> ModelCard:
     """Describe a model (or a bare config)."""
+    import torch
+
     from mappings.capture import kv_shape
     from mappings.rope import RopeSpec
 
-    config = getattr(model_or_config, "config", model_or_config)
+    model: Model | None
+    config: ModelConfig
+    if isinstance(model_or_config, torch.nn.Module):
+        model, config = model_or_config, model_or_config.config
+    else:
+        model, config = None, model_or_config
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
     shape = kv_shape(config)
-    if hasattr(model_or_config, "parameters"):
+    if model is not None:
         from mappings.cache_io import model_dtype
 
-        dtype = str(model_dtype(model_or_config)).replace("torch.", "")
+        dtype = str(model_dtype(model)).replace("torch.", "")
     else:
         dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32").replace("torch.", "")
     rope = RopeSpec.from_config(config)
@@ -79,7 +89,7 @@ def model_card(model_or_config: Any, name: str | None = None) -> ModelCard:
     )
 
 
-def compare_tokenizers(source: Any, target: Any, probe_text: str = PROBE_TEXT) -> list[str]:
+def compare_tokenizers(source: Tokenizer, target: Tokenizer, probe_text: str = PROBE_TEXT) -> list[str]:
     """Human-readable differences between two tokenizers (empty when they agree)."""
     problems: list[str] = []
     va, vb = source.get_vocab(), target.get_vocab()
@@ -139,7 +149,7 @@ class PairCard:
         """Source KV could be reused unchanged (same depth, heads, head size)."""
         return self.same_kv_shape and self.same_depth
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {"source": asdict(self.source), "target": asdict(self.target), "tokenizer": self.tokenizer,
                 "differences": list(self.differences)}
 
@@ -172,7 +182,7 @@ class PairCard:
         return "\n".join(lines)
 
 
-def _rope_text(rope: dict[str, Any]) -> str:
+def _rope_text(rope: JSONDict) -> str:
     if rope.get("rope_type") == "none":
         return "none"
     extra = {k: v for k, v in rope.items() if k not in {"rope_type", "rope_theta", "head_dim"}}
@@ -181,10 +191,10 @@ def _rope_text(rope: dict[str, Any]) -> str:
 
 
 def check_pair(
-    source: Any,
-    source_tokenizer: Any,
-    target: Any,
-    target_tokenizer: Any,
+    source: Model | ModelConfig,
+    source_tokenizer: Tokenizer,
+    target: Model | ModelConfig,
+    target_tokenizer: Tokenizer,
     *,
     source_name: str | None = None,
     target_name: str | None = None,

@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,8 +43,13 @@ from mappings.errors import DocumentTooLongError, DocumentTooShortError
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.cache_utils import Cache
 
     from mappings.apply import LinearKVMap
+    from mappings.cache_io import KVLayers
+    from mappings.models import ModelHandle
+    from mappings.passcost import PassCosts
     from mappings.repair import RepairPolicy
     from mappings.store import Mapping
 
@@ -52,6 +57,22 @@ __all__ = ["MethodResult", "LayerCurvePoint", "EvaluationReport", "evaluate", "w
            "BASELINES"]
 
 BASELINES = ("identity", "ridge", "anchored", "perhead_rope")
+
+class _Row(TypedDict):
+    """One method's scores in one window: metrics, seconds, costs and the repair's summary, averaged by
+    _method_results."""
+
+    kl: float
+    top1: float
+    top5: float
+    nll_delta: float
+    map_seconds: float
+    prefill_seconds: float
+    cost: float | None
+    repair: dict[str, object] | None
+    tokens: float | None
+    measured: float
+    greedy: int | None
 
 
 class _Model(BaseModel):
@@ -89,6 +110,7 @@ class MethodResult(_Model):
         "tokens; not the source's ranking of scattered tokens) / the target's own prefill seconds in the same "
         "window, averaged over windows: the number to hold against cost_fraction",
     )
+    # JSON of the repair record (readers index into it: r.repair["policy"]["budget"])
     repair: dict[str, Any] | None = Field(
         default=None, description="repair rows: the policy and its plan (tokens, tail, blocks)"
     )
@@ -107,9 +129,10 @@ class EvaluationReport(_Model):
 
     mapping: str | None
     mapping_method: str
+    # {"path": str | None, "fingerprint": {...}}: readers index into them
     source: dict[str, Any] = Field(description="path and fingerprint of the source")
     target: dict[str, Any] = Field(description="path and fingerprint of the target")
-    document: dict[str, Any] = Field(description="name, sha256 and token counts of the document")
+    document: dict[str, object] = Field(description="name, sha256 and token counts of the document")
     prefix_tokens: int
     suffix_tokens: int
     windows: int = Field(default=1, description="document windows averaged")
@@ -121,7 +144,7 @@ class EvaluationReport(_Model):
     single_layer: list[LayerCurvePoint] = Field(default_factory=list, description="only layer i mapped")
     accumulation: list[LayerCurvePoint] = Field(default_factory=list, description="layers 0..i mapped")
     plots: list[str] = Field(default_factory=list)
-    pass_costs: dict[str, Any] | None = Field(
+    pass_costs: dict[str, object] | None = Field(
         default=None, description="the target's measured pass costs that priced the plans (None: multiply-adds)")
 
     def row(self, method: str) -> MethodResult:
@@ -131,7 +154,7 @@ class EvaluationReport(_Model):
         raise KeyError(method)
 
 
-def _greedy(model: Any, cache: Any, first_logits: torch.Tensor, steps: int) -> list[int]:
+def _greedy(model: PreTrainedModel, cache: Cache, first_logits: torch.Tensor, steps: int) -> list[int]:
     from mappings.cache_io import forward_with_cache
 
     tokens: list[int] = []
@@ -152,8 +175,8 @@ def _first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
     return min(len(a), len(b))
 
 
-def _baseline_maps(mapping: Mapping, names: Sequence[str], identical_layout: bool, source_config: Any,
-                   target_config: Any) -> tuple[dict[str, LinearKVMap], dict[str, str]]:
+def _baseline_maps(mapping: Mapping, names: Sequence[str], identical_layout: bool, source_config: PretrainedConfig,
+                   target_config: PretrainedConfig) -> tuple[dict[str, LinearKVMap], dict[str, str]]:
     from mappings.apply import identity_map
     from mappings.assemble import fit_kv_map
     from mappings.methods import METHODS
@@ -190,8 +213,8 @@ def evaluate(
     mapping: Mapping | str | Path,
     document: str | Sequence[int],
     *,
-    source: Any = None,
-    target: Any = None,
+    source: str | Path | ModelHandle | PreTrainedModel | None = None,
+    target: str | Path | ModelHandle | PreTrainedModel | None = None,
     prefix_tokens: int = 1024,
     suffix_tokens: int = 32,
     windows: int = 1,
@@ -228,7 +251,49 @@ def evaluate(
     import torch
     from tqdm.auto import tqdm
 
-    from mappings.capture import kv_shape
+    mapping, mapping_dir, src, tgt = _load_pair(mapping, source, target, device)
+    ids_all, doc_sha = _document_ids(document, tgt.tokenizer)
+    n, m, windows = int(prefix_tokens), int(suffix_tokens), int(windows)
+    _check_spans(len(ids_all), n, m, windows, greedy_tokens, document_name, src.model, tgt.model)
+    tail = max(0, min(int(tail_tokens), n - 1))
+    costs = _repair_pass_costs(repairs, repair_costs, timing_repeats, mapping_dir, tgt)
+    maps, skipped = _methods(mapping, baselines, src.model.config, tgt.model.config)
+    own = mapping.manifest.method.name
+    order = [b for b in baselines if b in maps] + ([own] if own not in baselines else [])
+    tail_rows = ([own] + (["identity"] if "identity" in maps else [])) if tail else []
+
+    # A mapping fitted with exact sinks is only ever served with them (FamilyCache makes at least that many exact)
+    sink_tokens = max(int(sink_tokens), mapping.manifest.method.exact_sinks)
+    per_window: list[_Window] = []
+    bar = tqdm(total=windows, desc="evaluating windows", disable=not progress)
+    for w in range(windows):
+        span = torch.tensor(ids_all[w * (n + m) : w * (n + m) + n + m + 1])[None]
+        per_window.append(_evaluate_window(src.model, tgt.model, maps, order, tail_rows, own, span, n, m, tail,
+                                           greedy_tokens, layer_curves, mapping, repairs, sink_tokens, costs,
+                                           timing_repeats=int(timing_repeats) if repairs else 1))
+        bar.update(1)
+    bar.close()
+
+    return EvaluationReport(
+        mapping=str(mapping_dir) if mapping_dir is not None else None,
+        mapping_method=own,
+        source={"path": str(src.path) if src.path else None, "fingerprint": src.fingerprint.as_dict()},
+        target={"path": str(tgt.path) if tgt.path else None, "fingerprint": tgt.fingerprint.as_dict()},
+        document={"name": document_name, "sha256": doc_sha, "tokens": len(ids_all)},
+        prefix_tokens=n, suffix_tokens=m, windows=windows, tail_tokens=tail,
+        reference_prefill_seconds=_mean([pw.ref_seconds for pw in per_window]),
+        source_prefill_seconds=_mean([pw.src_seconds for pw in per_window]),
+        methods=_method_results(per_window, greedy_tokens), skipped=skipped,
+        single_layer=_layer_curve([pw.single for pw in per_window]),
+        accumulation=_layer_curve([pw.accum for pw in per_window]),
+        pass_costs=None if costs is None else _pass_cost_summary(costs, n),
+    )
+
+
+def _load_pair(mapping: Mapping | str | Path, source: str | Path | ModelHandle | PreTrainedModel | None,
+               target: str | Path | ModelHandle | PreTrainedModel | None,
+               device: str) -> tuple[Mapping, Path | None, ModelHandle, ModelHandle]:
+    """The mapping, its folder (None for one built in memory) and its two models, fingerprints checked."""
     from mappings.fingerprint import check_fingerprints
     from mappings.models import load_model
     from mappings.store import load_mapping, read_manifest
@@ -250,24 +315,57 @@ def evaluate(
         mapping = load_mapping(mapping, src.fingerprint, tgt.fingerprint, device=device, with_stats=True)
     else:
         check_fingerprints(mapping.manifest, src.fingerprint, tgt.fingerprint)
+    return mapping, mapping_dir, src, tgt
 
-    # ---- the document
+
+def _repair_pass_costs(repairs: Sequence[RepairPolicy], repair_costs: str, timing_repeats: int,
+                       mapping_dir: Path | None, tgt: ModelHandle) -> PassCosts | None:
+    """The target's timed pass costs that price the repair rows, or None: priced in compute."""
+    if int(timing_repeats) < 1:
+        raise ValueError(f"timing_repeats is at least 1, not {timing_repeats}")
+    if repair_costs not in ("measured", "compute"):
+        raise ValueError(f"repair_costs is 'measured' or 'compute', not {repair_costs!r}")
+    if repair_costs != "measured" or not repairs:  # timing a target (a minute on CPU) pays only where budgets need it
+        return None
+    from mappings.passcost import load_or_measure
+
+    where = Path(mapping_dir).parent / "pass-costs" if mapping_dir is not None else None
+    return load_or_measure(tgt.model, tgt.fingerprint.combined, where)
+
+
+def _methods(mapping: Mapping, baselines: Sequence[str], source_config: PretrainedConfig,
+             target_config: PretrainedConfig) -> tuple[dict[str, LinearKVMap], dict[str, str]]:
+    """The map of every baseline this pair allows and the mapping's own, and why the others were skipped."""
+    from mappings.capture import kv_shape
+
+    identical = kv_shape(source_config) == kv_shape(target_config)
+    maps, skipped = _baseline_maps(mapping, [b for b in baselines if b != "reprefill"], identical,
+                                   source_config, target_config)
+    maps[mapping.manifest.method.name] = mapping.kv_map
+    return maps, skipped
+
+
+def _document_ids(document: str | Sequence[int], tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], str]:
+    """The document's token ids and the sha256 the report identifies it by (of its text, or of its ids)."""
     if isinstance(document, str):
-        doc_sha = hashlib.sha256(document.encode("utf-8")).hexdigest()
-        ids_all = tgt.tokenizer(document, add_special_tokens=False)["input_ids"]
-    else:
-        ids_all = list(document)
-        doc_sha = hashlib.sha256(",".join(map(str, ids_all)).encode()).hexdigest()
-    n, m, windows = int(prefix_tokens), int(suffix_tokens), int(windows)
+        sha = hashlib.sha256(document.encode("utf-8")).hexdigest()
+        return tokenizer(document, add_special_tokens=False)["input_ids"], sha
+    ids_all = list(document)
+    return ids_all, hashlib.sha256(",".join(map(str, ids_all)).encode()).hexdigest()
+
+
+def _check_spans(tokens: int, n: int, m: int, windows: int, greedy_tokens: int, document_name: str,
+                 source: PreTrainedModel, target: PreTrainedModel) -> None:
+    """Refuse windows the document cannot fill, or spans past a model's positions, before any forward pass."""
     if n < 1 or m < 1 or windows < 1:
         raise ValueError("prefix, suffix and windows need to be at least 1")
-    if len(ids_all) < windows * (n + m):
+    if tokens < windows * (n + m):
         raise DocumentTooShortError(
-            f"{document_name} has {len(ids_all)} tokens, the evaluation needs {windows} window(s) of prefix {n} + "
+            f"{document_name} has {tokens} tokens, the evaluation needs {windows} window(s) of prefix {n} + "
             f"suffix {m}: pass a longer document or lower --prefix-tokens / --suffix-tokens / --windows"
         )
     need = n + m + greedy_tokens
-    for side, model in (("source", src.model), ("target", tgt.model)):
+    for side, model in (("source", source), ("target", target)):
         limit = getattr(model.config, "max_position_embeddings", None)
         span = n if side == "source" else need
         if limit is not None and span > limit:
@@ -275,85 +373,58 @@ def evaluate(
                 f"the evaluated span ({span} tokens) exceeds the {side}'s {limit} positions: "
                 "lower --prefix-tokens (or --greedy-tokens)"
             )
-    tail = max(0, min(int(tail_tokens), n - 1))
-    if int(timing_repeats) < 1:
-        raise ValueError(f"timing_repeats is at least 1, not {timing_repeats}")
-    if repair_costs not in ("measured", "compute"):
-        raise ValueError(f"repair_costs is 'measured' or 'compute', not {repair_costs!r}")
-    costs = None
-    if repair_costs == "measured" and repairs:  # timing a target (a minute on CPU) pays only where budgets need it
-        from mappings.passcost import load_or_measure
 
-        where = Path(mapping_dir).parent / "pass-costs" if mapping_dir is not None else None
-        costs = load_or_measure(tgt.model, tgt.fingerprint.combined, where)
 
-    identical = kv_shape(src.model.config) == kv_shape(tgt.model.config)
-    maps, skipped = _baseline_maps(mapping, [b for b in baselines if b != "reprefill"], identical,
-                                   src.model.config, tgt.model.config)
-    own = mapping.manifest.method.name
-    maps[own] = mapping.kv_map
-    order = [b for b in baselines if b in maps] + ([own] if own not in baselines else [])
-    tail_rows = ([own] + (["identity"] if "identity" in maps else [])) if tail else []
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values))
 
-    # A mapping fitted with exact sinks is only ever served with them (FamilyCache makes at least that many exact)
-    sink_tokens = max(int(sink_tokens), mapping.manifest.method.exact_sinks)
-    per_window: list[_Window] = []
-    bar = tqdm(total=windows, desc="evaluating windows", disable=not progress)
-    for w in range(windows):
-        span = torch.tensor(ids_all[w * (n + m) : w * (n + m) + n + m + 1])[None]
-        per_window.append(_evaluate_window(src.model, tgt.model, maps, order, tail_rows, own, span, n, m, tail,
-                                           greedy_tokens, layer_curves, mapping, repairs, sink_tokens, costs,
-                                           timing_repeats=int(timing_repeats) if repairs else 1))
-        bar.update(1)
-    bar.close()
 
-    def mean(values: Sequence[float]) -> float:
-        return float(sum(values) / len(values))
+def _given(values: Sequence[float | None]) -> list[float]:
+    """The values of a metric every window has (the first window having it, all do: same row, same run)."""
+    return [v for v in values if v is not None]
 
+
+def _method_results(per_window: Sequence[_Window], greedy_tokens: int) -> list[MethodResult]:
+    """Every row averaged over the windows; a metric no window has (no greedy run, no planned cost) is None."""
     results = []
     for name in per_window[0].rows:
         rows = [pw.rows[name] for pw in per_window]
         greedy = [r["greedy"] for r in rows if r["greedy"] is not None]
         nll = [r["nll_delta"] for r in rows if r["nll_delta"] == r["nll_delta"]]
         results.append(MethodResult(
-            method=name, kl=mean([r["kl"] for r in rows]), top1=mean([r["top1"] for r in rows]),
-            top5=mean([r["top5"] for r in rows]), nll_delta=mean(nll) if nll else None,
-            map_seconds=mean([r["map_seconds"] for r in rows]), prefill_seconds=mean([r["prefill_seconds"] for r in rows]),
-            greedy_agreement=mean(greedy) if greedy else None, greedy_tokens=greedy_tokens,
-            cost_fraction=mean([r["cost"] for r in rows]) if rows[0].get("cost") is not None else None,
-            token_share=mean([r["tokens"] for r in rows]) if rows[0].get("tokens") is not None else None,
-            measured_cost=mean([r["measured"] for r in rows]) if rows[0].get("measured") is not None else None,
+            method=name, kl=_mean([r["kl"] for r in rows]), top1=_mean([r["top1"] for r in rows]),
+            top5=_mean([r["top5"] for r in rows]), nll_delta=_mean(nll) if nll else None,
+            map_seconds=_mean([r["map_seconds"] for r in rows]),
+            prefill_seconds=_mean([r["prefill_seconds"] for r in rows]),
+            greedy_agreement=_mean(greedy) if greedy else None, greedy_tokens=greedy_tokens,
+            cost_fraction=_mean(_given([r["cost"] for r in rows])) if rows[0].get("cost") is not None else None,
+            token_share=_mean(_given([r["tokens"] for r in rows])) if rows[0].get("tokens") is not None else None,
+            measured_cost=_mean([r["measured"] for r in rows]) if rows[0].get("measured") is not None else None,
             repair=rows[0].get("repair"),
         ))
-    single = [LayerCurvePoint(layer=i, kl=mean([pw.single[i][0] for pw in per_window]),
-                              top1=mean([pw.single[i][1] for pw in per_window]))
-              for i in range(len(per_window[0].single))]
-    accum = [LayerCurvePoint(layer=i, kl=mean([pw.accum[i][0] for pw in per_window]),
-                             top1=mean([pw.accum[i][1] for pw in per_window]))
-             for i in range(len(per_window[0].accum))]
-    return EvaluationReport(
-        mapping=str(mapping_dir) if mapping_dir is not None else None,
-        mapping_method=own,
-        source={"path": str(src.path) if src.path else None, "fingerprint": src.fingerprint.as_dict()},
-        target={"path": str(tgt.path) if tgt.path else None, "fingerprint": tgt.fingerprint.as_dict()},
-        document={"name": document_name, "sha256": doc_sha, "tokens": len(ids_all)},
-        prefix_tokens=n, suffix_tokens=m, windows=windows, tail_tokens=tail,
-        reference_prefill_seconds=mean([pw.ref_seconds for pw in per_window]),
-        source_prefill_seconds=mean([pw.src_seconds for pw in per_window]),
-        methods=results, skipped=skipped, single_layer=single, accumulation=accum,
-        pass_costs=None if costs is None else {
-            "per_pass": costs.per_pass, "per_token": costs.per_token, "per_key": costs.per_key,
-            "per_past_key": costs.per_past_key, "per_past": costs.per_past, "per_copied": costs.per_copied,
-            "fit_error": costs.fit_error, "key": costs.key, "measured_on": costs.measured_on,
-            "predicted_prefill_seconds": costs.prefill_seconds(n)},
-    )
+    return results
+
+
+def _layer_curve(per_window: Sequence[Sequence[tuple[float, float]]]) -> list[LayerCurvePoint]:
+    """One (kl, top1) curve per window, averaged layer by layer."""
+    return [LayerCurvePoint(layer=i, kl=_mean([curve[i][0] for curve in per_window]),
+                            top1=_mean([curve[i][1] for curve in per_window]))
+            for i in range(len(per_window[0]))]
+
+
+def _pass_cost_summary(costs: PassCosts, n: int) -> dict[str, object]:
+    return {
+        "per_pass": costs.per_pass, "per_token": costs.per_token, "per_key": costs.per_key,
+        "per_past_key": costs.per_past_key, "per_past": costs.per_past, "per_copied": costs.per_copied,
+        "fit_error": costs.fit_error, "key": costs.key, "measured_on": costs.measured_on,
+        "predicted_prefill_seconds": costs.prefill_seconds(n)}
 
 
 @dataclass
 class _Window:
     """Raw results of one evaluation window."""
 
-    rows: dict[str, dict[str, Any]]
+    rows: dict[str, _Row]
     single: list[tuple[float, float]]
     accum: list[tuple[float, float]]
     ref_seconds: float
@@ -361,142 +432,230 @@ class _Window:
 
 
 def _evaluate_window(
-    source: Any, target: Any, maps: dict[str, LinearKVMap], order: Sequence[str], tail_rows: Sequence[str],
-    own: str, ids: torch.Tensor, n: int, m: int, tail: int, greedy_tokens: int, layer_curves: bool,
-    mapping: Mapping | None = None, repairs: Sequence[RepairPolicy] = (), sinks: int = 0, costs: Any = None,
-    timing_repeats: int = 1,
+    source: PreTrainedModel, target: PreTrainedModel, maps: dict[str, LinearKVMap], order: Sequence[str],
+    tail_rows: Sequence[str], own: str, ids: torch.Tensor, n: int, m: int, tail: int, greedy_tokens: int,
+    layer_curves: bool, mapping: Mapping | None = None, repairs: Sequence[RepairPolicy] = (), sinks: int = 0,
+    costs: PassCosts | None = None, timing_repeats: int = 1,
 ) -> _Window:
-    import torch
+    from mappings.cache_io import build_cache
 
-    from mappings.cache_io import (
-        build_cache,
-        cache_layers,
-        forward_with_cache,
-        model_device,
-        model_dtype,
-        slice_layers,
-        sync_device,
-    )
-    from mappings.metrics import next_token_agreement
-    from mappings.repair import compute_share
-
-    def planned_share(tokens: Sequence[int]) -> float | None:
-        return costs.share(n, tokens) if costs is not None else compute_share(cfg, n, tokens)
-
-    prefix, suffix = ids[:, :n], ids[:, n : n + m]
-    labels = torch.full((1, m), -100, dtype=torch.long)
-    nxt = ids[0, n + 1 : n + m + 1]
-    labels[0, : nxt.numel()] = nxt
-    dev, dt, cfg = model_device(target), model_dtype(target), target.config
-
-    # The reference is a prefill as the cache would do it: no logits beyond the last position (all of them
-    # would add the LM head for every token, which no repair pays, and flatter the measured costs).
-    ref_seconds = math.inf
-    for _ in range(timing_repeats):  # the fastest run: a repair's timing below is the fastest of as many
-        t0 = time.perf_counter()
-        _, true_cache, _ = forward_with_cache(target, prefix, None, logits_to_keep=1)
-        sync_device(dev)
-        ref_seconds = min(ref_seconds, time.perf_counter() - t0)
-    true_layers = list(cache_layers(true_cache))
-    true_logits, after, _ = forward_with_cache(target, suffix, build_cache(true_layers, cfg))
-    true_logits = true_logits.float()
-    true_greedy = _greedy(target, after, true_logits, greedy_tokens) if greedy_tokens else []
-
-    need_hidden = any(r.budget and (r.layer_share or r.blocks) for r in repairs)
-    t0 = time.perf_counter()
-    _, src_cache, src_out = forward_with_cache(source, prefix, None, output_hidden_states=need_hidden)
-    src_seconds = time.perf_counter() - t0
-    src_layers = list(cache_layers(src_cache))
-    src_hidden = dict(enumerate(src_out.hidden_states[:-1])) if need_hidden else None
-    del src_out
-
-    def score(cache: Any, map_s: float, prefill_s: float, cost: float | None = None,
-              repair: dict[str, Any] | None = None, measured: float | None = None,
-              tokens: float | None = None) -> dict[str, Any]:
-        logits, after_m, _ = forward_with_cache(target, suffix, cache)
-        agree = next_token_agreement(true_logits, logits.float(), labels.to(logits.device))
-        greedy = _greedy(target, after_m, logits, greedy_tokens) if greedy_tokens else None
-        return {**agree, "map_seconds": map_s, "prefill_seconds": prefill_s, "cost": cost, "repair": repair,
-                "tokens": tokens if tokens is not None else cost,
-                "measured": measured if measured is not None else prefill_s / ref_seconds,
-                "greedy": _first_divergence(true_greedy, greedy) if greedy is not None else None}
-
-    rows = {"reprefill": score(build_cache(true_layers, cfg), 0.0, ref_seconds, 1.0)}
-    mapped_own, own_map_s = None, 0.0
-    for name in order:
-        t0 = time.perf_counter()
-        mapped = maps[name].apply(src_layers, device=dev, dtype=dt)
-        cache = build_cache(mapped, cfg)
-        sync_device(dev)
-        map_s = time.perf_counter() - t0
-        if name == own:
-            mapped_own, own_map_s = mapped, map_s
-        rows[name] = score(cache, map_s, 0.0, 0.0)
-    # What a FamilyCache serves: the map with its first `sinks` positions the target's own (a `sinks`-token
-    # forward). The tail, repair and layer-curve rows all start from it, as the cache's own paths do.
-    served, sink_s, k = mapped_own, 0.0, 0
-    if sinks and mapped_own is not None:
-        from mappings.apply import exact_prefix
-
-        cache = build_cache([(a.clone(), b.clone()) for a, b in mapped_own], cfg)
-        t0 = time.perf_counter()
-        k = exact_prefix(target, cache, prefix, sinks)
-        sync_device(dev)
-        sink_s = time.perf_counter() - t0
-        served = list(cache_layers(cache))
-        planned = planned_share(range(k))
-        rows[f"{own}+sinks{k}"] = score(cache, own_map_s, sink_s, k / n if planned is None else planned, tokens=k / n)
+    run = _WindowRun.start(source, target, ids, n, m, greedy_tokens, costs, timing_repeats,
+                           need_hidden=any(r.budget and (r.layer_share or r.blocks) for r in repairs))
+    rows = {"reprefill": run.score(build_cache(run.true_layers, run.cfg), 0.0, run.ref_seconds, 1.0)}
+    rows.update(run.map_rows(maps, order, own))
+    if sinks and run.served is not None:
+        rows.update(run.sink_row(own, sinks))
     for name in tail_rows:
-        if name == own and served is not None:
-            map_s, base, exact = own_map_s, slice_layers(served, 0, n - tail), min(k, n - tail)
+        rows.update(run.tail_row(name, own, maps[name], tail))
+    if repairs and run.served is not None:
+        rows.update(run.repair_rows(own, mapping, repairs))
+    single: list[tuple[float, float]] = []
+    accum: list[tuple[float, float]] = []
+    if layer_curves and run.served is not None:
+        single, accum = run.layer_curves()
+    return _Window(rows, single, accum, run.ref_seconds, run.src_seconds)
+
+
+@dataclass
+class _WindowRun:
+    """One window: the target's own prefill of the prefix (the truth every row is scored against), the
+    source's prefill that the maps convert, and the served cache (the own map, sinks exact) that the tail,
+    repair and layer-curve rows start from, as a FamilyCache's paths do."""
+
+    source: PreTrainedModel
+    target: PreTrainedModel
+    prefix: torch.Tensor
+    suffix: torch.Tensor
+    labels: torch.Tensor
+    greedy_tokens: int
+    costs: PassCosts | None
+    timing_repeats: int
+    true_layers: KVLayers
+    true_logits: torch.Tensor
+    true_greedy: list[int]
+    ref_seconds: float
+    src_layers: KVLayers
+    src_hidden: dict[int, torch.Tensor] | None
+    src_seconds: float
+    served: KVLayers | None = None
+    own_map_s: float = 0.0
+    sink_s: float = 0.0
+    exact: int = 0  # the served cache's exact leading positions (the sinks)
+
+    @classmethod
+    def start(cls, source: PreTrainedModel, target: PreTrainedModel, ids: torch.Tensor, n: int, m: int,
+              greedy_tokens: int, costs: PassCosts | None, timing_repeats: int, need_hidden: bool) -> _WindowRun:
+        import torch
+
+        from mappings.cache_io import build_cache, cache_layers, forward_with_cache, model_device, sync_device
+
+        prefix, suffix = ids[:, :n], ids[:, n : n + m]
+        labels = torch.full((1, m), -100, dtype=torch.long)
+        nxt = ids[0, n + 1 : n + m + 1]
+        labels[0, : nxt.numel()] = nxt
+        dev, cfg = model_device(target), target.config
+
+        # The reference is a prefill as the cache would do it: no logits beyond the last position (all of them
+        # would add the LM head for every token, which no repair pays, and flatter the measured costs).
+        ref_seconds = math.inf
+        for _ in range(timing_repeats):  # the fastest run: a repair's timing below is the fastest of as many
+            t0 = time.perf_counter()
+            _, true_cache, _ = forward_with_cache(target, prefix, None, logits_to_keep=1)
+            sync_device(dev)
+            ref_seconds = min(ref_seconds, time.perf_counter() - t0)
+        true_layers = list(cache_layers(true_cache))
+        true_logits, after, _ = forward_with_cache(target, suffix, build_cache(true_layers, cfg))
+        true_logits = true_logits.float()
+        true_greedy = _greedy(target, after, true_logits, greedy_tokens) if greedy_tokens else []
+
+        t0 = time.perf_counter()
+        _, src_cache, src_out = forward_with_cache(source, prefix, None, output_hidden_states=need_hidden)
+        src_seconds = time.perf_counter() - t0
+        src_hidden = dict(enumerate(src_out.hidden_states[:-1])) if need_hidden else None
+        return cls(source, target, prefix, suffix, labels, greedy_tokens, costs, timing_repeats, true_layers,
+                   true_logits, true_greedy, ref_seconds, list(cache_layers(src_cache)), src_hidden, src_seconds)
+
+    @property
+    def n(self) -> int:
+        return int(self.prefix.shape[1])
+
+    @property
+    def cfg(self) -> PretrainedConfig:
+        return self.target.config
+
+    @property
+    def dev(self) -> torch.device:
+        from mappings.cache_io import model_device
+
+        return model_device(self.target)
+
+    @property
+    def dt(self) -> torch.dtype:
+        from mappings.cache_io import model_dtype
+
+        return model_dtype(self.target)
+
+    def planned_share(self, tokens: Sequence[int]) -> float | None:
+        from mappings.repair import compute_share
+
+        return self.costs.share(self.n, tokens) if self.costs is not None else compute_share(self.cfg, self.n, tokens)
+
+    def score(self, cache: Cache, map_s: float, prefill_s: float, cost: float | None = None,
+              repair: dict[str, object] | None = None, measured: float | None = None,
+              tokens: float | None = None) -> _Row:
+        """One row: the target continued on ``cache`` over the suffix, against its own prefill."""
+        from mappings.cache_io import forward_with_cache
+        from mappings.metrics import next_token_agreement
+
+        logits, after_m, _ = forward_with_cache(self.target, self.suffix, cache)
+        agree = next_token_agreement(self.true_logits, logits.float(), self.labels.to(logits.device))
+        greedy = _greedy(self.target, after_m, logits, self.greedy_tokens) if self.greedy_tokens else None
+        return {"kl": agree["kl"], "top1": agree["top1"], "top5": agree["top5"], "nll_delta": agree["nll_delta"],
+                "map_seconds": map_s, "prefill_seconds": prefill_s, "cost": cost, "repair": repair,
+                "tokens": tokens if tokens is not None else cost,
+                "measured": measured if measured is not None else prefill_s / self.ref_seconds,
+                "greedy": _first_divergence(self.true_greedy, greedy) if greedy is not None else None}
+
+    def map_rows(self, maps: dict[str, LinearKVMap], order: Sequence[str], own: str) -> dict[str, _Row]:
+        """A pure map per method, timed; the own method's map becomes the served cache."""
+        from mappings.cache_io import build_cache, sync_device
+
+        rows = {}
+        dev, dt = self.dev, self.dt
+        for name in order:
+            t0 = time.perf_counter()
+            mapped = maps[name].apply(self.src_layers, device=dev, dtype=dt)
+            cache = build_cache(mapped, self.cfg)
+            sync_device(dev)
+            map_s = time.perf_counter() - t0
+            if name == own:
+                self.served, self.own_map_s = mapped, map_s
+            rows[name] = self.score(cache, map_s, 0.0, 0.0)
+        return rows
+
+    def sink_row(self, own: str, sinks: int) -> dict[str, _Row]:
+        """What a FamilyCache serves: the map with its first `sinks` positions the target's own (a `sinks`-token
+        forward); it replaces the pure map as the served cache."""
+        from mappings.apply import exact_prefix
+        from mappings.cache_io import build_cache, cache_layers, sync_device
+
+        assert self.served is not None
+        cache = build_cache([(a.clone(), b.clone()) for a, b in self.served], self.cfg)
+        t0 = time.perf_counter()
+        k = exact_prefix(self.target, cache, self.prefix, sinks)
+        sync_device(self.dev)
+        self.sink_s = time.perf_counter() - t0
+        self.served, self.exact = list(cache_layers(cache)), k
+        n, planned = self.n, self.planned_share(range(k))
+        return {f"{own}+sinks{k}": self.score(cache, self.own_map_s, self.sink_s,
+                                              k / n if planned is None else planned, tokens=k / n)}
+
+    def tail_row(self, name: str, own: str, kv_map: LinearKVMap, tail: int) -> dict[str, _Row]:
+        """The map of all but the last ``tail`` positions (the own one: the served cache), the tail recomputed."""
+        from mappings.cache_io import build_cache, forward_with_cache, slice_layers, sync_device
+
+        n, dev = self.n, self.dev
+        if name == own and self.served is not None:
+            map_s, base, exact = self.own_map_s, slice_layers(self.served, 0, n - tail), min(self.exact, n - tail)
         else:
             t0 = time.perf_counter()
-            base = maps[name].apply(slice_layers(src_layers, 0, n - tail), device=dev, dtype=dt)
+            base = kv_map.apply(slice_layers(self.src_layers, 0, n - tail), device=dev, dtype=self.dt)
             sync_device(dev)
             map_s, exact = time.perf_counter() - t0, 0
         t0 = time.perf_counter()
-        _, cache, _ = forward_with_cache(target, prefix[:, n - tail :], build_cache(base, cfg), logits_to_keep=1)
+        _, cache, _ = forward_with_cache(self.target, self.prefix[:, n - tail :], build_cache(base, self.cfg),
+                                         logits_to_keep=1)
         sync_device(dev)
-        tail_s = time.perf_counter() - t0 + (sink_s if exact else 0.0)
+        tail_s = time.perf_counter() - t0 + (self.sink_s if exact else 0.0)
         spent = [*range(exact), *range(n - tail, n)]
-        planned = planned_share(spent)
-        rows[f"{name}+tail{tail}"] = score(cache, map_s, tail_s, len(spent) / n if planned is None else planned,
-                                           tokens=len(spent) / n)
-    if repairs and served is not None:
+        planned = self.planned_share(spent)
+        return {f"{name}+tail{tail}": self.score(cache, map_s, tail_s, len(spent) / n if planned is None else planned,
+                                                 tokens=len(spent) / n)}
+
+    def repair_rows(self, own: str, mapping: Mapping | None,
+                    repairs: Sequence[RepairPolicy]) -> dict[str, _Row]:
+        from mappings.cache_io import build_cache
         from mappings.repair import layer_scores, repair_cache
 
+        assert self.served is not None
         scores = layer_scores(mapping.manifest) if mapping is not None else None
         residual = mapping.residual if mapping is not None else None
+        rows = {}
         for policy in repairs:
             # Every row repairs the same served map of the window (repair never modifies its input), so the map and
             # its sink pass are paid once; each row's cost counts the sink pass and its repair (the plan never
             # recomputes the exact sinks again).
             res, repair_s, target_s = None, math.inf, math.inf
-            for _ in range(timing_repeats):  # deterministic: every run gives the same cache, the fastest is kept
+            for _ in range(self.timing_repeats):  # deterministic: every run gives the same cache, the fastest is kept
                 t0 = time.perf_counter()
-                run = repair_cache(target, served, prefix, policy, layer_scores=scores, residual=residual,
-                                   source_hidden=src_hidden, source=source, source_layers=src_layers, costs=costs,
-                                   exact=k)
-                repair_s = min(repair_s, time.perf_counter() - t0 + sink_s)
+                run = repair_cache(self.target, self.served, self.prefix, policy, layer_scores=scores,
+                                   residual=residual, source_hidden=self.src_hidden, source=self.source,
+                                   source_layers=self.src_layers, costs=self.costs, exact=self.exact)
+                repair_s = min(repair_s, time.perf_counter() - t0 + self.sink_s)
                 if run.target_seconds < target_s:
                     res, target_s = run, run.target_seconds
             assert res is not None
-            rows[f"{own}+{policy.label}"] = score(build_cache(res.layers, cfg), own_map_s, repair_s, res.plan.cost,
-                                                  res.summary(), measured=(target_s + sink_s) / ref_seconds,
-                                                  tokens=res.plan.token_share)
+            rows[f"{own}+{policy.label}"] = self.score(
+                build_cache(res.layers, self.cfg), self.own_map_s, repair_s, res.plan.cost, res.summary(),
+                measured=(target_s + self.sink_s) / self.ref_seconds, tokens=res.plan.token_share)
+        return rows
 
-    single: list[tuple[float, float]] = []
-    accum: list[tuple[float, float]] = []
-    if layer_curves and served is not None:
-        for i in range(len(true_layers)):
-            for mixed, out in (
-                ([*true_layers[:i], served[i], *true_layers[i + 1 :]], single),
-                ([*served[: i + 1], *true_layers[i + 1 :]], accum),
-            ):
-                logits, _, _ = forward_with_cache(target, suffix, build_cache(mixed, cfg))
-                a = next_token_agreement(true_logits, logits.float())
+    def layer_curves(self) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """(kl, top1) with one layer served and the rest true, and with layers 0..i served."""
+        from mappings.cache_io import build_cache, forward_with_cache
+        from mappings.metrics import next_token_agreement
+
+        assert self.served is not None
+        true, served = self.true_layers, self.served
+        single: list[tuple[float, float]] = []
+        accum: list[tuple[float, float]] = []
+        for i in range(len(true)):
+            for mixed, out in (([*true[:i], served[i], *true[i + 1 :]], single),
+                               ([*served[: i + 1], *true[i + 1 :]], accum)):
+                logits, _, _ = forward_with_cache(self.target, self.suffix, build_cache(mixed, self.cfg))
+                a = next_token_agreement(self.true_logits, logits.float())
                 out.append((a["kl"], a["top1"]))
-    return _Window(rows, single, accum, ref_seconds, src_seconds)
+        return single, accum
 
 
 def plot_layer_curves(report: EvaluationReport, path: str | Path) -> Path:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mappings.errors import StaleMappingError
 
@@ -45,11 +46,11 @@ class Fingerprint:
         return {"config": self.config, "weights": self.weights, "tokenizer": self.tokenizer, "combined": self.combined}
 
 
-def _canonical(obj: Any) -> bytes:
+def _canonical(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
-def config_digest(config_dict: dict[str, Any]) -> str:
+def config_digest(config_dict: Mapping[str, object]) -> str:
     clean = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG_KEYS}
     return hashlib.sha256(_canonical(clean)).hexdigest()
 

@@ -76,9 +76,10 @@ class RegressionStats:
     def zeros(cls, p: int, q: int, device: str | torch.device = "cpu") -> RegressionStats:
         import torch
 
-        z = {"dtype": torch.float64, "device": device}
-        return cls(0, torch.zeros(p, **z), torch.zeros(q, **z), torch.zeros(p, p, **z),
-                   torch.zeros(p, q, **z), torch.zeros(q, q, **z))
+        def z(*size: int) -> torch.Tensor:
+            return torch.zeros(*size, dtype=torch.float64, device=device)
+
+        return cls(0, z(p), z(q), z(p, p), z(p, q), z(q, q))
 
     @classmethod
     def from_data(cls, x: torch.Tensor, y: torch.Tensor) -> RegressionStats:

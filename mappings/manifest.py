@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -49,8 +49,8 @@ class ModelInfo(_Model):
     fingerprint: dict[str, str] = Field(description="sha256 of config, weights, tokenizer and combined")
     dtype: str = Field(description="parameter dtype at calibration")
     kv_shape: dict[str, int] = Field(description="num_layers, kv_heads, head_dim")
-    rope: dict[str, Any] = Field(description="RoPE type and parameters")
-    config: dict[str, Any] = Field(description="the model config (to rebuild RoPE without the model)")
+    rope: dict[str, object] = Field(description="RoPE type and parameters")
+    config: dict[str, object] = Field(description="the model config (to rebuild RoPE without the model)")
 
 
 class LayerPlanEntry(_Model):
@@ -159,7 +159,7 @@ class MappingManifest(_Model):
     stats: FileRecord | None = Field(default=None, description="calibration statistics (for refitting baselines)")
     repair: RepairInfo | None = Field(default=None, description="residual maps and repair planning data, if fitted")
 
-    def cache_key(self) -> dict[str, Any]:
+    def cache_key(self) -> dict[str, object]:
         """Fields that must all match before KV mapped with this mapping may be reused (seed §5.3)."""
         return {
             "source_fingerprint": self.source.fingerprint["combined"],

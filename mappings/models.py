@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mappings.fingerprint import Fingerprint, fingerprint_dir, fingerprint_model
+
+if TYPE_CHECKING:
+    from mappings.types import DeviceLike, DType, Model, Tokenizer
 
 __all__ = ["ModelHandle", "load_model"]
 
@@ -15,9 +18,9 @@ __all__ = ["ModelHandle", "load_model"]
 class ModelHandle:
     """A causal LM ready for capture: model (eval mode), tokenizer, fingerprint, origin."""
 
-    model: Any
+    model: Model
     """The transformers causal LM."""
-    tokenizer: Any
+    tokenizer: Tokenizer
     """Its tokenizer."""
     fingerprint: Fingerprint
     """Content hashes of config, weights and tokenizer."""
@@ -32,11 +35,11 @@ class ModelHandle:
 
 
 def load_model(
-    source: str | Path | ModelHandle | Any,
-    tokenizer: Any = None,
+    source: str | Path | ModelHandle | Model,
+    tokenizer: Tokenizer | None = None,
     *,
-    device: str | Any = "cpu",
-    dtype: Any = None,
+    device: DeviceLike = "cpu",
+    dtype: DType | str | None = None,
     fingerprint: Fingerprint | None = None,
 ) -> ModelHandle:
     """A :class:`ModelHandle` from a model folder, a handle, or an in-memory model (+ its tokenizer).
@@ -54,16 +57,15 @@ def load_model(
         path = Path(source)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
+        torch_dtype: DType | None = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        kwargs: dict[str, DType] = {"dtype": torch_dtype} if torch_dtype is not None else {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+            loaded = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         except TypeError:  # transformers 4 spells it torch_dtype
-            model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype)
-        model.to(device).eval()
+            loaded = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch_dtype)
+        loaded.to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
         tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(path))
-        return ModelHandle(model, tok, fingerprint or fingerprint_dir(path), path)
+        return ModelHandle(loaded, tok, fingerprint or fingerprint_dir(path), path)
     model = source
     if tokenizer is None:
         from transformers import AutoTokenizer

@@ -34,19 +34,24 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from mappings.types import KVCache, Model
 
 __all__ = ["PassCosts", "CostModel", "measure_pass_costs", "load_or_measure", "pass_features", "prefill_features",
            "costs_key", "architecture_hash"]
 
 PASSCOST_VERSION = 3
+
+_T = TypeVar("_T")
 
 FEATURES = ("passes", "tokens", "keys", "cached_keys", "cached_positions", "copied")
 """The names of a pass's features, in the order :func:`pass_features` returns them (and samples store them)."""
@@ -107,7 +112,7 @@ class PassCosts(CostModel):
     """What the timings hold for: model architecture, device, dtype, attention kernel, torch threads and version."""
     measured_on: str = ""
     """The fingerprint of the model that was timed (any model of the same architecture may use the timings)."""
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[dict[str, float | str]] = field(default_factory=list)
     """The timed passes: features, measured and fitted seconds (for the fit's own error)."""
     flash: bool = False
     """The model's attention takes no dense mask (interior runs are separate passes)."""
@@ -137,7 +142,8 @@ class PassCosts(CostModel):
     @property
     def fit_error(self) -> float:
         """Largest relative error of the fit over its own timed passes."""
-        return max((abs(s["fitted"] - s["seconds"]) / s["seconds"] for s in self.samples if s["seconds"] > 0),
+        timed = [(float(s["fitted"]), float(s["seconds"])) for s in self.samples]
+        return max((abs(fitted - seconds) / seconds for fitted, seconds in timed if seconds > 0),
                    default=0.0)
 
     def to_json(self) -> str:
@@ -167,7 +173,7 @@ class PassCosts(CostModel):
         return costs
 
 
-def architecture_hash(model: Any) -> str:
+def architecture_hash(model: Model) -> str:
     """A hash of what a model's pass timings depend on in the model itself: its config and module types.
 
     Weight values are left out (a dense matmul takes as long whatever the numbers), and so are the
@@ -187,7 +193,7 @@ def architecture_hash(model: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def costs_key(model: Any) -> dict[str, str]:
+def costs_key(model: Model) -> dict[str, str]:
     """What a model's pass timings depend on: its architecture, device, dtype, attention kernel and threads."""
     import torch
 
@@ -216,7 +222,7 @@ def _nnls(rows: list[tuple[float, ...]], y: list[float]) -> list[float]:
     return [0.0] * a.shape[1]
 
 
-def measure_pass_costs(model: Any, *, max_tokens: int = 4096, repeats: int = 2, key: dict[str, str] | None = None,
+def measure_pass_costs(model: Model, *, max_tokens: int = 4096, repeats: int = 2, key: dict[str, str] | None = None,
                        seed: int = 0, measured_on: str = "") -> PassCosts:
     """Time ``model``'s prefills and repair passes on random tokens and fit a :class:`PassCosts`.
 
@@ -240,9 +246,12 @@ def measure_pass_costs(model: Any, *, max_tokens: int = 4096, repeats: int = 2, 
     dev = model_device(model)
     flash = "flash" in str(getattr(model.config, "_attn_implementation", None) or "")
 
-    def timed(fn, times: int = repeats) -> tuple[float, Any]:
-        best, out = math.inf, None
-        for _ in range(times):
+    def timed(fn: Callable[[], _T], times: int = repeats) -> tuple[float, _T]:
+        t0 = time.perf_counter()
+        out = fn()
+        sync_device(dev)
+        best = time.perf_counter() - t0
+        for _ in range(times - 1):
             t0 = time.perf_counter()
             out = fn()
             sync_device(dev)
@@ -254,15 +263,16 @@ def measure_pass_costs(model: Any, *, max_tokens: int = 4096, repeats: int = 2, 
     labels: list[str] = []
     with torch.no_grad():
         forward_with_cache(model, ids[:, : min(n, 32)], None, logits_to_keep=1)  # warm-up: allocations, kernels
-        cache = None
+        cache: KVCache | None = None
         for m in sorted({max(8, n // 8), max(8, n // 4), max(8, n // 2), n}):
             # the longest prefill is timed once (seconds long, it varies least) and its cache is the repairs' own
-            secs, out = timed(lambda m=m: forward_with_cache(model, ids[:, :m], None, logits_to_keep=1),
+            secs, out = timed(partial(forward_with_cache, model, ids[:, :m], None, logits_to_keep=1),
                               1 if m == n else repeats)
             rows.append(prefill_features(m))
             ys.append(secs)
             labels.append(f"prefill {m}")
             cache = out[1]
+        assert cache is not None  # the loop above runs at least once
         layers = list(cache_layers(cache))
         sink = min(4, n // 8)
         mid = n // 2
@@ -278,31 +288,33 @@ def measure_pass_costs(model: Any, *, max_tokens: int = 4096, repeats: int = 2, 
         }
         for name, tokens in plans.items():
             pos = sorted(set(tokens))
-            secs, _ = timed(lambda pos=pos: repair_tokens_and_logits(model, layers, ids, pos), repeats + 1)
+            secs, _ = timed(partial(repair_tokens_and_logits, model, layers, ids, pos), repeats + 1)
             rows.append(pass_features(n, pos, flash=flash))
             ys.append(secs)
             labels.append(name)
         half = [(k[:, :, :mid], v[:, :, :mid]) for k, v in layers]
         for q in (4, max(8, mid // 16), max(8, mid // 8)):
             pos = list(range(mid - q, mid))
-            secs, _ = timed(lambda pos=pos: repair_tokens_and_logits(model, half, ids[:, :mid], pos), repeats + 1)
+            secs, _ = timed(partial(repair_tokens_and_logits, model, half, ids[:, :mid], pos), repeats + 1)
             rows.append(pass_features(mid, pos, flash=flash))
             ys.append(secs)
             labels.append(f"tail {q} of {mid}")
     # Relative error: divide every row by its seconds, so small passes weigh as much as prefills.
     coef = _nnls([tuple(f / y for f in r) for r, y in zip(rows, ys, strict=True)], [1.0] * len(ys))
-    costs = PassCosts(*coef, key=dict(key or {}), flash=flash)
-    samples = [{"pass": label, **dict(zip(FEATURES, r, strict=True)), "seconds": y, "fitted": costs.seconds(r)}
+    per_pass, per_token, per_key, per_past_key, per_past, per_copied = coef  # one per FEATURES entry
+    costs = PassCosts(per_pass, per_token, per_key, per_past_key, per_past, per_copied, key=dict(key or {}),
+                      flash=flash)
+    samples: list[dict[str, float | str]] = [{"pass": label, **dict(zip(FEATURES, r, strict=True)), "seconds": y, "fitted": costs.seconds(r)}
                for label, r, y in zip(labels, rows, ys, strict=True)]
-    return PassCosts(*coef, key=dict(key or {}), measured_on=measured_on, samples=samples, flash=flash)
+    return replace(costs, measured_on=measured_on, samples=samples)
 
 
 _MEASURED: dict[tuple[tuple[str, str], ...], PassCosts] = {}
 _MEASURED_LOCK = threading.Lock()
 
 
-def load_or_measure(model: Any, fingerprint: str, directory: str | Path | None, *, max_tokens: int = 4096,
-                    log: Any = None) -> PassCosts:
+def load_or_measure(model: Model, fingerprint: str, directory: str | Path | None, *, max_tokens: int = 4096,
+                    log: Callable[[str], object] | None = None) -> PassCosts:
     """``model``'s pass costs: kept from earlier in this process, read from ``directory``, or measured now and stored.
 
     Timings belong to an architecture (:func:`architecture_hash`), not to one model's weights: the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache as _memoize
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from mappings.cache_io import (
     KVLayers,
@@ -37,10 +37,13 @@ from mappings.errors import ShapeMismatchError, UnsupportedModelError
 if TYPE_CHECKING:
     import torch
 
+    from mappings.cache_io import _ListCache
+    from mappings.types import DeviceLike, KVCache, Model, Module
+
 __all__ = ["run_layers", "embed", "repair_tokens", "repair_tokens_and_logits", "token_passes", "runs"]
 
 
-def _base_model(model: Any) -> Any:
+def _base_model(model: Model) -> Module:
     base = getattr(model, "model", None)
     if base is not None and hasattr(base, "layers"):
         return base
@@ -49,7 +52,7 @@ def _base_model(model: Any) -> Any:
     raise UnsupportedModelError(f"cannot find the decoder stack of {type(model).__name__}")
 
 
-def embed(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
+def embed(model: Model, input_ids: torch.Tensor) -> torch.Tensor:
     """The hidden state entering layer 0: the target's token embeddings."""
     import torch
 
@@ -57,7 +60,7 @@ def embed(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
         return model.get_input_embeddings()(input_ids.to(model_device(model)))
 
 
-def _causal_mask(model: Any, n: int, dtype: torch.dtype, device: Any) -> torch.Tensor | None:
+def _causal_mask(model: Model, n: int, dtype: torch.dtype, device: DeviceLike) -> torch.Tensor | None:
     import torch
 
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -68,7 +71,7 @@ def _causal_mask(model: Any, n: int, dtype: torch.dtype, device: Any) -> torch.T
 
 
 def run_layers(
-    model: Any, hidden: torch.Tensor, start: int, stop: int, *, positions: torch.Tensor | None = None
+    model: Model, hidden: torch.Tensor, start: int, stop: int, *, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, KVLayers]:
     """Run decoder layers ``start..stop-1`` on ``hidden`` ``[batch, n, d]`` (the input of ``start``).
 
@@ -90,7 +93,8 @@ def run_layers(
     cache = build_cache([], config=model.config)  # empty; the block's layers write their K/V into it
     kw = cache_kwarg(layers[start])
     with torch.no_grad():
-        pos_emb = base.rotary_emb(h, positions) if hasattr(base, "rotary_emb") else None
+        rotary = getattr(base, "rotary_emb", None)
+        pos_emb = rotary(h, positions) if rotary is not None else None
         mask = _causal_mask(model, n, h.dtype, dev)
         for i in range(start, stop):
             out = layers[i](h, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -100,14 +104,18 @@ def run_layers(
     return h, kv
 
 
-def _layers_from(cache: Any, start: int, stop: int) -> KVLayers:
+def _layers_from(cache: KVCache, start: int, stop: int) -> KVLayers:
     out: KVLayers = []
     if hasattr(cache, "layers"):
         for i in range(start, stop):
             layer = cache.layers[i]
-            out.append((layer.keys, layer.values))
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or values is None:
+                raise UnsupportedModelError(f"cache layer {i} ({type(layer).__name__}) holds no keys/values")
+            out.append((keys, values))
         return out
-    return [(cache.key_cache[i], cache.value_cache[i]) for i in range(start, stop)]  # transformers 4.x
+    legacy = cast("_ListCache", cache)  # transformers 4.x
+    return [(legacy.key_cache[i], legacy.value_cache[i]) for i in range(start, stop)]
 
 
 def runs(positions: Sequence[int]) -> list[tuple[int, int]]:
@@ -149,7 +157,7 @@ def token_passes(n: int, positions: Sequence[int], *, flash: bool = False) -> li
     return out
 
 
-def repair_tokens(model: Any, layers: KVLayers, input_ids: torch.Tensor, positions: Sequence[int]) -> KVLayers:
+def repair_tokens(model: Model, layers: KVLayers, input_ids: torch.Tensor, positions: Sequence[int]) -> KVLayers:
     """``layers`` with the K/V at ``positions`` recomputed on ``model`` given the cache before them.
 
     ``layers`` covers ``input_ids`` ``[batch, n]``. Each repaired token sees the other repaired
@@ -165,7 +173,7 @@ def repair_tokens(model: Any, layers: KVLayers, input_ids: torch.Tensor, positio
 
 
 def repair_tokens_and_logits(
-    model: Any, layers: KVLayers, input_ids: torch.Tensor, positions: Sequence[int], *, logits: int = 0,
+    model: Model, layers: KVLayers, input_ids: torch.Tensor, positions: Sequence[int], *, logits: int = 0,
     in_place: bool = False,
 ) -> tuple[KVLayers, torch.Tensor | None]:
     """:func:`repair_tokens`, also recomputing the last ``logits`` positions and returning their logits.
@@ -220,7 +228,7 @@ def repair_tokens_and_logits(
     return out, kept
 
 
-def _continue(model: Any, out: KVLayers, input_ids: torch.Tensor, a: int, z: int, keep: int = 1) -> torch.Tensor:
+def _continue(model: Model, out: KVLayers, input_ids: torch.Tensor, a: int, z: int, keep: int = 1) -> torch.Tensor:
     """Forward tokens ``a..z-1`` causally over ``out``'s first ``a`` positions, writing their K/V into ``out``.
 
     Returns the logits of the last ``keep`` of them. Writes through a cache backed by ``out`` when
@@ -239,7 +247,7 @@ def _continue(model: Any, out: KVLayers, input_ids: torch.Tensor, a: int, z: int
     return logits
 
 
-def _masked(model: Any, out: KVLayers, input_ids: torch.Tensor, pos: list[int]) -> None:
+def _masked(model: Model, out: KVLayers, input_ids: torch.Tensor, pos: list[int]) -> None:
     """Recompute scattered ``pos`` (sorted) in one pass over ``out`` cut after the last, with a mask.
 
     Each token sees the cut cache except the positions being recomputed (their given K/V), plus
@@ -282,8 +290,8 @@ def _buffer_layer_class() -> type | None:
             self._length = length
             self.keys, self.values = keys[..., :length, :], values[..., :length, :]
 
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+                   **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
             keys, values = self._buffers
             a, z = self._length, self._length + int(key_states.shape[-2])
             if z > keys.shape[-2]:
@@ -297,7 +305,7 @@ def _buffer_layer_class() -> type | None:
     return BufferLayer
 
 
-def _cache_into(model: Any, out: KVLayers, length: int) -> Any:
+def _cache_into(model: Model, out: KVLayers, length: int) -> KVCache | None:
     """A cache holding ``out``'s first ``length`` positions whose updates write into ``out``; None if unsupported.
 
     Only for models whose cache layers are all plain full-attention ``DynamicLayer`` s (sliding
@@ -316,7 +324,7 @@ def _cache_into(model: Any, out: KVLayers, length: int) -> Any:
     return cache
 
 
-def _repair_runs(model: Any, layers: KVLayers, input_ids: torch.Tensor, pos: Sequence[int]) -> KVLayers:
+def _repair_runs(model: Model, layers: KVLayers, input_ids: torch.Tensor, pos: Sequence[int]) -> KVLayers:
     """Reference semantics: each run of ``pos`` forwarded over the cache cut at its start, left to right."""
     import torch
 

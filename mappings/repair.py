@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mappings.errors import MappingError, ShapeMismatchError
 from mappings.passcost import CostModel
+from mappings.repair_records import LadderStep, RepairLadder, RepairSummary
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +69,9 @@ __all__ = [
     "climb_repair",
     "compute_share",
     "Probe",
+    "LadderStep",
+    "RepairLadder",
+    "RepairSummary",
 ]
 
 Probe = Callable[["torch.Tensor"], tuple[bool, dict[str, float]]]
@@ -195,7 +199,7 @@ class RepairResult:
     """Wall seconds by part: ``rank`` (source), ``layers`` and ``tokens`` (target)."""
     logits: torch.Tensor | None = None
     """Logits ``[batch, m, vocab]`` of the last ``m`` positions, when asked for (``keep_logits``, a ladder's probe)."""
-    ladder: dict[str, Any] | None = None
+    ladder: RepairLadder | None = None
     """An adaptive repair's climb: budgets tried, the one that passed, the spend (see :func:`climb_repair`)."""
 
     @property
@@ -203,15 +207,17 @@ class RepairResult:
         """Seconds the target spent recomputing (layer blocks and tokens): what ``plan.cost`` estimates."""
         return float(self.seconds.get("layers", 0.0) + self.seconds.get("tokens", 0.0))
 
+    def record(self) -> RepairSummary:
+        """The typed summary: the policy, what was recomputed, its planned cost, seconds, the ladder's climb."""
+        return RepairSummary(policy=self.policy.model_dump(mode="json"), tokens=len(self.plan.tokens),
+                             tail=self.plan.tail, scattered=self.plan.scattered,
+                             blocks=[list(b) for b in self.plan.blocks], cost=self.plan.cost, costs=self.plan.costs,
+                             exact=self.plan.exact, token_share=self.plan.token_share, seconds=dict(self.seconds),
+                             ladder=self.ladder)
+
     def summary(self) -> dict[str, Any]:
-        """JSON form for reports and events: the policy, what was recomputed, its planned cost, seconds."""
-        out = {"policy": self.policy.model_dump(mode="json"), "tokens": len(self.plan.tokens), "tail": self.plan.tail,
-               "scattered": self.plan.scattered, "blocks": [list(b) for b in self.plan.blocks],
-               "cost": self.plan.cost, "costs": self.plan.costs, "exact": self.plan.exact,
-               "token_share": self.plan.token_share, "seconds": dict(self.seconds)}
-        if self.ladder is not None:
-            out["ladder"] = dict(self.ladder)
-        return out
+        """JSON form of :meth:`record` for reports and events."""
+        return self.record().model_dump()
 
 
 def layer_scores(manifest: MappingManifest) -> list[float]:
@@ -298,6 +304,7 @@ def plan_repair(
         tail_n = min(rest - scattered_n, n - sink)
         chosen = set(range(sink)) | set(range(n - tail_n, n))
         if scattered_n:
+            assert importance is not None  # scattered slots are only planned with an importance ranking
             ranked = importance[: n - tail_n].clone()
             ranked[:sink] = -math.inf
             for p in ranked.topk(min(scattered_n, max(0, n - tail_n - sink))).indices.tolist():
@@ -560,7 +567,7 @@ def climb_repair(
     given = set(range(min(max(0, exact), n - tail)))  # the sinks: exact already, never recomputed
     repaired: set[int] = set(given)
     seconds: dict[str, float] = {"tokens": 0.0}
-    steps: list[dict[str, Any]] = []
+    steps: list[LadderStep] = []
     layers, owned = list(mapped), False
     spent, recomputed = 0.0, 0
     passed: float | None = None
@@ -574,7 +581,7 @@ def climb_repair(
                            exact=exact)
         new = sorted(set(rung.tokens) - repaired - probe_pos)
         if i and not new:
-            steps.append({"budget": budget, "tokens": 0, "skipped": True})
+            steps.append(LadderStep(budget=budget, tokens=0, skipped=True))
             continue
         cost = share(set(new) | probe_pos) - (0.0 if i else first_probe)  # the first probe: the map's own tail
         if i and spent + cost > policy.max_spend + 1e-12:
@@ -583,6 +590,7 @@ def climb_repair(
             break
         t0 = time.perf_counter()
         layers, logits = repair_tokens_and_logits(target, layers, input_ids, new, logits=tail, in_place=owned)
+        assert logits is not None  # tail >= 1 always asks for logits
         sync_device(layers[0][0].device)
         seconds["tokens"] += time.perf_counter() - t0
         owned = True  # from here on the working layers are this climb's own fresh tensors
@@ -591,15 +599,15 @@ def climb_repair(
         recomputed += len(new) + tail
         plan = rung
         ok, metrics = probe(logits)
-        steps.append({"budget": budget, "tokens": len(new) + tail, "passed": bool(ok),
-                      "metrics": {k: float(v) for k, v in metrics.items()}})
+        steps.append(LadderStep(budget=budget, tokens=len(new) + tail, passed=bool(ok),
+                                metrics={k: float(v) for k, v in metrics.items()}))
         if ok:
             passed = budget
             break
     else:
         stopped = "no budget of the ladder passed the probe"
     assert plan is not None and logits is not None  # the first rung always runs
-    ladder = {"budgets": list(policy.rungs), "passed": passed, "spent": spent,
-              "token_share": (recomputed - tail) / n, "recomputed": recomputed,
-              "repaired": len(repaired - given), "probe_tokens": tail, "stopped": stopped, "steps": steps}
+    ladder = RepairLadder(budgets=list(policy.rungs), passed=passed, spent=spent,
+                          token_share=(recomputed - tail) / n, recomputed=recomputed,
+                          repaired=len(repaired - given), probe_tokens=tail, stopped=stopped, steps=steps)
     return RepairResult(layers, plan, policy, seconds, logits=logits, ladder=ladder)

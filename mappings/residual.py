@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mappings.errors import CorruptMappingError, ShapeMismatchError
 from mappings.manifest import RESIDUAL_FILE
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from mappings.fit import RegressionStats
+    from mappings.types import Model
 
 __all__ = ["ResidualMap", "ResidualLayer", "capture_hidden", "fit_residual_maps", "RESIDUAL_FILE"]
 
@@ -65,6 +66,7 @@ class ResidualLayer:
         x = x.float()
         if self.weight is not None:
             return x @ self.weight.to(x.device) + self.bias.to(x.device)
+        assert self.down is not None and self.up is not None, "a residual layer is dense or low-rank"
         return x + (x @ self.down.to(x.device)) @ self.up.to(x.device) + self.bias.to(x.device)
 
 
@@ -77,7 +79,7 @@ class ResidualMap:
     target_width: int
     seconds: float = 0.0
     tokens: int = 0
-    _device_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _device_cache: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     def apply(self, layer: int, source_hidden: torch.Tensor) -> torch.Tensor:
         """The target's hidden state entering ``layer``, from the source's hidden state feeding it."""
@@ -122,11 +124,15 @@ class ResidualMap:
         if not layers:
             raise CorruptMappingError(f"{RESIDUAL_FILE} holds no residual maps: recalibrate the repair")
         first = layers[0]
-        d_in = first.weight.shape[0] if first.weight is not None else first.down.shape[0]
+        if first.weight is not None:
+            d_in = first.weight.shape[0]
+        else:
+            assert first.down is not None, "a residual layer is dense or low-rank"
+            d_in = first.down.shape[0]
         return cls(layers, int(d_in), int(first.bias.shape[0]))
 
 
-def capture_hidden(model: Any, windows: Sequence[torch.Tensor], batch_size: int = 4) -> list[torch.Tensor]:
+def capture_hidden(model: Model, windows: Sequence[torch.Tensor], batch_size: int = 4) -> list[torch.Tensor]:
     """Hidden states entering every decoder layer, fp32, ``[windows * T, d]`` per layer."""
     import torch
 
@@ -153,8 +159,8 @@ def _stats(x: torch.Tensor, y: torch.Tensor) -> RegressionStats:
 
 
 def fit_residual_maps(
-    source: Any,
-    target: Any,
+    source: Model,
+    target: Model,
     train: Sequence[torch.Tensor],
     heldout: Sequence[torch.Tensor],
     sources: Sequence[int],
@@ -182,9 +188,10 @@ def fit_residual_maps(
     for i, s in enumerate(sources):
         stats = _stats(src_h[s], tgt_h[i])
         prior = identity_prior(d_s, d_t) if d_s == d_t else None
-        best: tuple[float, float, torch.Tensor, torch.Tensor | None] | None = None
+        best: tuple[float, float, torch.Tensor, torch.Tensor] | None = None
         for alpha in alphas:
             w, b = fit_linear(stats, alpha=alpha, prior=prior, bias="regularized")
+            assert b is not None  # a "regularized" bias is always fitted
             err = float(((src_v[s] @ w + b - tgt_v[i]) ** 2).sum())
             if best is None or err < best[0]:
                 best = (err, alpha, w, b)

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mappings.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
+
+    from mappings.types import DeviceLike, JSONDict, JSONValue, ModelConfig
 
 __all__ = ["RopeSpec", "RopeTables", "rope_parameters_of", "head_dim_of", "config_from_dict"]
 
@@ -30,7 +34,7 @@ __all__ = ["RopeSpec", "RopeTables", "rope_parameters_of", "head_dim_of", "confi
 _STATIC_TYPES = {"default", "linear", "llama3", "yarn", "proportional"}
 
 
-def head_dim_of(config: Any) -> int:
+def head_dim_of(config: ModelConfig) -> int:
     """The per-head size of a model config (``head_dim`` or ``hidden_size // num_attention_heads``)."""
     head_dim = getattr(config, "head_dim", None)
     if head_dim:
@@ -38,7 +42,7 @@ def head_dim_of(config: Any) -> int:
     return int(config.hidden_size // config.num_attention_heads)
 
 
-def rope_parameters_of(config: Any) -> dict[str, Any] | None:
+def rope_parameters_of(config: ModelConfig) -> dict[str, object] | None:
     """RoPE parameters of a config as one flat dict (``rope_type``, ``rope_theta``, scaling fields).
 
     Returns None for a model without rotary embeddings. Raises for per-layer-type RoPE (several
@@ -67,7 +71,7 @@ def rope_parameters_of(config: Any) -> dict[str, Any] | None:
     return out
 
 
-def config_from_dict(config_dict: dict[str, Any]) -> Any:
+def config_from_dict(config_dict: Mapping[str, object]) -> ModelConfig:
     """Rebuild a transformers config from ``config.to_dict()`` output (used when loading a mapping)."""
     from transformers import AutoConfig
 
@@ -75,7 +79,7 @@ def config_from_dict(config_dict: dict[str, Any]) -> Any:
     model_type = data.pop("model_type", None)
     if not model_type:
         raise UnsupportedModelError("stored config has no model_type; recalibrate the mapping")
-    return AutoConfig.for_model(model_type, **data)
+    return AutoConfig.for_model(str(model_type), **data)
 
 
 @dataclass(eq=False)
@@ -84,18 +88,18 @@ class RopeSpec:
 
     rope_type: str
     """``none`` for models without RoPE, else the transformers rope type (``default``, ``yarn``, ...)."""
-    parameters: dict[str, Any]
+    parameters: JSONDict
     """The flat RoPE parameter dict (theta, factor, ...), JSON-serialisable."""
     head_dim: int
     """Per-head size of the keys this spec rotates."""
     max_position_embeddings: int | None
     """The model's maximum positions (used by dynamic scaling)."""
-    config: Any = field(default=None, repr=False)
+    config: ModelConfig | None = field(default=None, repr=False)
     """The transformers config, needed to call the rope init functions."""
-    _cache: dict[Any, tuple[Any, float]] = field(default_factory=dict, repr=False)
+    _cache: dict[tuple[str, int | None], tuple[torch.Tensor, float]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_config(cls, config: Any) -> RopeSpec:
+    def from_config(cls, config: ModelConfig) -> RopeSpec:
         """Describe the RoPE of a (text) model config."""
         if hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)
@@ -103,13 +107,14 @@ class RopeSpec:
         max_pos = getattr(config, "max_position_embeddings", None)
         if params is None:
             return cls("none", {}, head_dim_of(config), max_pos, config)
-        return cls(str(params["rope_type"]), _jsonable(params), head_dim_of(config), max_pos, copy.deepcopy(config))
+        parameters = {str(k): _jsonable(v) for k, v in params.items()}
+        return cls(str(params["rope_type"]), parameters, head_dim_of(config), max_pos, copy.deepcopy(config))
 
     @property
     def is_rotary(self) -> bool:
         return self.rope_type != "none"
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JSONDict:
         """JSON form for manifests and cache keys."""
         return {"rope_type": self.rope_type, "head_dim": self.head_dim, **self.parameters}
 
@@ -118,7 +123,7 @@ class RopeSpec:
         return self.describe() == other.describe()
 
     # ----------------------------------------------------------------- frequencies
-    def frequencies(self, seq_len: int | None = None, device: Any = None) -> tuple[torch.Tensor, float]:
+    def frequencies(self, seq_len: int | None = None, device: DeviceLike | None = None) -> tuple[torch.Tensor, float]:
         """``(inv_freq, attention_scaling)`` as transformers computes them for a sequence of ``seq_len``."""
         import torch
 
@@ -144,16 +149,16 @@ class RopeSpec:
         self._cache[key] = result
         return result
 
-    def _default_frequencies(self, device: Any) -> tuple[torch.Tensor, float]:
+    def _default_frequencies(self, device: torch.device) -> tuple[torch.Tensor, float]:
         import torch
 
-        base = float(self.parameters.get("rope_theta", 10000.0))
-        dim = int(self.head_dim * float(self.parameters.get("partial_rotary_factor", 1.0)))
+        base = _number(self.parameters.get("rope_theta", 10000.0))
+        dim = int(self.head_dim * _number(self.parameters.get("partial_rotary_factor", 1.0)))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
         return inv_freq, 1.0
 
     def cos_sin(
-        self, positions: torch.Tensor, seq_len: int | None = None, device: Any = None
+        self, positions: torch.Tensor, seq_len: int | None = None, device: DeviceLike | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, float]:
         """transformers-style unscaled ``cos``/``sin`` (fp32, ``positions.shape + (rotary_dim,)``) and the scaling."""
         import torch
@@ -162,7 +167,7 @@ class RopeSpec:
         half = tables.cos.shape[-1] // 2
         return tables.cos, torch.cat((tables.sin[..., half:], tables.sin[..., half:]), -1), tables.scaling
 
-    def tables(self, positions: torch.Tensor, seq_len: int | None = None, device: Any = None) -> RopeTables:
+    def tables(self, positions: torch.Tensor, seq_len: int | None = None, device: DeviceLike | None = None) -> RopeTables:
         """cos/sin tables for ``positions`` (compute once, reuse to rotate many layers)."""
         import torch
 
@@ -177,10 +182,10 @@ class RopeSpec:
     @property
     def full_rotary(self) -> bool:
         """Every dimension of a head is rotated (no partial rotary factor)."""
-        return self.is_rotary and float(self.parameters.get("partial_rotary_factor", 1.0) or 1.0) == 1.0
+        return self.is_rotary and _number(self.parameters.get("partial_rotary_factor", 1.0) or 1.0) == 1.0
 
     def phases(
-        self, positions: torch.Tensor, seq_len: int | None = None, device: Any = None, *, inverse: bool = False
+        self, positions: torch.Tensor, seq_len: int | None = None, device: DeviceLike | None = None, *, inverse: bool = False
     ) -> torch.Tensor:
         """Complex rotations ``s·e^{±i·p·θ}`` (complex64, ``positions.shape + (rotary_dim / 2,)``).
 
@@ -275,7 +280,7 @@ class RopeTables:
     """1 for positions ``[T]`` (or ``[N]``), 2 for ``[B, T]``."""
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> JSONValue:
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -283,3 +288,10 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
+
+
+def _number(value: JSONValue) -> float:
+    """A numeric RoPE parameter as a float (``float()`` of anything else raises, as it always did)."""
+    if isinstance(value, (dict, list)) or value is None:
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mappings.errors import CorruptMappingError, StaleMappingError
 from mappings.manifest import (
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from mappings.fingerprint import Fingerprint
     from mappings.fit import LayerStats
     from mappings.residual import ResidualMap
+    from mappings.types import CacheLike, DeviceLike, KVCache, Model
 
 __all__ = ["Mapping", "save_mapping", "load_mapping", "read_manifest", "map_tensors", "map_from_tensors",
            "file_sha256", "check_out_dir"]
@@ -53,7 +54,8 @@ class Mapping:
     def save(self, out_dir: str | Path, *, with_stats: bool = True) -> Path:
         return save_mapping(self, out_dir, with_stats=with_stats)
 
-    def map_cache(self, source_cache: Any, target_model: Any, positions: torch.Tensor | None = None) -> Any:
+    def map_cache(self, source_cache: CacheLike, target_model: Model,
+                  positions: torch.Tensor | None = None) -> KVCache:
         from mappings.apply import map_cache
 
         return map_cache(self.kv_map, source_cache, target_model, positions)
@@ -77,7 +79,7 @@ def map_tensors(kv_map: LinearKVMap) -> dict[str, torch.Tensor]:
 
 
 def _stats_tensors(stats: list[LayerStats]) -> dict[str, torch.Tensor]:
-    out: dict[str, Any] = {}
+    out: dict[str, torch.Tensor] = {}
     for t, ls in enumerate(stats):
         out.update(ls.keys.to_tensors(f"layers.{t}.k"))
         out.update(ls.values.to_tensors(f"layers.{t}.v"))
@@ -168,7 +170,7 @@ def save_mapping(mapping: Mapping, out_dir: str | Path, *, with_stats: bool = Tr
         stats = None
         if with_stats and mapping.stats is not None:
             stats = _write_safetensors(_stats_tensors(mapping.stats), tmp / STATS_FILE, "stats")
-        update: dict[str, Any] = {"tensors": tensors, "stats": stats}
+        update: dict[str, object] = {"tensors": tensors, "stats": stats}
         if mapping.manifest.repair is not None:
             residual = None
             if mapping.residual is not None:
@@ -261,7 +263,8 @@ def _load_tensors(path: Path, record: FileRecord, *, finite: bool = True) -> dic
     return tensors
 
 
-def map_from_tensors(manifest: MappingManifest, tensors: dict[str, torch.Tensor], device: Any = "cpu") -> LinearKVMap:
+def map_from_tensors(manifest: MappingManifest, tensors: dict[str, torch.Tensor],
+                     device: DeviceLike = "cpu") -> LinearKVMap:
     """Rebuild the :class:`LinearKVMap` a manifest and its tensors describe."""
     from mappings.apply import LayerMap, LinearKVMap
     from mappings.capture import KVShape
@@ -286,7 +289,7 @@ def map_from_tensors(manifest: MappingManifest, tensors: dict[str, torch.Tensor]
         pre = f"layers.{e.target_layer}"
         p, q = len(e.sources) * s.width, t.width
         parts = ("down", "up") if e.form == "lowrank" else ("weight",)
-        found: dict[str, Any] = {}
+        found: dict[str, torch.Tensor] = {}
         for kind in ("k", "v"):
             for part in parts:
                 name = f"{pre}.{kind}.{part}"
@@ -310,7 +313,12 @@ def map_from_tensors(manifest: MappingManifest, tensors: dict[str, torch.Tensor]
                 raise CorruptMappingError(
                     f"layer {e.target_layer} {kind} map has shape {shape}, expected {(p, q)}; recalibrate"
                 )
-        layers.append(LayerMap(tuple(e.sources), "map", alpha=e.alpha, anchored=e.anchored, **found))
+        layers.append(LayerMap(
+            tuple(e.sources), "map", alpha=e.alpha, anchored=e.anchored,
+            k_weight=found.get("k_weight"), k_bias=found.get("k_bias"), v_weight=found.get("v_weight"),
+            v_bias=found.get("v_bias"), k_down=found.get("k_down"), k_up=found.get("k_up"),
+            v_down=found.get("v_down"), v_up=found.get("v_up"),
+        ))
     return LinearKVMap(layers, s, t, src_rope, tgt_rope, key_space=manifest.method.key_space)
 
 
@@ -319,7 +327,7 @@ def load_mapping(
     source_fp: Fingerprint | dict[str, str] | str | None = None,
     target_fp: Fingerprint | dict[str, str] | str | None = None,
     *,
-    device: Any = "cpu",
+    device: DeviceLike = "cpu",
     with_stats: bool = False,
 ) -> Mapping:
     """Load a mapping directory, refusing stale (:class:`StaleMappingError`) or corrupt ones.

@@ -19,13 +19,14 @@ count stays the number of tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
     from mappings.capture import KVCapture
     from mappings.methods import MethodSpec
+    from mappings.types import Model
 
 __all__ = ["RowWeighting", "RowWeights"]
 
@@ -68,7 +69,7 @@ class RowWeighting:
         """Whether the target's queries must be captured (attention-weighted values)."""
         return self.values == "attention"
 
-    def rows(self, capture: KVCapture, target_model: Any) -> RowWeights:
+    def rows(self, capture: KVCapture, target_model: Model) -> RowWeights:
         """The weights of one captured batch of equal-length windows (``capture`` of the target, with queries
         when :attr:`needs_queries`)."""
         import torch

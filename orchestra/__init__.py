@@ -11,7 +11,7 @@ Heavy dependencies (torch, transformers) load only when a name that needs them i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from orchestra.errors import (
     ActorLostError,
@@ -107,7 +107,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 

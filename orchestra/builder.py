@@ -23,7 +23,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agents.spec import AgentSpec
 from orchestra.errors import EventLoopRunningError, FamilyError, PipelineProblem, PipelineValidationError
@@ -86,21 +86,21 @@ class Pipeline:
         family: FamilyManifest | None = None,
         home: str | os.PathLike[str] | None = None,
         models: Mapping[str, str | os.PathLike[str]] | None = None,
-        gate: GatePolicy | Mapping[str, Any] | None = None,
-        mapping: MappingPolicy | Mapping[str, Any] | None = None,
+        gate: GatePolicy | Mapping[str, object] | None = None,
+        mapping: MappingPolicy | Mapping[str, object] | None = None,
         devices: Mapping[str, str] | None = None,
         default_device: str = "auto",
         dtype: str = "float32",
         store_budget_mb: int = 4096,
         max_concurrency_per_device: int = 1,
-        executor: ExecutorSpec | Mapping[str, Any] | str | None = None,
+        executor: ExecutorSpec | Mapping[str, object] | str | None = None,
     ) -> None:
         self._family = family
         self._home = home
         declared = {alias: os.fspath(target) for alias, target in (models or {}).items()}
         self._declared = set(declared)  # aliases the user asked for: always kept in the spec
         self._models: dict[str, str] = {**_role_aliases(family), **declared}
-        settings: dict[str, Any] = {
+        settings: dict[str, object] = {
             "name": name, "models": self._models, "source": source, "devices": dict(devices or {}),
             "default_device": default_device, "dtype": dtype, "store_budget_mb": store_budget_mb,
             "max_concurrency_per_device": max_concurrency_per_device,
@@ -140,13 +140,13 @@ class Pipeline:
 
     def agent(
         self,
-        agent: str | AgentSpec | Mapping[str, Any],
+        agent: str | AgentSpec | Mapping[str, object],
         model: str = "root",
         name: str | None = None,
         after: str | Sequence[str] | None = None,
-        gate: GatePolicy | Mapping[str, Any] | None = None,
+        gate: GatePolicy | Mapping[str, object] | None = None,
         timeout_s: float | None = None,
-        **builtin_args: Any,
+        **builtin_args: object,
     ) -> Pipeline:
         """Add an agent and return the pipeline, so calls chain: ``p.agent(...).agent(...)``.
 
@@ -166,7 +166,7 @@ class Pipeline:
         built-in (with a did-you-mean), a bad or missing built-in argument, an out-of-range
         ``max_new_tokens``, a bad template, an undeclared model alias or a duplicate name.
         """
-        data: dict[str, Any] = {"model": model}
+        data: dict[str, object] = {"model": model}
         if name is not None:
             data["name"] = name
         if isinstance(agent, str):
@@ -174,7 +174,8 @@ class Pipeline:
             data["args"] = builtin_args
         elif isinstance(agent, (AgentSpec, Mapping)):
             if builtin_args:
-                shown = name or (agent.name if isinstance(agent, AgentSpec) else agent.get("name"))
+                given = agent.name if isinstance(agent, AgentSpec) else agent.get("name")
+                shown = name or (given if isinstance(given, str) else None)
                 raise PipelineValidationError(problems=[PipelineProblem(
                     f"keyword arguments ({', '.join(builtin_args)}) are a built-in agent's arguments, and this "
                     f"agent is a spec: put its settings in the spec", field="args", agent=shown)])
@@ -210,7 +211,7 @@ class Pipeline:
 
     def with_executor(self, kind: str | None = None, *, address: str | None = None) -> Pipeline:
         """This pipeline with its executor's kind and/or Ray address replaced (`orchestra run --executor ray`)."""
-        update: dict[str, Any] = {}
+        update: dict[str, str] = {}
         if kind is not None:
             update["kind"] = kind
         if address is not None:

@@ -10,7 +10,7 @@ from typer.core import TyperGroup
 
 from orchestra.commands import family as family_cmd
 from orchestra.commands._output import cli_state as _state
-from orchestra.commands._output import err_console
+from orchestra.commands._output import err_console, print_error
 
 DEBUG_ENV = "ORCHESTRA_DEBUG"
 
@@ -23,22 +23,22 @@ class _Group(TyperGroup):
     def invoke(self, ctx):
         import os
 
+        from agents.errors import MissingDependencyError
         from mappings.errors import MappingError
         from orchestra.errors import OrchestraError
 
         _state["debug"] = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         try:
             return super().invoke(ctx)
-        except (OrchestraError, MappingError) as exc:
+        except (OrchestraError, MappingError, MissingDependencyError) as exc:
             if _state["debug"]:
                 raise
-            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+            print_error(str(exc), exc)
             raise typer.Exit(2) from exc
         except OSError as exc:  # a file the user named cannot be read or written (permissions, a full disk)
             if _state["debug"]:
                 raise
-            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc} (--debug shows the traceback)",
-                              highlight=False, soft_wrap=True)
+            print_error(f"{exc} (--debug shows the traceback)", exc)
             raise typer.Exit(2) from exc
         except KeyboardInterrupt as exc:
             if _state["debug"]:

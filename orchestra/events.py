@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -59,7 +59,7 @@ class CacheReady(Event):
     path: CachePath
     seconds: float
     store_hit: bool
-    repair: dict[str, Any] | None = None
+    repair: dict[str, object] | None = None
     """Mapped caches repaired under the pipeline's repair policy: tokens, tail, blocks and cost."""
 
 
@@ -105,7 +105,7 @@ class AgentFinished(Event):
     kind: Literal["agent_finished"] = "agent_finished"
     agent: str
     output: str
-    parsed: Any = None
+    parsed: object = None
 
 
 class AgentFailed(Event):

@@ -20,7 +20,7 @@ from mappings.atomic import write_atomic
 from orchestra.errors import MappingUnavailableError, OperationCancelledError
 from orchestra.registry import LoadedModel, ModelInfo
 
-__all__ = ["ProbeReference", "MappingStore", "PROBE_FILE"]
+__all__ = ["ProbeReference", "MappingStore", "MappingStoreConfig", "PROBE_FILE"]
 
 PROBE_FILE = "probe_reference.json"
 log = logging.getLogger("orchestra.mapstore")
@@ -52,10 +52,31 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _info(model: LoadedModel | ModelInfo) -> ModelInfo:
+    return model if isinstance(model, ModelInfo) else model.info
+
+
 def _calibration_corpus() -> list[tuple[str, str]]:
     from orchestra.texts import CALIBRATION_TEXTS, data_text
 
     return [(name, data_text(name)) for name in CALIBRATION_TEXTS]
+
+
+@dataclass(frozen=True)
+class MappingStoreConfig:
+    """What a `MappingStore` is made from: enough to rebuild it in another process (a Ray actor), no state."""
+
+    directory: str
+    on_missing: str = "calibrate"
+    """"calibrate" a missing mapping on demand, or "refuse" (a gate failure)."""
+    method: str = "auto"
+    tokens: int = 8192
+    """Calibration tokens for an on-demand calibration."""
+
+    def build(self, *, on_missing: str | None = None) -> MappingStore:
+        """The store (a fresh one: loaded mappings and probe references are not carried); `on_missing` overrides."""
+        return MappingStore(Path(self.directory), on_missing=on_missing or self.on_missing, method=self.method,
+                            tokens=self.tokens)
 
 
 class MappingStore:
@@ -73,18 +94,23 @@ class MappingStore:
         self._lock = threading.Lock()
 
     @property
+    def config(self) -> MappingStoreConfig:
+        """This store's settings (the calibration corpus is not part of them: a rebuilt store reads the default)."""
+        return MappingStoreConfig(str(self.directory), self.on_missing, self.method, self.tokens)
+
+    @property
     def corpus(self) -> list[tuple[str, str]]:
         if self._corpus is None:
             self._corpus = _calibration_corpus()
         return self._corpus
 
     def path_for(self, source: LoadedModel | ModelInfo, target: LoadedModel | ModelInfo) -> Path:
-        s, t = getattr(source, "info", source), getattr(target, "info", target)
+        s, t = _info(source), _info(target)
         return self.directory / f"{s.name}__to__{t.name}__{s.fingerprint[:10]}_{t.fingerprint[:10]}"
 
     def has(self, source: LoadedModel | ModelInfo, target: LoadedModel | ModelInfo) -> bool:
         """Whether a mapping for the pair is loaded or on disk (never calibrates)."""
-        s, t = getattr(source, "info", source), getattr(target, "info", target)
+        s, t = _info(source), _info(target)
         return (s.fingerprint, t.fingerprint) in self._cache or (self.path_for(s, t) / "manifest.json").is_file()
 
     def add(self, path: Path, source: LoadedModel, target: LoadedModel) -> Any:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -31,6 +32,9 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 from agents.builtin import BUILTINS
 from agents.spec import AGENT_NAME_PATTERN, AgentSpec
@@ -83,6 +87,9 @@ def _pipeline_error(field: str, message: str, agent: str | None = None) -> Pydan
     return PydanticCustomError(_PIPELINE_ERROR, "{detail}", {"detail": message, "field": field, "agent": agent})
 
 
+_V = TypeVar("_V", bound="_Validated")
+
+
 class _Validated(BaseModel):
     """Pipeline models raise `PipelineValidationError` (naming agent and field) instead of a raw ValidationError.
 
@@ -92,21 +99,21 @@ class _Validated(BaseModel):
     conversion takes its problems over, prefixing their location.
     """
 
-    def __init__(self, /, **data: Any) -> None:
+    def __init__(self, /, **data: object) -> None:
         try:
             super().__init__(**data)
         except ValidationError as exc:
             raise PipelineValidationError(problems=_problems(exc, type(self), data)) from exc
 
     @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:
+    def model_validate(cls: type[_V], obj: object, **kwargs: Any) -> _V:  # kwargs: pydantic's own options
         try:
             return super().model_validate(obj, **kwargs)
         except ValidationError as exc:
             raise PipelineValidationError(problems=_problems(exc, cls, obj)) from exc
 
     @classmethod
-    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Any:
+    def model_validate_json(cls: type[_V], json_data: str | bytes | bytearray, **kwargs: Any) -> _V:
         try:
             data = json.loads(json_data)
         except ValueError as exc:
@@ -172,7 +179,7 @@ class ExecutorSpec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_kind(cls, data: Any) -> Any:
+    def _from_kind(cls, data: object) -> object:
         return {"kind": data} if isinstance(data, str) else data
 
     def resources(self, alias: str) -> MemberResources:
@@ -202,8 +209,8 @@ class AgentNode(_Validated):
         None, description="Name of a built-in agent in `agents.builtin.BUILTINS` (summarizer, key_facts, "
         "question_answerer, critic, report_writer).",
     )
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the built-in agent.")
-    spec: AgentSpec | dict[str, Any] | None = Field(
+    args: dict[str, object] = Field(default_factory=dict, description="Keyword arguments of the built-in agent.")
+    spec: AgentSpec | dict[str, object] | None = Field(
         None, description="The agent's spec: a typed `agents.AgentSpec`, or a mapping of its fields (role, task, "
         "template_syntax, generation, output), validated into one when the node is built. The node's `name` "
         "wins over the spec's.",
@@ -220,7 +227,7 @@ class AgentNode(_Validated):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_name(cls, data: Any) -> Any:
+    def _default_name(cls, data: object) -> object:
         """Fill a missing name from the spec or the built-in, so Python users need not repeat it."""
         if not isinstance(data, Mapping) or data.get("name") is not None:
             return data
@@ -241,7 +248,7 @@ class AgentNode(_Validated):
 
     @field_validator("spec", mode="plain")
     @classmethod
-    def _spec_kind(cls, value: Any) -> AgentSpec | dict[str, Any] | None:
+    def _spec_kind(cls, value: object) -> AgentSpec | dict[str, object] | None:
         if value is None or isinstance(value, AgentSpec):
             return value
         if isinstance(value, Mapping):
@@ -283,7 +290,7 @@ class AgentNode(_Validated):
         return self.agent_spec().required_inputs()
 
 
-def _call_builtin(agent: str, builtin: str, args: Mapping[str, Any]) -> AgentSpec:
+def _call_builtin(agent: str, builtin: str, args: Mapping[str, object]) -> AgentSpec:
     factory = BUILTINS.get(builtin)
     if factory is None:
         raise _agent_error(agent, [("builtin", f"unknown built-in {builtin!r}{_did_you_mean(builtin, list(BUILTINS))}; "
@@ -316,7 +323,7 @@ def _call_builtin(agent: str, builtin: str, args: Mapping[str, Any]) -> AgentSpe
         raise _agent_error(agent, [("args", f"built-in {builtin!r} refused its arguments: {exc}")]) from exc
 
 
-def _spec_from_mapping(agent: str, fields: Mapping[str, Any]) -> AgentSpec:
+def _spec_from_mapping(agent: str, fields: Mapping[str, object]) -> AgentSpec:
     try:
         return AgentSpec.model_validate({**fields, "name": agent})
     except ValidationError as exc:
@@ -457,12 +464,12 @@ def _strip(message: str) -> str:
     return message
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _unwrap(annotation: Any) -> Any:
+def _unwrap(annotation: object) -> object:
     """The model class inside Optional[...], list[...], dict[..., ...] or Annotated[...], else the annotation."""
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
@@ -479,8 +486,8 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
-def _model_at(root: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
-    current: Any = root
+def _model_at(root: type[BaseModel], loc: Sequence[int | str]) -> type[BaseModel] | None:
+    current: object = root
     for part in loc:
         if isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
             current = _unwrap(current.model_fields[part].annotation)
@@ -488,7 +495,7 @@ def _model_at(root: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | No
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
-def _describe(err: Mapping[str, Any], root: type[BaseModel]) -> tuple[str, str]:
+def _describe(err: ErrorDetails, root: type[BaseModel]) -> tuple[str, str]:
     """(field, message) of one pydantic error, relative to ``root``."""
     loc = tuple(err["loc"])
     field = ".".join(str(p) for p in loc)
@@ -509,7 +516,7 @@ def _describe(err: Mapping[str, Any], root: type[BaseModel]) -> tuple[str, str]:
     return field, message
 
 
-def _agent_name_at(data: Any, index: Any) -> str | None:
+def _agent_name_at(data: object, index: int | str) -> str | None:
     agents = data.get("agents") if isinstance(data, Mapping) else getattr(data, "agents", None)
     if not isinstance(agents, Sequence) or not isinstance(index, int) or not 0 <= index < len(agents):
         return None
@@ -520,14 +527,14 @@ def _agent_name_at(data: Any, index: Any) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def _problems(exc: ValidationError, root: type[BaseModel], data: Any) -> list[PipelineProblem]:
+def _problems(exc: ValidationError, root: type[BaseModel], data: object) -> list[PipelineProblem]:
     problems: list[PipelineProblem] = []
     for err in exc.errors():
         loc = tuple(err["loc"])
         base = ".".join(str(p) for p in loc)
         ctx = err.get("ctx") or {}
         # where in the input the agent is: a pipeline's agents.N, or the node itself
-        agent_loc: tuple[Any, ...] | None = None
+        agent_loc: tuple[int | str, ...] | None = None
         if issubclass(root, PipelineSpec) and len(loc) >= 2 and loc[0] == "agents":
             agent_loc = loc[:2]
         elif issubclass(root, AgentNode):
@@ -560,7 +567,7 @@ def _problems(exc: ValidationError, root: type[BaseModel], data: Any) -> list[Pi
 
 # -- files ------------------------------------------------------------------------------------------------------
 
-def load_pipeline(path: str | Path) -> PipelineSpec:
+def load_pipeline(path: str | os.PathLike[str]) -> PipelineSpec:
     """Read a pipeline from a .yaml/.yml/.json file; any mistake is a PipelineError naming the file."""
     path = Path(path)
     if not path.is_file():

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from orchestra.errors import CrossFamilyError, DevicePlacementError, UnknownModelError
+
+if TYPE_CHECKING:
+    from mappings.types import Model, Tokenizer
 
 __all__ = ["ModelInfo", "LoadedModel", "ModelRegistry", "rope_key", "pick_device"]
 
 
-def rope_key(config_dict: dict[str, Any]) -> str:
+def rope_key(config_dict: Mapping[str, object]) -> str:
     """Canonical JSON of everything RoPE-related in a config (5.x `rope_parameters` or 4.x fields)."""
     keys = ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor", "max_position_embeddings")
     return json.dumps({k: config_dict.get(k) for k in keys if config_dict.get(k) is not None}, sort_keys=True)
@@ -36,14 +40,37 @@ class ModelInfo:
     max_positions: int
     weight_bytes: int
     rope: str
+    # the model's config.json as read (readers index into it: config["text_config"]["vocab_size"])
     config: dict[str, Any] = field(hash=False, compare=False, repr=False)
+
+
+class FamilyMember(Protocol):
+    """What the registry reads of a family member's record (``orchestra.family.MemberRecord``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def fingerprint(self) -> dict[str, str]: ...
+
+
+class FamilyIndex(Protocol):
+    """What the registry reads of a family (``orchestra.family.FamilyManifest``): its members by name."""
+
+    @property
+    def members(self) -> Mapping[str, FamilyMember]: ...
+
+    def member(self, key: str) -> FamilyMember: ...
 
 
 @dataclass
 class LoadedModel:
     info: ModelInfo
-    model: Any
-    tokenizer: Any
+    model: Model
+    tokenizer: Tokenizer
     device: str
     dtype: str
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -112,7 +139,7 @@ class ModelRegistry:
         self,
         aliases: dict[str, str],
         *,
-        family: Any | None = None,
+        family: FamilyIndex | None = None,
         devices: dict[str, str] | None = None,
         default_device: str = "auto",
         dtype: str = "float32",
@@ -204,7 +231,7 @@ class ModelRegistry:
             need = int(info.weight_bytes * torch.tensor([], dtype=torch_dtype).element_size() / 4 * 1.1)
             device = pick_device(self.devices.get(alias, self.default_device), need, self._reserved)
             model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=torch_dtype, use_safetensors=True)
-            model.to(device).eval()
+            model.to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
             tokenizer = AutoTokenizer.from_pretrained(str(info.path))
             self._reserved[device] = self._reserved.get(device, 0) + need
             loaded = LoadedModel(info=info, model=model, tokenizer=tokenizer, device=device, dtype=self.dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -18,7 +18,7 @@ class ModelCacheReport(BaseModel):
     store_hit: bool = False
     mapping: str | None = Field(None, description="Mapping directory used, for mapped caches.")
     tail_tokens: int = 0
-    repair: dict[str, Any] | None = Field(
+    repair: dict[str, object] | None = Field(
         None, description="Map-then-repair plan for mapped caches: recomputed tokens, tail, layer blocks, cost."
     )
 
@@ -32,10 +32,10 @@ class AgentReport(BaseModel):
     """degenerate: the agent ran but its output is not a real answer (empty, whitespace, a loop, a copied
     example); it is kept in ``output`` for inspection and never passed to downstream agents."""
     cache_path: Literal["exact", "mapped", "reprefilled"] | None = None
-    gate: list[dict[str, Any]] = Field(default_factory=list, description="Each gate's decision, reason and metrics.")
+    gate: list[dict[str, object]] = Field(default_factory=list, description="Each gate's decision, reason and metrics.")
     fallback_reason: str | None = None
     output: str | None = None
-    parsed: Any = None
+    parsed: object = None
     error_type: str | None = None
     error: str | None = None
     skip_reason: str | None = None
@@ -43,7 +43,7 @@ class AgentReport(BaseModel):
         None, description="Why the output is degenerate (the rule that fired and its numbers), for status 'degenerate'.")
     attempts: int = Field(1, description="Generations it took (1 + JSON repairs).")
     constrained: bool = Field(False, description="A JSON grammar constrained the agent's decoding (xgrammar).")
-    grounding: dict[str, Any] | None = Field(
+    grounding: dict[str, object] | None = Field(
         None, description="Grounded JSON agents: items checked, grounded (verbatim in the document), and the "
         "ungrounded ones (dropped from the output).")
     ttft_s: float | None = Field(None, description="Seconds from the run start to this agent's first token.")

@@ -12,7 +12,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import structlog
 
 from orchestra import events as ev
 from orchestra.errors import DocumentError
-from orchestra.familycache import CacheLease, CachePolicy, CacheStep, Executor, FamilyCache, LocalExecutor
+from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache, make_executor
 from orchestra.gates import CircuitBreaker
 from orchestra.graph import build_graph
 from orchestra.mapstore import MappingStore
@@ -43,7 +43,7 @@ class _Run:
     run_id: str
     started: float
     prefix_ids: list[int]
-    emit: Callable[[ev.Event], Awaitable[None]]
+    emit: Callable[[ev.Event], Coroutine[object, object, None]]  # a coroutine: anyio.from_thread.run takes no other
     leases: list[tuple[str | None, CacheLease]] = field(default_factory=list)
     charged: set[int] = field(default_factory=set)
     outputs: dict[str, Any] = field(default_factory=dict)
@@ -66,6 +66,10 @@ class Orchestra:
         self.pipeline = pipeline
         self.graph = build_graph(pipeline.upstreams(), {a.name: a.model for a in pipeline.agents})
         self.specs = {a.name: a.agent_spec() for a in pipeline.agents}
+        if any(s.output.kind == "json" and s.output.constrained for s in self.specs.values()):
+            from agents.constrained import require_grammar
+
+            require_grammar()  # refused before any weights load, never run as a silently different agent
         if family is None and cache is None:
             family = _default_family()
         self.family = family
@@ -100,23 +104,11 @@ class Orchestra:
         policy = CachePolicy(budget_bytes=pipeline.store_budget_mb << 20, tail_tokens=max(2, pipeline.mapping.tail_tokens),
                              gate=pipeline.gate, repair=pipeline.mapping.repair,
                              repair_costs=pipeline.mapping.repair_costs)
-        executor = Orchestra.executor_for(pipeline, registry)
-        return FamilyCache(executor, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker)
-
-    @staticmethod
-    def executor_for(pipeline: PipelineSpec, registry: ModelRegistry) -> Executor:
-        """The pipeline's executor: in-process (`local`) or Ray actors for the members its agents use (`ray`)."""
-        if pipeline.executor.kind == "local":
-            return LocalExecutor(registry, max_concurrency_per_device=pipeline.max_concurrency_per_device)
-        try:
-            from orchestra.familycache._ray import RayExecutor
-        except ImportError as exc:
-            from orchestra.errors import ExecutorUnavailableError
-
-            raise ExecutorUnavailableError(f"the ray executor needs Ray ({exc}): pip install 'orchestra[ray]'") from exc
+        # a remote executor starts workers only for the members this pipeline uses
         used = list(dict.fromkeys([pipeline.source_alias, *(a.model for a in pipeline.agents)]))
-        return RayExecutor(registry, pipeline.executor, members=used, name=pipeline.name,
-                           max_concurrency_per_device=pipeline.max_concurrency_per_device)
+        executor = make_executor(pipeline.executor.kind, registry, pipeline.executor, members=used, name=pipeline.name,
+                                 max_concurrency_per_device=pipeline.max_concurrency_per_device)
+        return FamilyCache(executor, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker)
 
     def close(self) -> None:
         """Drop the stored caches and release the executor (a ray executor's actors and placement group)."""
@@ -125,7 +117,7 @@ class Orchestra:
 
     @property
     def registry(self) -> ModelRegistry:
-        return self.cache.executor.registry  # type: ignore[attr-defined]
+        return self.cache.executor.registry
 
     @property
     def mappings(self) -> MappingStore:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,7 +24,7 @@ class ServedWindow(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str = Field(description="exact | mapped | reprefilled")
     fallback_reason: str | None = None
-    gates: list[dict[str, Any]] = Field(default_factory=list)
+    gates: list[dict[str, object]] = Field(default_factory=list)
     kl: float = Field(description="mean KL(target's own prefill || served cache) over the suffix, nats")
     top1: float = Field(description="fraction of suffix positions whose argmax agrees with the truth")
     seconds: float = Field(description="wall seconds the FamilyCache took to serve the target's cache")
@@ -36,7 +35,7 @@ class ServedReport(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     mapping: str
-    gate: dict[str, Any]
+    gate: dict[str, object]
     windows: list[ServedWindow]
     kl: float
     top1: float

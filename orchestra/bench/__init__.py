@@ -25,6 +25,7 @@ from orchestra.bench.pipeline import (
     PipelineConfig,
     PipelineSection,
     compare_pipeline,
+    pipeline_markdown,
     run_pipeline,
 )
 from orchestra.bench.qa import QASet, is_correct, load_qa, normalize
@@ -40,6 +41,7 @@ __all__ = [
     "TimingConfig", "TimingSection", "run_timing",
     "TaskConfig", "TaskSection", "run_tasks", "rouge_l", "QASet", "load_qa", "normalize", "is_correct",
     "PipelineConfig", "PipelineSection", "PipelineComparison", "compare_pipeline", "run_pipeline",
+    "pipeline_markdown",
     "CalibrationBenchConfig", "CalibrationSection", "run_calibration",
     "CrossFamilyConfig", "CrossFamilySection", "run_crossfamily",
     "render_markdown", "write_plots", "write_results",

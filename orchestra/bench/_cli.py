@@ -76,7 +76,7 @@ def bench(
     """Benchmark mapped KV caches against re-prefill on the bundled family, writing JSON, Markdown and plots."""
     from mappings.errors import MappingError
     from orchestra.bench import BenchConfig, run_bench
-    from orchestra.commands._output import console, err_console
+    from orchestra.commands._output import console, print_error
     from orchestra.errors import OrchestraError
 
     try:
@@ -97,9 +97,9 @@ def bench(
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first.get("loc", ()))
             message = f"--{where.replace('_', '-')}: {first.get('msg', exc)}".replace("Value error, ", "")
-            err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+            print_error(message)
         else:
-            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+            print_error(str(exc), exc)
         raise typer.Exit(2) from exc
     from orchestra.bench.report import result_paths
 

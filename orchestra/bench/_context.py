@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     from mappings.models import ModelHandle
     from mappings.store import Mapping
+    from orchestra.family.manifest import FamilyManifest
+    from orchestra.familycache import FamilyCache
     from orchestra.mapstore import MappingStore
     from orchestra.registry import LoadedModel, ModelRegistry
 
@@ -85,7 +87,7 @@ class BenchFamily:
     store: MappingStore
     document: str
     document_name: str
-    family: Any = None
+    family: FamilyManifest | None = None
     device: str = "cpu"
     calibrated: list[ReverseCalibration] = field(default_factory=list)
     _handles: dict[str, ModelHandle] = field(default_factory=dict, repr=False)
@@ -116,17 +118,16 @@ class BenchFamily:
 
     @classmethod
     def from_models(cls, aliases: dict[str, str], mapping_dir: str | Path, *, document: str, document_name: str,
-                    family: Any = None, device: str = "cpu", corpus: list[tuple[str, str]] | None = None,
+                    family: FamilyManifest | None = None, device: str = "cpu", corpus: list[tuple[str, str]] | None = None,
                     calibration_tokens: int | None = None) -> BenchFamily:
         """Any models (family members or folders) by alias; ``corpus`` defaults to the family's calibration texts."""
         from orchestra.mapstore import MappingStore
         from orchestra.registry import ModelRegistry
 
         registry = ModelRegistry(aliases, family=family, default_device=device)
-        kwargs: dict[str, Any] = {"corpus": corpus}
-        if calibration_tokens is not None:
-            kwargs["tokens"] = calibration_tokens
-        store = MappingStore(Path(mapping_dir), **kwargs)  # the store's defaults are the scheduler's
+        # the store's defaults are the scheduler's
+        store = (MappingStore(Path(mapping_dir), corpus=corpus) if calibration_tokens is None else
+                 MappingStore(Path(mapping_dir), corpus=corpus, tokens=calibration_tokens))
         return cls(aliases=dict(aliases), registry=registry, store=store, document=document,
                    document_name=document_name, family=family, device=device)
 
@@ -153,7 +154,7 @@ class BenchFamily:
             self._handles[alias] = ModelHandle(lm.model, lm.tokenizer, fp, lm.info.path)
         return self._handles[alias]
 
-    def family_cache(self, source: str, **policy: Any) -> Any:
+    def family_cache(self, source: str, **policy: object) -> FamilyCache:
         """A fresh FamilyCache over the bench's loaded models and mapping store (nothing cached yet).
 
         Gates are open by default: a bench section measures the map itself; the gates have their own tests.
@@ -222,4 +223,4 @@ class BenchFamily:
     def text(self, n: int) -> str:
         """The document cut to about ``n`` tokens, as text (for agents, which tokenize it themselves)."""
         tok = self.loaded(next(iter(self.aliases))).tokenizer
-        return tok.decode(self.document_ids()[:n])
+        return cast(str, tok.decode(self.document_ids()[:n]))  # one id list: one str

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -98,18 +98,11 @@ def run_bench(
     home: str | Path | None = None,
     command: str = "orchestra bench",
     progress: bool = True,
-    log: Callable[[str], Any] | None = None,
+    log: Callable[[str], object] | None = None,
 ):
     """Run the configured sections on ``family`` (default: the bundled one) and write the results to ``out``."""
     from orchestra.bench._machine import machine_info
-    from orchestra.bench.calibration import CalibrationBenchConfig, run_calibration
-    from orchestra.bench.crossfamily import CrossFamilyConfig, run_crossfamily
-    from orchestra.bench.pipeline import PipelineConfig, run_pipeline
-    from orchestra.bench.quality import QualityConfig, run_quality
-    from orchestra.bench.repair import RepairConfig, run_repair
     from orchestra.bench.report import BenchResults, write_results
-    from orchestra.bench.tasks import TaskConfig, run_tasks
-    from orchestra.bench.timing import TimingConfig, run_timing
 
     say = log or (lambda _msg: None)
     cfg = config.resolved()
@@ -121,48 +114,14 @@ def run_bench(
     if unknown:
         raise ValueError(f"unknown model alias(es) {', '.join(unknown)}; known: {', '.join(fam.aliases)}")
     lengths = sorted(set(cfg.lengths or []))
-    results: dict[str, Any] = {}
+    results: dict[str, BaseModel] = {}
     seconds: dict[str, float] = {}
     for name in cfg.sections:
         say(f"[bold]section {name}[/]")
         t0 = time.perf_counter()
-        if name == "crossfamily":
-            results[name] = run_crossfamily(CrossFamilyConfig(source=pairs[0].source if pairs else next(iter(fam.aliases))),
-                                            fam, progress=progress)
-        elif name == "quality":
-            results[name] = run_quality(QualityConfig(
-                pairs=pairs, lengths=lengths, suffix_tokens=cfg.suffix_tokens, windows=cfg.windows or 1,
-                tail_tokens=cfg.tail_tokens, greedy_tokens=cfg.greedy_tokens or 0), fam, progress=progress)
-        elif name == "repair":
-            forward = [p for p in pairs if p.source == pairs[0].source] if pairs else []
-            results[name] = run_repair(RepairConfig(
-                pairs=forward, length=cfg.repair_length or 1024, suffix_tokens=cfg.suffix_tokens,
-                windows=cfg.windows or 1, budgets=cfg.repair_budgets or [0.05, 0.15], costs=cfg.repair_costs), fam,
-                progress=progress)
-        elif name == "timing":
-            results[name] = run_timing(TimingConfig(pairs=pairs, lengths=lengths, repeats=cfg.repeats or 3,
-                                                    tail_tokens=cfg.tail_tokens), fam, progress=progress)
-        elif name == "tasks":
-            task_pairs = parse_pairs(cfg.task_pairs or [])
-            source = task_pairs[0].source if task_pairs else (pairs[0].source if pairs else next(iter(fam.aliases)))
-            targets = ([p.target for p in task_pairs if p.source == source] if task_pairs
-                       else [a for a in fam.aliases if a != source])
-            results[name] = run_tasks(TaskConfig(
-                source=source, members=targets, window_tokens=cfg.task_tokens or 512,
-                max_new_tokens=cfg.task_max_new_tokens or 24, tail_tokens=max(2, cfg.tail_tokens),
-                repair_budget=cfg.qa_repair_budget, repair_costs=cfg.repair_costs, questions=cfg.qa_questions,
-                limit=cfg.qa_limit,
-                qa_file=cfg.qa_file, lengths=cfg.qa_lengths or []),
-                fam, progress=progress)
-        elif name == "pipeline":
-            members = list(dict.fromkeys([pairs[0].source, *fam.aliases])) if pairs else list(fam.aliases)
-            results[name] = run_pipeline(PipelineConfig(
-                agent_counts=cfg.pipeline_agents or [2], members=members, document_tokens=cfg.pipeline_tokens or 1024,
-                max_new_tokens=cfg.pipeline_max_new_tokens or 8, repeats=cfg.pipeline_repeats), fam, progress=progress)
-        elif name == "calibration":
-            results[name] = run_calibration(CalibrationBenchConfig(
-                pairs=pairs, timed_pair=pairs[0] if pairs else None, tokens=cfg.calibration_tokens or 1024,
-                window=cfg.calibration_window or 256), fam, progress=progress)
+        section = _run_section(name, cfg, pairs, lengths, fam, progress)
+        if section is not None:
+            results[name] = section
         seconds[name] = time.perf_counter() - t0
     bench = BenchResults(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=command,
@@ -171,3 +130,54 @@ def run_bench(
         calibrated=[c.model_dump() for c in fam.calibrated], **results,
     )
     return write_results(bench, out)
+
+
+def _run_section(name: str, cfg: BenchConfig, pairs: list[Pair], lengths: list[int], fam: BenchFamily,
+                 progress: bool) -> BaseModel | None:
+    """One section's results, its config drawn from the resolved run config (None for an unknown name)."""
+    from orchestra.bench.calibration import CalibrationBenchConfig, run_calibration
+    from orchestra.bench.crossfamily import CrossFamilyConfig, run_crossfamily
+    from orchestra.bench.pipeline import PipelineConfig, run_pipeline
+    from orchestra.bench.quality import QualityConfig, run_quality
+    from orchestra.bench.repair import RepairConfig, run_repair
+    from orchestra.bench.tasks import TaskConfig, run_tasks
+    from orchestra.bench.timing import TimingConfig, run_timing
+
+    if name == "crossfamily":
+        return run_crossfamily(CrossFamilyConfig(source=pairs[0].source if pairs else next(iter(fam.aliases))),
+                               fam, progress=progress)
+    if name == "quality":
+        return run_quality(QualityConfig(
+            pairs=pairs, lengths=lengths, suffix_tokens=cfg.suffix_tokens, windows=cfg.windows or 1,
+            tail_tokens=cfg.tail_tokens, greedy_tokens=cfg.greedy_tokens or 0), fam, progress=progress)
+    if name == "repair":
+        forward = [p for p in pairs if p.source == pairs[0].source] if pairs else []
+        return run_repair(RepairConfig(
+            pairs=forward, length=cfg.repair_length or 1024, suffix_tokens=cfg.suffix_tokens,
+            windows=cfg.windows or 1, budgets=cfg.repair_budgets or [0.05, 0.15], costs=cfg.repair_costs), fam,
+            progress=progress)
+    if name == "timing":
+        return run_timing(TimingConfig(pairs=pairs, lengths=lengths, repeats=cfg.repeats or 3,
+                                       tail_tokens=cfg.tail_tokens), fam, progress=progress)
+    if name == "tasks":
+        task_pairs = parse_pairs(cfg.task_pairs or [])
+        source = task_pairs[0].source if task_pairs else (pairs[0].source if pairs else next(iter(fam.aliases)))
+        targets = ([p.target for p in task_pairs if p.source == source] if task_pairs
+                   else [a for a in fam.aliases if a != source])
+        return run_tasks(TaskConfig(
+            source=source, members=targets, window_tokens=cfg.task_tokens or 512,
+            max_new_tokens=cfg.task_max_new_tokens or 24, tail_tokens=max(2, cfg.tail_tokens),
+            repair_budget=cfg.qa_repair_budget, repair_costs=cfg.repair_costs, questions=cfg.qa_questions,
+            limit=cfg.qa_limit,
+            qa_file=cfg.qa_file, lengths=cfg.qa_lengths or []),
+            fam, progress=progress)
+    if name == "pipeline":
+        members = list(dict.fromkeys([pairs[0].source, *fam.aliases])) if pairs else list(fam.aliases)
+        return run_pipeline(PipelineConfig(
+            agent_counts=cfg.pipeline_agents or [2], members=members, document_tokens=cfg.pipeline_tokens or 1024,
+            max_new_tokens=cfg.pipeline_max_new_tokens or 8, repeats=cfg.pipeline_repeats), fam, progress=progress)
+    if name == "calibration":
+        return run_calibration(CalibrationBenchConfig(
+            pairs=pairs, timed_pair=pairs[0] if pairs else None, tokens=cfg.calibration_tokens or 1024,
+            window=cfg.calibration_window or 256), fam, progress=progress)
+    return None

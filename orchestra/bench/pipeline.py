@@ -10,7 +10,8 @@ store. :func:`run_pipeline` builds N-agent pipelines over distinct members and c
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,8 +24,12 @@ __all__ = ["PipelineAgentRow", "PipelineComparison", "PipelineConfig", "Pipeline
            "build_pipeline", "run_pipeline", "pipeline_markdown"]
 
 # The example pipeline's gates: what a real run would apply.
-DEFAULT_GATE: dict[str, Any] = {"offline": {"max_kl": 0.1}, "probe": {"tokens": 32, "max_excess_nll": 0.25,
+DEFAULT_GATE: dict[str, dict[str, float]] = {"offline": {"max_kl": 0.1}, "probe": {"tokens": 32, "max_excess_nll": 0.25,
                                                                         "max_excess_kl": 0.1}}
+
+
+def _default_gate() -> dict[str, object]:
+    return dict(DEFAULT_GATE)
 
 
 class _Model(BaseModel):
@@ -58,7 +63,7 @@ class PipelineComparison(_Model):
     run_s_shared: float
     run_s_baseline: float
     run_ratio_baseline_over_shared: float | None
-    caches: list[dict[str, Any]] = Field(default_factory=list, description="how each model's cache was obtained")
+    caches: list[dict[str, object]] = Field(default_factory=list, description="how each model's cache was obtained")
     warnings: list[str] = Field(default_factory=list)
 
 
@@ -82,17 +87,18 @@ def compare_pipeline(shared: Orchestra, baseline: Orchestra, document: str, *, r
         runs.append((a, b))
 
     def med(values: list[float | None]) -> float | None:
-        return statistics.median(values) if values and all(v is not None for v in values) else None  # type: ignore[arg-type]
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if values and len(present) == len(values) else None
 
     rows = []
     for agent in spec.agents:
-        s = [r[0].agent(agent.name) for r in runs]
-        b = [r[1].agent(agent.name) for r in runs]
-        ts, tb = med([x.ttft_s for x in s]), med([x.ttft_s for x in b])
+        sa = [r[0].agent(agent.name) for r in runs]
+        ba = [r[1].agent(agent.name) for r in runs]
+        ts, tb = med([x.ttft_s for x in sa]), med([x.ttft_s for x in ba])
         rows.append(PipelineAgentRow(
-            agent=agent.name, model=agent.model, cache_path=s[-1].cache_path, fallback_reason=s[-1].fallback_reason,
+            agent=agent.name, model=agent.model, cache_path=sa[-1].cache_path, fallback_reason=sa[-1].fallback_reason,
             ttft_shared_s=ts, ttft_baseline_s=tb, ttft_ratio_baseline_over_shared=_ratio(tb, ts),
-            same_output_as_baseline=s[-1].output == b[-1].output,
+            same_output_as_baseline=sa[-1].output == ba[-1].output,
         ))
     last = runs[-1][0]
     ps = statistics.median(r[0].prefill_s_spent for r in runs)
@@ -134,7 +140,7 @@ class PipelineConfig(_Model):
     document_tokens: int = Field(2048, ge=16)
     max_new_tokens: int = Field(16, ge=1)
     repeats: int = Field(1, ge=1)
-    gate: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_GATE))
+    gate: dict[str, object] = Field(default_factory=_default_gate)
 
 
 class PipelineSection(_Model):
@@ -144,7 +150,7 @@ class PipelineSection(_Model):
 
 
 def build_pipeline(n: int, models: dict[str, str], members: list[str], *, max_new_tokens: int,
-                   gate: dict[str, Any] | None = None, name: str | None = None) -> PipelineSpec:
+                   gate: Mapping[str, object] | None = None, name: str | None = None) -> PipelineSpec:
     """``n`` independent agents cycling over ``members`` (summaries and a question, alternately)."""
     from orchestra.pipeline import PipelineSpec
 

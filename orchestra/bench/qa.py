@@ -20,9 +20,12 @@ import unicodedata
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from mappings.types import Tokenizer
 
 __all__ = ["AnswerType", "QAPassage", "QAQuestion", "QASet", "load_qa", "normalize", "is_correct", "passage_window",
            "QA_FILE"]
@@ -107,7 +110,7 @@ def load_qa(path: str | None = None) -> QASet:
     if path is not None:
         with open(path, encoding="utf-8") as f:
             return QASet.model_validate_json(f.read())
-    return QASet.model_validate_json(resources.files("orchestra.bench").joinpath("data", QA_FILE).read_text("utf-8"))
+    return QASet.model_validate_json(resources.files("orchestra.bench").joinpath("data").joinpath(QA_FILE).read_text("utf-8"))
 
 
 # -- scoring -------------------------------------------------------------------------------------
@@ -170,7 +173,7 @@ def is_correct(prediction: str, references: Sequence[str]) -> bool:
 
 
 # -- windows -------------------------------------------------------------------------------------
-def passage_window(document: str, start: int, end: int, tokens: int, tokenizer: Any,
+def passage_window(document: str, start: int, end: int, tokens: int, tokenizer: Tokenizer,
                    offsets: Sequence[tuple[int, int]] | None = None) -> tuple[str, int]:
     """About ``tokens`` tokens of ``document`` around the characters ``[start, end)``, as text, and its token count.
 
@@ -196,7 +199,7 @@ def passage_window(document: str, start: int, end: int, tokens: int, tokenizer: 
     return document[offsets[lo][0] : offsets[hi - 1][1]], hi - lo
 
 
-def token_offsets(document: str, tokenizer: Any) -> list[tuple[int, int]]:
+def token_offsets(document: str, tokenizer: Tokenizer) -> list[tuple[int, int]]:
     """Character offsets of the document's tokens (a fast tokenizer's offset mapping)."""
     enc = tokenizer(document, add_special_tokens=False, return_offsets_mapping=True)
     return [(int(a), int(z)) for a, z in enc["offset_mapping"]]

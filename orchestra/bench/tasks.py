@@ -20,7 +20,8 @@ is measured at several window lengths, to size a demo to what the model can answ
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -28,7 +29,9 @@ from orchestra.bench._context import BenchFamily, Pair
 from orchestra.gates import GatePolicy
 
 if TYPE_CHECKING:
-    from orchestra.bench.qa import QAQuestion
+    from agents.spec import AgentSpec
+    from orchestra.bench.qa import QAQuestion, QASet
+    from orchestra.familycache import CacheLease, FamilyCache
 
 __all__ = ["TaskConfig", "QAAnswer", "QAScore", "GateSummary", "LengthRow", "TaskSection", "run_tasks",
            "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS"]
@@ -165,11 +168,11 @@ def rouge_l(reference: str, candidate: str) -> float:
 class _Asker:
     """Answers questions with the question_answerer built-in over a lease's cache; memoises exact caches."""
 
-    def __init__(self, fam: BenchFamily, cache: Any, max_new_tokens: int, stop: list[str]) -> None:
+    def __init__(self, fam: BenchFamily, cache: FamilyCache, max_new_tokens: int, stop: list[str]) -> None:
         self.fam, self.cache, self.max_new, self.stop = fam, cache, max_new_tokens, tuple(stop)
         self._memo: dict[tuple[str, tuple[int, ...], str], tuple[str, str | None]] = {}
 
-    def spec(self, q: QAQuestion) -> Any:
+    def spec(self, q: QAQuestion) -> AgentSpec:
         from agents import BUILTINS
 
         spec = BUILTINS["question_answerer"](question=q.question, max_new_tokens=self.max_new)
@@ -188,7 +191,7 @@ class _Asker:
         need = len(prefix) + max(len(suffix_ids(tok, self.spec(q))) for q in questions) + self.max_new
         return None if need <= limit else f"{need} positions needed, {member} has {limit}"
 
-    def ask(self, member: str, lease: Any, prefix: list[int], q: QAQuestion) -> tuple[str, str | None]:
+    def ask(self, member: str, lease: CacheLease, prefix: list[int], q: QAQuestion) -> tuple[str, str | None]:
         from agents import generate
         from agents.errors import AgentError
 
@@ -224,6 +227,42 @@ def _score(member: str, condition: Condition, answers: list[QAAnswer], own: dict
     return score
 
 
+def _chosen_questions(qa: QASet, config: TaskConfig) -> list[QAQuestion]:
+    """The questions asked: those named (an unknown id is an error), else all; at most ``config.limit``."""
+    chosen = [q for q in qa.questions if config.questions is None or q.id in config.questions]
+    if config.questions is not None:
+        unknown = sorted(set(config.questions) - {q.id for q in qa.questions})
+        if unknown:
+            raise ValueError(f"unknown question id(s) {', '.join(unknown)}")
+    return chosen[: config.limit] if config.limit else chosen
+
+
+def _mappable_members(fam: BenchFamily, source: str, wanted: list[str], skipped: list[str]) -> list[str]:
+    """The members other than the source that it maps into (calibrated into the store first when missing);
+    one it cannot map into is reported in ``skipped`` and the others still run."""
+    members: list[str] = []
+    for m in dict.fromkeys(wanted):
+        if m == source:
+            continue
+        try:
+            fam.mapping(Pair(source=source, target=m))
+        except Exception as exc:
+            skipped.append(f"{source}>{m}: no mapping ({type(exc).__name__}: {exc})")
+            continue
+        members.append(m)
+    return members
+
+
+def _gate_summary(member: str, leases: list[CacheLease]) -> GateSummary:
+    """How often the gates passed the member's map, and which gate refused it when they did not."""
+    failed = [next(d.gate for d in lease.gates if not d.passed) if any(not d.passed for d in lease.gates)
+              else "other" for lease in leases if lease.path != "mapped"]
+    return GateSummary(
+        member=member, windows=len(leases), passed=sum(lease.path == "mapped" for lease in leases),
+        fell_back=sum(lease.path != "mapped" for lease in leases), failed_gates=dict(Counter(failed)),
+        reasons=list(dict.fromkeys(lease.fallback_reason or "" for lease in leases if lease.path != "mapped"))[:3])
+
+
 def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) -> TaskSection:
     from tqdm.auto import tqdm
 
@@ -232,27 +271,13 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
     from orchestra.bench.qa import is_correct, load_qa, passage_window, token_offsets
 
     qa = load_qa(config.qa_file)
-    chosen = [q for q in qa.questions if config.questions is None or q.id in config.questions]
-    if config.questions is not None:
-        unknown = sorted(set(config.questions) - {q.id for q in qa.questions})
-        if unknown:
-            raise ValueError(f"unknown question id(s) {', '.join(unknown)}")
-    chosen = chosen[: config.limit] if config.limit else chosen
+    chosen = _chosen_questions(qa, config)
     groups = qa.by_passage(chosen)
     section = TaskSection(config=config, dataset=f"{qa.name} v{qa.version}", questions=len(chosen),
                           passages=len(groups))
     source = config.source
     tok = fam.loaded(source).tokenizer
-    members: list[str] = []
-    for m in dict.fromkeys(config.members):
-        if m == source:
-            continue
-        try:
-            fam.mapping(Pair(source=source, target=m))  # calibrated into the store first when missing
-        except Exception as exc:  # a member the source cannot map into: reported, the others still run
-            section.skipped.append(f"{source}>{m}: no mapping ({type(exc).__name__}: {exc})")
-            continue
-        members.append(m)
+    members = _mappable_members(fam, source, config.members, section.skipped)
     # Gates open for the measured conditions: the map itself is what is scored; `config.gate` is asked separately.
     cache = fam.family_cache(source, tail_tokens=config.tail_tokens, repair_costs=config.repair_costs)
     open_gate = GatePolicy(offline=None, probe=None)
@@ -268,7 +293,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
         text, n = passage_window(doc, p.start, p.end, tokens, tok, offsets[p.document])
         return DocumentPrompt(text).token_ids(tok), n
 
-    def answer(member: str, condition: Condition, lease: Any, prefix: list[int], n: int,
+    def answer(member: str, condition: Condition, lease: CacheLease, prefix: list[int], n: int,
                qs: list[QAQuestion]) -> list[QAAnswer]:
         out = []
         for q in qs:
@@ -278,7 +303,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
                                 correct=err is None and is_correct(text, q.answers), error=err))
         return out
 
-    gate_log: dict[str, list[Any]] = {m: [] for m in members}
+    gate_log: dict[str, list[CacheLease]] = {m: [] for m in members}
     answers: list[QAAnswer] = []
     prefix_lengths: list[int] = []
     bar = tqdm(list(groups.items()), desc="tasks", disable=not progress)
@@ -311,21 +336,20 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
         for condition in ("own", "mapped", "mapped+repair"):
             rows = [a for a in answers if a.member == m and a.condition == condition]
             section.scores.append(_score(m, condition, rows, own))
-        leases = gate_log[m]
-        failed = [next(d.gate for d in lease.gates if not d.passed) if any(not d.passed for d in lease.gates)
-                  else "other" for lease in leases if lease.path != "mapped"]
-        section.gates.append(GateSummary(
-            member=m, windows=len(leases), passed=sum(lease.path == "mapped" for lease in leases),
-            fell_back=sum(lease.path != "mapped" for lease in leases), failed_gates=dict(Counter(failed)),
-            reasons=list(dict.fromkeys(lease.fallback_reason or "" for lease in leases if lease.path != "mapped"))[:3]))
+        section.gates.append(_gate_summary(m, gate_log[m]))
     section.scores.append(_score(source, "source", [a for a in answers if a.condition == "source"], None))
     for length in config.lengths:
         section.lengths.append(_length_row(length, source, groups, window, asker, cache, answer, progress))
     return section
 
 
-def _length_row(length: int, member: str, groups: dict[str, list[QAQuestion]], window: Any, asker: _Asker,
-                cache: Any, answer: Any, progress: bool) -> LengthRow:
+_Answer = Callable[[str, Condition, "CacheLease", list[int], int, list["QAQuestion"]], list[QAAnswer]]
+"""`run_tasks`' answer(member, condition, lease, prefix, window tokens, questions)."""
+
+
+def _length_row(length: int, member: str, groups: dict[str, list[QAQuestion]],
+                window: Callable[[str, int], tuple[list[int], int]], asker: _Asker, cache: FamilyCache,
+                answer: _Answer, progress: bool) -> LengthRow:
     from tqdm.auto import tqdm
 
     rows: list[QAAnswer] = []

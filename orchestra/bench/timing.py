@@ -13,11 +13,16 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestra.bench._context import BenchFamily, Pair
+
+if TYPE_CHECKING:
+    import torch
+
+    from mappings.store import Mapping
 
 __all__ = ["TimingConfig", "TimingRow", "Growth", "TimingSection", "run_timing", "loglog_slope"]
 
@@ -90,7 +95,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _measure(fam: BenchFamily, pair: Any, mapping: Any, ids: Any, tail: int,
+def _measure(fam: BenchFamily, pair: Pair, mapping: Mapping, ids: torch.Tensor, tail: int,
              repeats: int) -> tuple[list[float], list[float], list[float], list[float]]:
     """Per repetition: target prefill, map + inject, the FamilyCache's mapped lease (map + tail), source prefill.
 

@@ -12,13 +12,18 @@ import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from orchestra.events import AnyEvent
 
 __all__ = ["RunDisplay", "quiet_library_output", "format_event"]
 
@@ -66,18 +71,17 @@ def _secs(value: float) -> str:
     return f"{value:.2f} s" if value < 10 else f"{value:.1f} s"
 
 
-def format_event(event: Any) -> str | None:
+def format_event(event: AnyEvent) -> str | None:
     """The one line an event prints as (None for token events: they advance the live table instead)."""
-    kind = event.kind
-    if kind == "token":
+    if event.kind == "token":
         return None
-    if kind == "run_started":
+    if event.kind == "run_started":
         return (f"run {event.run_id}: {len(event.agents)} agents over {event.document_tokens:,} document tokens, "
                 f"source {event.source_model}")
-    if kind == "document_prefilled":
+    if event.kind == "document_prefilled":
         how = "reused from the cache" if event.store_hit else f"prefilled in {_secs(event.seconds)}"
         return f"document: {event.tokens:,} tokens on {event.model}, {how}"
-    if kind == "cache_step":
+    if event.kind == "cache_step":
         if event.agent is None:
             return None  # the run's own document prefill: its document_prefilled event says it
         s = event.step
@@ -96,28 +100,28 @@ def format_event(event: Any) -> str | None:
         else:
             what = f"{s.step} on {s.member}" + (f": {s.reason}" if s.reason else "")
         return f"{who}: {what}" + (f" ({_secs(s.seconds)})" if s.seconds >= 0.01 else "")
-    if kind == "cache_ready":
+    if event.kind == "cache_ready":
         return None  # its content already came as cache steps; the table shows the path
-    if kind == "gate":
+    if event.kind == "gate":
         metrics = ", ".join(f"{k} {v:.3g}" for k, v in list(event.metrics.items())[:3])
         verdict = "passed" if event.passed else "FAILED"
         return f"{event.agent}: gate {verdict} on {event.model}" + (f" ({metrics})" if metrics else "") + (
             f": {event.reason}" if not event.passed and event.reason else "")
-    if kind == "fallback":
+    if event.kind == "fallback":
         return f"{event.agent}: falls back to a re-prefill on {event.model}: {event.reason}"
-    if kind == "agent_started":
+    if event.kind == "agent_started":
         return f"{event.agent}: started on {event.model}"
-    if kind == "agent_finished":
+    if event.kind == "agent_finished":
         return f"{event.agent}: finished"
-    if kind == "agent_failed":
+    if event.kind == "agent_failed":
         return f"{event.agent}: FAILED ({event.error_type}: {event.error})"
-    if kind == "agent_skipped":
+    if event.kind == "agent_skipped":
         return f"{event.agent}: skipped ({event.reason})"
-    if kind == "run_finished":
+    if event.kind == "run_finished":
         return (f"run finished in {_secs(event.seconds)}: {len(event.succeeded)} succeeded, {len(event.failed)} failed, "
                 f"{len(event.skipped)} skipped")
     detail = {k: v for k, v in event.model_dump().items() if k not in {"kind", "run_id", "at"}}
-    return f"{kind}: {detail}"
+    return f"{event.kind}: {detail}"
 
 
 @dataclass
@@ -153,7 +157,7 @@ class RunDisplay:
             self._live.__exit__(None, None, None)
             self._live = None
 
-    def __call__(self, event: Any) -> None:
+    def __call__(self, event: AnyEvent) -> None:
         self._update(event)
         line = format_event(event) if self.lines else None
         if line is not None:
@@ -161,28 +165,27 @@ class RunDisplay:
         if self._live is not None:
             self._live.update(self._render())
 
-    def _update(self, event: Any) -> None:
+    def _update(self, event: AnyEvent) -> None:
         row = self.rows.get(getattr(event, "agent", None) or "")
         if row is None:
             return
-        kind = event.kind
-        if kind == "token":
+        if event.kind == "token":
             row.state, row.tokens = "generating", event.index + 1
-        elif kind == "agent_started":
+        elif event.kind == "agent_started":
             row.state = "getting its cache"
-        elif kind == "cache_ready":
+        elif event.kind == "cache_ready":
             row.cache = event.path
-        elif kind == "fallback":
+        elif event.kind == "fallback":
             row.cache = "reprefilled"
-        elif kind in ("agent_finished", "agent_failed", "agent_skipped"):
-            row.state = {"agent_finished": "done", "agent_failed": "failed", "agent_skipped": "skipped"}[kind]
+        elif event.kind in ("agent_finished", "agent_failed", "agent_skipped"):
+            row.state = {"agent_finished": "done", "agent_failed": "failed", "agent_skipped": "skipped"}[event.kind]
 
     def _render(self) -> Group:
         table = Table(box=None, pad_edge=False)
         for col in ("agent", "member", "state", "cache", "tokens"):
             table.add_column(col, justify="right" if col == "tokens" else "left")
         for name, row in self.rows.items():
-            state: Any = row.state
+            state: RenderableType = row.state
             if row.state in ("getting its cache", "generating"):
                 state = Spinner("dots", text=row.state)
             table.add_row(name, row.model, state, row.cache, str(row.tokens))

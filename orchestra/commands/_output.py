@@ -19,6 +19,18 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
+def print_error(message: str, exc: BaseException | None = None) -> None:
+    """One ``error:`` line on stderr: ``Type: message`` for an exception, the message alone otherwise.
+
+    The text is escaped: a message naming an extra (``orchestra-kv[build]``) or a list must not be
+    read as rich markup and lose its brackets.
+    """
+    from rich.markup import escape
+
+    text = f"{type(exc).__name__}: {message}" if exc is not None else message
+    err_console.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
 def family_table(manifest: FamilyManifest) -> Table:
     table = Table(title=f"{manifest.family} family at {manifest.home}")
     for col in ("member", "role", "parent", "layers", "params", "fingerprint", "KL vs root", "top-1 vs root"):

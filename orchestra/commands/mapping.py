@@ -18,12 +18,12 @@ ManifestTargetOpt = Annotated[
 
 
 def _fail(exc: Exception) -> typer.Exit:
-    from orchestra.commands._output import cli_state, err_console
+    from orchestra.commands._output import cli_state, print_error
 
     if cli_state["debug"]:
         raise exc
 
-    err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+    print_error(str(exc), exc)
     return typer.Exit(2)
 
 
@@ -149,6 +149,7 @@ def calibrate_repair_cmd(
     except (MappingError, ValueError, FileNotFoundError) as exc:
         raise _fail(exc) from exc
     info = loaded.manifest.repair
+    assert info is not None  # add_residual_maps records what it fitted
     low = min(range(len(info.residual_cosine)), key=lambda i: info.residual_cosine[i])
     console.print(f"wrote residual maps to {mapping} ({len(info.residual_cosine)} layers, lowest held-out cosine "
                   f"{info.residual_cosine[low]:.4f} at layer {low}, {info.residual_seconds:.1f} s)")
@@ -246,9 +247,11 @@ def evaluate_cmd(
         if served:
             from orchestra.served import evaluate_served
 
-            ids = _tokenize(report.target["path"] or target, text)
-            served_report = evaluate_served(mapping, ids, source=report.source["path"] or source,
-                                            target=report.target["path"] or target, prefix_tokens=prefix_tokens,
+            src_path, tgt_path = report.source["path"] or source, report.target["path"] or target
+            assert src_path is not None and tgt_path is not None  # evaluate() loaded both models from folders
+            ids = _tokenize(tgt_path, text)
+            served_report = evaluate_served(mapping, ids, source=src_path,
+                                            target=tgt_path, prefix_tokens=prefix_tokens,
                                             suffix_tokens=suffix_tokens, windows=windows, device=device)
         if json_out is not None:
             report = write_report(report, json_out)

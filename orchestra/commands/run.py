@@ -200,10 +200,12 @@ def _demo_paths() -> tuple[Path, Path]:
 
 
 def demo_command(home: Path | None, report_out: Path | None) -> None:
+    from agents.constrained import require_grammar
     from orchestra.commands._output import family_table
     from orchestra.errors import PipelineFileError
     from orchestra.family import build_family
 
+    require_grammar()  # the demo's key_facts agent is a JSON agent: refuse now, not after a 25-minute build
     manifest = build_family(home, log=console.print)
     console.print(family_table(manifest))
     pipeline_file, document = _demo_paths()

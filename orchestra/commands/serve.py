@@ -68,7 +68,8 @@ def serve(
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         uvicorn.run(app_, host=host, port=port, log_config=None, access_log=False,
-                    timeout_graceful_shutdown=graceful_s)
+                    # uvicorn annotates an int but hands it to asyncio.timeout, which takes fractions too
+                    timeout_graceful_shutdown=graceful_s)  # type: ignore[arg-type]
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

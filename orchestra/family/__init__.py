@@ -10,7 +10,7 @@ import contracts (pyproject ``[tool.importlinter]``) can see that it stays off t
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 __all__ = [
     "MEMBERS",
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # for type checkers, IDEs and the import contracts (which cou
     from orchestra.family.manifest import Divergence, FamilyManifest, MemberRecord, family_dir, load_family
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'orchestra.family' has no attribute {name!r}")

@@ -127,7 +127,8 @@ def load_gguf(path: Path):
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer = None
+        # transformers sets hf_quantizer without declaring it, so mypy sees nn.Module's Tensor | Module
+        model.hf_quantizer = None  # type: ignore[assignment]
     model.config.name_or_path = "smollm2-135m-instruct"
     model.eval()
     return model, tokenizer

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def drop_layers(model: torch.nn.Module, drop: list[int]) -> torch.nn.Module:
+
+def drop_layers(model: PreTrainedModel, drop: list[int]) -> PreTrainedModel:
     """Remove the given decoder layers in place and fix indices and config."""
     layers = model.model.layers
     n = len(layers)

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from orchestra.errors import FamilyBuildError
 from orchestra.family.manifest import (  # family_dir/load_family: re-exported, they live with the manifest
@@ -34,7 +34,22 @@ from orchestra.family.manifest import (  # family_dir/load_family: re-exported, 
 )
 from orchestra.paths import resolve_home
 
-__all__ = ["MemberSpec", "MEMBERS", "build_family", "load_family", "family_dir"]
+__all__ = ["MemberSpec", "MEMBERS", "build_family", "load_family", "family_dir", "require_build_dependencies", "BUILD_INSTALL"]
+
+
+class Recipe(TypedDict, total=False):
+    """How a member is made (recorded in its ``member.json`` by :func:`made_by`)."""
+
+    method: str
+    source: str
+    delta: str
+    corpus: str
+    bits: int
+    group_size: int | None
+    granularity: str
+    modules: str
+    storage: str
+    layers: str
 
 
 @dataclass(frozen=True)
@@ -44,7 +59,7 @@ class MemberSpec:
     name: str
     role: Role
     parent: str | None
-    recipe: dict[str, Any] = field(default_factory=dict)
+    recipe: Recipe = field(default_factory=lambda: Recipe())
 
 
 ROOT = "smollm2-135m-instruct"
@@ -69,15 +84,15 @@ MEMBERS: tuple[MemberSpec, ...] = (
 Log = Callable[[str], None]
 
 
-def made_by(spec: MemberSpec) -> dict[str, Any]:
+def made_by(spec: MemberSpec) -> dict[str, object]:
     """The member's full recipe, as recorded in its ``member.json``.
 
     For a member made with a shipped delta it names the delta file's sha256 and the training recipe,
     so a member built from an older delta (or another layer choice) no longer matches and is rebuilt
     by the next ``family build``, without ``--force`` (which would also rebuild the root).
     """
-    recipe = dict(spec.recipe)
-    delta = recipe.get("delta")
+    recipe: dict[str, object] = dict(spec.recipe)
+    delta = spec.recipe.get("delta")
     if delta:
         import hashlib
 
@@ -188,6 +203,26 @@ def build_family(
     return manifest
 
 
+BUILD_INSTALL = "pip install 'orchestra-kv[build]'"
+
+
+def require_build_dependencies() -> None:
+    """Raise `MissingDependencyError` naming the install command unless the builder's libraries import.
+
+    Checked before anything is built, so a core install fails in a second with the fix, not after
+    minutes of converting the GGUF.
+    """
+    import importlib.util
+
+    missing = [name for name in ("gguf", "peft") if importlib.util.find_spec(name) is None]
+    if missing:
+        from agents.errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            f"building the bundled family needs {' and '.join(missing)}, which a core install leaves out: "
+            f"{BUILD_INSTALL} (a family of your own needs neither)", name=missing[0])
+
+
 def _build_members(
     home: str | os.PathLike[str] | None,
     *,
@@ -208,6 +243,7 @@ def _build_members(
         _save_manifest(manifest, fam / MANIFEST_NAME)
         return manifest
 
+    require_build_dependencies()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from mappings.store import Mapping
     from orchestra.family.manifest import FamilyManifest
+    from orchestra.mapstore import MappingStore
+    from orchestra.registry import LoadedModel
 
 __all__ = ["CALIBRATION_TOKENS", "REPAIR_TOKENS", "Calibrated", "calibrate_members"]
 
@@ -60,7 +63,6 @@ def calibrate_members(
     half-written one is replaced (with a warning through `log`). With `repair`, residual-stream
     maps are fitted too (added to a kept mapping that lacks them).
     """
-    from mappings.errors import MappingError
     from orchestra.mapstore import MappingStore
     from orchestra.registry import ModelRegistry
 
@@ -98,39 +100,12 @@ def calibrate_members(
                 continue
             source = registry.load("root")  # loaded once, by the first pair that needs work
             target = registry.load(member.name)
-            mapping, made = None, False
-            if not force and (path / "manifest.json").is_file():
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        mapping, made = store.get(source, target)
-                except MappingError as exc:  # corrupt or stale: replaced below, the old folder kept until then
-                    say(f"warning: {path.name} is unusable ({exc}); recalibrating it")
-            elif not force and path.exists():
-                say(f"warning: {path.name} is a half-written mapping (no manifest); replacing it")
-            if mapping is None:
-                say(f"calibrating {source.info.name} -> {member.name} on {tokens} tokens ...")
-                mapping = store.fit(source, target)
-                if repair:
-                    from mappings.calibrate_repair import add_residual_maps
-
-                    add_residual_maps(mapping, source.info.path, target.info.path, store.corpus,
-                                      tokens=min(tokens, REPAIR_TOKENS))
-                mapping.save(path)  # the previous mapping (if any) is replaced only now, complete
-                made = True
-            elif repair and mapping.residual is None:
-                from mappings.calibrate_repair import add_residual_maps
-                from mappings.store import load_mapping
-
-                with_stats = load_mapping(path, with_stats=True)
-                add_residual_maps(with_stats, source.info.path, target.info.path, store.corpus,
-                                  tokens=min(tokens, REPAIR_TOKENS))
-                with_stats.save(path, with_stats=with_stats.stats is not None)
-                mapping = with_stats
-            held = mapping.manifest.heldout
+            mapping, made = _load_or_fit(store, path, source, target, member.name, tokens=tokens, repair=repair,
+                                         force=force, say=say)
+            heldout_kl = mapping.manifest.heldout.get("kl")
             results.append(Calibrated(
                 member=member.name, path=path, made=made, seconds=time.perf_counter() - started,
-                method=mapping.manifest.method.name, heldout_kl=float(held.get("kl", float("nan"))),
+                method=mapping.manifest.method.name, heldout_kl=float("nan") if heldout_kl is None else heldout_kl,
                 residual=mapping.residual is not None,
             ))
             if bar is not None:
@@ -139,6 +114,44 @@ def calibrate_members(
         if bar is not None:
             bar.close()
     return results
+
+
+def _load_or_fit(store: MappingStore, path: Path, source: LoadedModel, target: LoadedModel, member: str, *,
+                 tokens: int, repair: bool, force: bool, say: Log) -> tuple[Mapping, bool]:
+    """The mapping at ``path`` if it loads (residual maps added when ``repair`` wants them), else a fresh fit
+    saved over it; and whether it was calibrated now."""
+    from mappings.errors import MappingError
+
+    mapping, made = None, False
+    if not force and (path / "manifest.json").is_file():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mapping, made = store.get(source, target)
+        except MappingError as exc:  # corrupt or stale: replaced below, the old folder kept until then
+            say(f"warning: {path.name} is unusable ({exc}); recalibrating it")
+    elif not force and path.exists():
+        say(f"warning: {path.name} is a half-written mapping (no manifest); replacing it")
+    if mapping is None:
+        say(f"calibrating {source.info.name} -> {member} on {tokens} tokens ...")
+        mapping = store.fit(source, target)
+        if repair:
+            from mappings.calibrate_repair import add_residual_maps
+
+            add_residual_maps(mapping, source.info.path, target.info.path, store.corpus,
+                              tokens=min(tokens, REPAIR_TOKENS))
+        mapping.save(path)  # the previous mapping (if any) is replaced only now, complete
+        made = True
+    elif repair and mapping.residual is None:
+        from mappings.calibrate_repair import add_residual_maps
+        from mappings.store import load_mapping
+
+        with_stats = load_mapping(path, with_stats=True)
+        add_residual_maps(with_stats, source.info.path, target.info.path, store.corpus,
+                          tokens=min(tokens, REPAIR_TOKENS))
+        with_stats.save(path, with_stats=with_stats.stats is not None)
+        mapping = with_stats
+    return mapping, made
 
 
 def _kept(path: Path, repair: bool) -> tuple[str, float, bool] | None:

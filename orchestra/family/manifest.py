@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,7 +40,7 @@ class MemberRecord(BaseModel):
     role: Role
     path: str
     parent: str | None = None
-    made_by: dict[str, Any] = Field(default_factory=dict, description="the recipe that produced it")
+    made_by: dict[str, object] = Field(default_factory=dict, description="the recipe that produced it")
     fingerprint: dict[str, str] = Field(description="sha256 of config, weights, tokenizer and combined")
     num_layers: int
     num_parameters: int
@@ -113,7 +113,7 @@ def home_relative(path: str | os.PathLike[str], home: Path) -> str:
     return str(path)
 
 
-def write_json_atomic(path: Path, payload: Any, *, step: str | None = None) -> None:
+def write_json_atomic(path: Path, payload: object, *, step: str | None = None) -> None:
     """Write JSON next to its destination, then rename, so a reader never sees half a file."""
     from mappings.atomic import write_atomic
 

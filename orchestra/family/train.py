@@ -16,6 +16,13 @@ import json
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+    from orchestra.family.importance import LayerImportance
 
 __all__ = ["DeltaRecipe", "RECIPES", "train_delta", "DELTAS_DIR"]
 
@@ -125,7 +132,6 @@ def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = No
     import time
 
     import torch
-    import torch.nn.functional as F
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
     from tqdm import tqdm
@@ -140,23 +146,7 @@ def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = No
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(recipe.seed)
 
-    importance = None
-    if recipe.drop_layers:
-        # Measured on every (non-resumed) run and checked against the recipe: the shipped choice is the
-        # measured one. Kept with the checkpoints, so a resumed run does not measure again.
-        from orchestra.family.importance import LayerImportance
-
-        cached = ckpt_dir / "importance.json"
-        if cached.is_file():
-            importance = LayerImportance.from_dict(json.loads(cached.read_text()))
-        else:
-            importance = measure_importance(root_dir, len(recipe.drop_layers))
-            from mappings.atomic import write_atomic
-
-            write_atomic(cached, json.dumps(importance.as_dict()))
-        if sorted(importance.drop) != sorted(recipe.drop_layers):
-            print(f"warning: measured layers to drop {sorted(importance.drop)} differ from the recipe's "
-                  f"{sorted(recipe.drop_layers)} (another Python's corpus or torch build?); training the recipe's")
+    importance = _checked_importance(recipe, root_dir, ckpt_dir) if recipe.drop_layers else None
 
     tokenizer = AutoTokenizer.from_pretrained(str(root_dir))
     student = AutoModelForCausalLM.from_pretrained(str(root_dir), dtype=torch.float32)
@@ -195,17 +185,7 @@ def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = No
             continue  # replays the data order so a resumed run sees the same batches
         if step >= recipe.steps:
             break
-        out = model(input_ids=batch, use_cache=False)
-        if teacher is None:
-            loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
-        else:
-            with torch.no_grad():
-                t_logits = teacher(input_ids=batch, use_cache=False).logits
-            # KL(teacher || student) at temperature t, scaled by t^2 so gradients keep their size (Hinton et al.)
-            loss = F.kl_div(
-                F.log_softmax(out.logits.flatten(0, 1) / t, -1), F.log_softmax(t_logits.flatten(0, 1) / t, -1),
-                log_target=True, reduction="batchmean",
-            ) * (t * t)
+        loss = _delta_loss(model(input_ids=batch, use_cache=False).logits, batch, teacher, t)
         loss.backward()
         optim.step()
         sched.step()
@@ -214,20 +194,71 @@ def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = No
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
         if (step + 1) % 10 == 0 or step + 1 == recipe.steps:
-            from peft import get_peft_model_state_dict
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(model).items()},
-                      str(ckpt_dir / "adapter.safetensors"))
-            torch.save(optim.state_dict(), ckpt_dir / "optim.pt")
-            from mappings.atomic import write_atomic
-
             now = time.perf_counter()
             seconds += now - tick
             tick = now
-            write_atomic(state_file, json.dumps({"step": step + 1, "sched": sched.state_dict(), "seconds": seconds,
-                                                 "loss": losses[-1]}))
+            _save_checkpoint(ckpt_dir, model, optim, sched, step + 1, seconds, losses[-1])
     bar.close()
+    _write_delta(out_dir, model, name, recipe, losses, seconds, importance)
+    return out_dir
+
+
+def _checked_importance(recipe: DeltaRecipe, root_dir: Path, ckpt_dir: Path) -> LayerImportance:
+    """The root's layer importance, measured on every (non-resumed) run and checked against the recipe's layers
+    to drop: the shipped choice is the measured one. Kept with the checkpoints, so a resumed run does not
+    measure again."""
+    from mappings.atomic import write_atomic
+    from orchestra.family.importance import LayerImportance
+
+    cached = ckpt_dir / "importance.json"
+    if cached.is_file():
+        importance = LayerImportance.from_dict(json.loads(cached.read_text()))
+    else:
+        importance = measure_importance(root_dir, len(recipe.drop_layers))
+        write_atomic(cached, json.dumps(importance.as_dict()))
+    if sorted(importance.drop) != sorted(recipe.drop_layers):
+        print(f"warning: measured layers to drop {sorted(importance.drop)} differ from the recipe's "
+              f"{sorted(recipe.drop_layers)} (another Python's corpus or torch build?); training the recipe's")
+    return importance
+
+
+def _delta_loss(logits: torch.Tensor, batch: torch.Tensor, teacher: torch.nn.Module | None,
+                t: float) -> torch.Tensor:
+    """Next-token cross-entropy, or with a teacher the distillation KL at temperature ``t``."""
+    import torch
+    import torch.nn.functional as F
+
+    if teacher is None:
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+    with torch.no_grad():
+        t_logits = teacher(input_ids=batch, use_cache=False).logits
+    # KL(teacher || student) at temperature t, scaled by t^2 so gradients keep their size (Hinton et al.)
+    return F.kl_div(
+        F.log_softmax(logits.flatten(0, 1) / t, -1), F.log_softmax(t_logits.flatten(0, 1) / t, -1),
+        log_target=True, reduction="batchmean",
+    ) * (t * t)
+
+
+def _save_checkpoint(ckpt_dir: Path, model: PeftModel, optim: torch.optim.Optimizer,
+                     sched: torch.optim.lr_scheduler.LRScheduler, steps: int, seconds: float, loss: float) -> None:
+    """Adapter, optimizer and schedule after ``steps`` steps; the state file last, so a resume finds all three."""
+    import torch
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from mappings.atomic import write_atomic
+
+    save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(model).items()},
+              str(ckpt_dir / "adapter.safetensors"))
+    torch.save(optim.state_dict(), ckpt_dir / "optim.pt")
+    write_atomic(ckpt_dir / "state.json", json.dumps({"step": steps, "sched": sched.state_dict(), "seconds": seconds,
+                                                      "loss": loss}))
+
+
+def _write_delta(out_dir: Path, model: PeftModel, name: str, recipe: DeltaRecipe, losses: list[float], seconds: float,
+                 importance: LayerImportance | None) -> None:
+    """The adapter and its recipe.json (recipe, last losses, training time and versions, layer importance)."""
+    import torch
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
@@ -243,4 +274,3 @@ def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = No
     if importance is not None:
         meta["layer_importance"] = importance.as_dict()
     (out_dir / "recipe.json").write_text(json.dumps(meta, indent=2))
-    return out_dir

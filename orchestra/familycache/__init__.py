@@ -13,6 +13,7 @@ from __future__ import annotations
 from orchestra.familycache._core import CacheLease, CachePath, FamilyCache, StepSink
 from orchestra.familycache._events import CacheStep, StepKind
 from orchestra.familycache._executor import Executor, LocalExecutor
+from orchestra.familycache._factory import EXECUTORS, UnknownExecutorError, executor_class, make_executor
 from orchestra.familycache._policy import CachePolicy
 from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats, token_hash
 
@@ -26,6 +27,10 @@ __all__ = [
     "StepSink",
     "Executor",
     "LocalExecutor",
+    "make_executor",
+    "executor_class",
+    "EXECUTORS",
+    "UnknownExecutorError",
     "EntryPool",
     "Entry",
     "Namespace",

@@ -24,19 +24,32 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-import anyio
-import anyio.to_thread
 import structlog
 
+from agents.bridge import run_in_thread
 from orchestra.errors import DocumentError, OrchestraError
 from orchestra.familycache._events import CacheStep
 from orchestra.familycache._executor import Executor, LocalExecutor
+from orchestra.familycache._ops import compute_tokens, pass_costs, source_importance, tail_logits
 from orchestra.familycache._policy import CachePolicy
-from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats, common_prefix, token_hash
-from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy, ProbeCheck, decide_offline, decide_probe
+from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats
+from orchestra.familycache._records import MappedFrom, ProbeReading
+from orchestra.familycache._route import (
+    Exact,
+    Extend,
+    Held,
+    InFlight,
+    Join,
+    Map,
+    Prefill,
+    Route,
+    RouteRequest,
+    plan_route,
+)
+from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy, ProbeCheck, decide_offline
 
 if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
@@ -114,9 +127,14 @@ class CacheLease:
 
 
 class _Flight:
-    def __init__(self, ns: Namespace, ids: tuple[int, ...]) -> None:
-        self.ns = ns
+    """A build in progress: `ids` on the member(s) of `member_ns`, exact (`variant` None) or mapped."""
+
+    def __init__(self, member_ns: Namespace, ids: tuple[int, ...], variant: str | None) -> None:
+        self.member_ns = member_ns
+        """The exact namespace of the member it builds for (a map's own namespace needs the loaded mapping)."""
         self.ids = ids
+        self.variant = variant
+        """For a mapped build: the probe tail and repair policy that shape it (as `Namespace.variant`)."""
         self.done = threading.Event()
         self.entry: Entry | None = None
         self.error: BaseException | None = None
@@ -137,6 +155,8 @@ class _Request:
     map_s: float = 0.0
     pinned: list[Entry] = field(default_factory=list)
     decisions: list[GateDecision] = field(default_factory=list)
+    joined: set[int] = field(default_factory=set)
+    """Entries built by a flight of exactly these tokens this request waited for (served from them: not a hit)."""
 
     def step(self, step: CacheStep) -> None:
         self.steps.append(step)
@@ -158,7 +178,7 @@ class FamilyCache:
         self.policy = policy or CachePolicy()
         self.breaker = breaker or CircuitBreaker()
         self.pool = EntryPool(self.policy.budget_bytes, self.policy.block_tokens)
-        self._flights: dict[tuple[Namespace, str], _Flight] = {}
+        self._flights: set[_Flight] = set()
         self._flight_lock = threading.Lock()
         self._loaded_mappings: dict[tuple[str, str], Any] = {}
         self._rates: dict[str, float] = {}
@@ -210,35 +230,13 @@ class FamilyCache:
         Cancelling the caller (Ctrl-C, a timeout) tells the worker to stop: an on-demand calibration ends at
         its next forward pass and saves nothing; the caller returns once the worker has stopped.
         """
-        cancel, finished, phase = threading.Event(), threading.Event(), threading.Lock()
-        box: dict[str, Any] = {"state": "pending"}
+        def work(cancel: threading.Event) -> CacheLease:
+            return self.acquire_sync(member, token_ids, gate=gate, repair=repair, tail_tokens=tail_tokens,
+                                     allow_mapped=allow_mapped, reuse=reuse, on_step=on_step, cancel=cancel)
 
-        def work() -> CacheLease:
-            with phase:
-                if box["state"] == "abandoned":  # cancelled before this thread picked the job up
-                    raise anyio.get_cancelled_exc_class()()
-                box["state"] = "running"
-            try:
-                box["lease"] = self.acquire_sync(member, token_ids, gate=gate, repair=repair, tail_tokens=tail_tokens,
-                                                 allow_mapped=allow_mapped, reuse=reuse, on_step=on_step, cancel=cancel)
-                return box["lease"]
-            finally:
-                finished.set()
-
-        try:
-            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
-        except anyio.get_cancelled_exc_class():
-            cancel.set()
-            with phase:
-                started = box["state"] == "running"
-                box["state"] = "abandoned"
-            if started:  # wait for the worker to stop (promptly: a calibration checks `cancel` every forward pass)
-                with anyio.CancelScope(shield=True):
-                    while not finished.is_set():
-                        await anyio.sleep(0.02)
-            if "lease" in box:
-                box["lease"].release()
-            raise
+        # cancelled: `cancel` is set and the worker waited for (a calibration checks it every forward pass; a job
+        # still queued for a thread never starts); a lease it made meanwhile is released, nobody will get it
+        return await run_in_thread(work, discard=CacheLease.release)
 
     def acquire_sync(self, member: str, token_ids: Sequence[int], *, gate: GatePolicy | None = None,
                      repair: RepairPolicy | None = None, tail_tokens: int | None = None, allow_mapped: bool = True,
@@ -289,72 +287,104 @@ class FamilyCache:
 
     # -- routing --------------------------------------------------------------------------------
     def _serve(self, req: _Request, allow_mapped: bool, reuse: bool) -> CacheLease:
+        """Plan a route (waiting for builds in flight it should reuse), carry it out, count the request once."""
         n = len(req.ids)
-        ns = self._exact_ns(req.info)
         if not reuse:
             computed = self._compute(req, req.ids, None, 0, req.tail)
             self.pool.stats.misses += 1
             return CacheLease(req.member, n, computed.cache, "exact", 0, n)
-        base, base_len = self.pool.longest_prefix(ns, req.ids, pin=True)
-        if base is not None:
-            req.pinned.append(base)
-        for _ in range(8):  # a longer prefix being built right now (here or on a mapping source): wait for it
-            if base is not None and base_len == n:
-                break
-            flight = self._inflight_prefix(req, base_len, allow_mapped and not req.gate.force_reprefill)
-            if flight is None:
-                break
-            t0 = time.perf_counter()
-            flight.done.wait()
-            req.step(CacheStep(step="join", member=req.member, tokens=len(flight.ids), seconds=time.perf_counter() - t0,
-                               detail={"waited_for": flight.ns.kind, "prefix_of": len(flight.ids)}))
-            base, base_len = self.pool.longest_prefix(ns, req.ids, pin=True)
-            if base is not None:
-                req.pinned.append(base)
-        if base is not None and base_len == n:
-            return self._hit(req, base, "exact")
-        self.pool.stats.misses += 1
+        mapped_ok = allow_mapped and not req.gate.force_reprefill
+        route, flight = self._plan_and_join(req, mapped_ok)
         refused: str | None = None
-        if allow_mapped and req.gate.force_reprefill:
+        lease: CacheLease | None = None
+        if isinstance(route, (Map, Extend, Exact)) and (isinstance(route, Map) or route.mapped):
+            lease, refused = self._carry_out_mapped(req, route, flight)
+            if lease is None:  # refused: the member's own exact route, planned afresh (a shadow may have built it)
+                route, flight = self._plan_and_join(req, False)
+        elif allow_mapped and req.gate.force_reprefill and not isinstance(route, Exact):
             refused = "the gate policy forces re-prefill"
-        elif allow_mapped and n >= 3:
-            option = self._mapped_option(req, base_len)
-            if option is not None:
-                lease, refused = self._try_mapped(req, option)
-                if lease is not None:
-                    return lease
-        if refused is not None:  # a shadow sample may have just built it
-            base, base_len = self.pool.longest_prefix(ns, req.ids, pin=True)
-            if base is not None:
-                req.pinned.append(base)
-        if base is not None and base_len == n:
-            entry, joined = base, True
-        else:
-            entry, joined = self._exact_entry(req, ns, base, base_len)
-        if refused is not None:
-            req.step(CacheStep(step="fallback", member=req.member, tokens=n, reason=refused))
-            log.info("cache_fallback", member=req.member, reason=refused)
-        path: CachePath = "reprefilled" if refused is not None else "exact"
-        return self._lease(req, entry, path, reused=base_len if not joined else n, fallback=refused,
-                           source=self._last_source(req) if refused else None, gates=req.decisions)
+        if lease is None:
+            assert isinstance(route, (Exact, Extend, Prefill)) and not (isinstance(route, (Exact, Extend)) and route.mapped)
+            lease = self._carry_out_exact(req, route, flight, refused)
+        stats = self.pool.stats
+        stats.hits, stats.misses = stats.hits + lease.hit, stats.misses + (not lease.hit)
+        stats.joins += any(step.step == "join" for step in req.steps)
+        return lease
 
-    def _inflight_prefix(self, req: _Request, have: int, mapped: bool) -> _Flight | None:
-        """A build in flight whose tokens share a prefix with the request longer (by `min_mapped_tokens`) than
-        what is cached: on this member, or on a member this one can map from. Concurrent requests about one
-        document (with different questions, or on different members) then prefill it once, not once each."""
-        spaces = {self._exact_ns(req.info)}
-        if mapped:
-            for member in self._sources_for(req):
-                spaces.add(self._exact_ns(self.executor.info(member)))
-        need = have + self.policy.min_mapped_tokens
-        best, best_len = None, 0
-        with self._flight_lock:
-            flights = [f for f in self._flights.values() if f.ns in spaces and not f.done.is_set()]
-        for flight in flights:
-            common = common_prefix(flight.ids, req.ids)
-            if common >= need and common > best_len:
-                best, best_len = flight, common
-        return best
+    def _plan_and_join(self, req: _Request, mapped_ok: bool) -> tuple[Route, _Flight | None]:
+        """A route that is not a `Join`: every build it names to wait for is waited for, then the plan is redone."""
+        while True:
+            route, flight = self._plan(req, mapped_ok)
+            if not isinstance(route, Join):
+                return route, flight
+            t0 = time.perf_counter()
+            waited: _Flight = route.flight
+            waited.done.wait()
+            whole = waited.ids == req.ids and waited.member_ns == self._exact_ns(req.info)
+            if waited.entry is not None and whole:
+                req.joined.add(waited.entry.id)
+            req.step(CacheStep(step="join", member=req.member, tokens=route.tokens,
+                               reused_tokens=len(req.ids) if whole else 0, seconds=time.perf_counter() - t0,
+                               detail={"waited_for": "mapped" if route.mapped else "exact", "prefix_of": route.tokens,
+                                       "on": route.member}))
+
+    def _plan(self, req: _Request, mapped_ok: bool) -> tuple[Route, _Flight | None]:
+        """`plan_route` over the pool and the builds in flight, and the build it plans registered, atomically.
+
+        Looking up the builds in flight and registering this request's own happen under one lock, so of
+        concurrent requests over one document exactly one builds it and the others wait for it (on this
+        member) or for it then map it (on a member with a mapping from the builder's). The entries the
+        route reuses are pinned before the lock is let go.
+        """
+        ns = self._exact_ns(req.info)
+        sources = self._sources_for(req) if mapped_ok and len(req.ids) >= 3 else []
+        spaces = {self._exact_ns(self.executor.info(m)): m for m in sources}
+        variant = self._variant(req)
+        with self._flight_lock, self.pool.held_still():
+            held = self._held(req, ns, sources, variant if mapped_ok else None)
+            flights = []
+            for f in self._flights:
+                if f.member_ns == ns and (f.variant is None or f.variant == variant):
+                    flights.append(InFlight(f, req.member, f.ids, f.variant is not None))
+                elif f.variant is None and f.member_ns in spaces:
+                    flights.append(InFlight(f, spaces[f.member_ns], f.ids))
+            route = plan_route(RouteRequest(req.member, req.ids, mapped_ok, self.policy.min_mapped_tokens), held,
+                               sources, flights)
+            reused = {Exact: "entry", Extend: "base", Map: "source_entry"}.get(type(route))
+            if reused is not None:
+                entry: Entry = getattr(route, reused)
+                self.pool.pin(entry)
+                req.pinned.append(entry)
+            if isinstance(route, (Join, Exact)):
+                return route, None
+            mapped = isinstance(route, Map) or (isinstance(route, Extend) and route.mapped)
+            flight = _Flight(ns, req.ids, variant if mapped else None)
+            self._flights.add(flight)
+            return route, flight
+
+    def _held(self, req: _Request, ns: Namespace, sources: list[str], variant: str | None) -> list[Held]:
+        """What the pool holds for the request: its member's exact prefix, its usable mapped entries (when
+        `variant` is given), the exact prefixes of `sources`."""
+        out: list[Held] = []
+        entry, length = self.pool.longest_prefix(ns, req.ids)
+        if entry is not None:
+            out.append(Held(entry, req.member, length))
+        if variant is None:
+            return out
+        for space in self.pool.namespaces_for(req.info.fingerprint):
+            if space.kind != "mapped" or space.variant != variant:
+                continue
+            current = self._loaded_mappings.get((space.source_fingerprint or "", req.info.fingerprint))
+            if current is None or current.manifest.tensors.sha256 != space.mapping_id:
+                continue  # a stale mapping never serves
+            entry, length = self.pool.longest_prefix(space, req.ids)
+            if entry is not None:
+                out.append(Held(entry, req.member, length, mapped=True))
+        for member in sources:
+            entry, length = self.pool.longest_prefix(self._exact_ns(self.executor.info(member)), req.ids)
+            if entry is not None:
+                out.append(Held(entry, member, length))
+        return out
 
     def _sources_for(self, req: _Request) -> list[str]:
         """Members whose exact caches may be mapped into the request's member."""
@@ -373,27 +403,48 @@ class FamilyCache:
             out.append(member)
         return out
 
-    def _hit(self, req: _Request, entry: Entry, path: CachePath) -> CacheLease:
-        self.pool.stats.hits += 1
+    def _carry_out_exact(self, req: _Request, route: Exact | Extend | Prefill, flight: _Flight | None,
+                         refused: str | None) -> CacheLease:
+        """The member's own exact cache: reused whole, or computed over a prefix of it or from scratch."""
         n = len(req.ids)
-        req.step(CacheStep(step="hit", member=req.member, tokens=n, reused_tokens=n,
-                           detail={"entry_tokens": len(entry.tokens), "kind": entry.namespace.kind}))
-        lease = self._lease(req, entry, path, reused=n)
-        lease.hit = True
+        if isinstance(route, Exact):
+            entry, reused = route.entry, n
+        else:
+            assert flight is not None
+            base, start = (route.base, route.start) if isinstance(route, Extend) else (None, 0)
+            entry, reused = self._run_flight(req, flight, self._exact_build(req, flight.member_ns, base, start)), start
+        if refused is not None:
+            req.step(CacheStep(step="fallback", member=req.member, tokens=n, reason=refused))
+            log.info("cache_fallback", member=req.member, reason=refused)
+            return self._lease(req, entry, "reprefilled", reused=reused, fallback=refused,
+                               source=self._last_source(req), gates=req.decisions)
+        if isinstance(route, Exact):
+            return self._hit(req, entry, "exact")
+        return self._lease(req, entry, "exact", reused=reused, gates=req.decisions)
+
+    def _hit(self, req: _Request, entry: Entry, path: CachePath, gates: list[GateDecision] | None = None) -> CacheLease:
+        """A lease on an entry holding every token: a hit, unless the entry is a build this request waited for."""
+        n = len(req.ids)
+        hit = entry.id not in req.joined
+        if hit:
+            req.step(CacheStep(step="hit", member=req.member, tokens=n, reused_tokens=n,
+                               detail={"entry_tokens": len(entry.tokens), "kind": entry.namespace.kind}))
+        lease = self._lease(req, entry, path, reused=n, gates=gates)
+        lease.hit = hit
         return lease
 
     def _lease(self, req: _Request, entry: Entry, path: CachePath, *, reused: int, fallback: str | None = None,
                source: str | None = None, gates: list[GateDecision] | None = None) -> CacheLease:
         n = len(req.ids)
-        cache = entry.cache if len(entry.tokens) == n else self.executor.run([req.member], _truncate_op, entry.cache, n)
+        cache = entry.cache if len(entry.tokens) == n else self.executor.truncate(req.member, entry.cache, n)
         self.pool.pin(entry)
-        meta = entry.meta
+        mapped = entry.mapped if path == "mapped" else None
         return CacheLease(
             member=req.member, tokens=n, cache=cache, path=path, reused_tokens=min(reused, n),
-            computed_tokens=max(0, n - reused), source=source or meta.get("source"),
-            mapping=meta.get("mapping") if path == "mapped" else None, gates=list(gates or []),
-            fallback_reason=fallback, repair=meta.get("repair") if path == "mapped" else None,
-            tail_tokens=meta.get("tail", 0) if path == "mapped" else 0, entry_id=entry.id,
+            computed_tokens=max(0, n - reused), source=source or (entry.mapped.source if entry.mapped else None),
+            mapping=mapped.mapping_path if mapped else None, gates=list(gates or []), fallback_reason=fallback,
+            repair=mapped.repair.model_dump() if mapped and mapped.repair else None,
+            tail_tokens=mapped.tail if mapped else 0, entry_id=entry.id,
             _release=lambda: self._unpin(entry),
         )
 
@@ -418,29 +469,29 @@ class FamilyCache:
         return (member == self.source and repair is not None and repair.budget > 0
                 and (repair.layer_share > 0 or bool(repair.blocks)))
 
-    def _exact_entry(self, req: _Request, ns: Namespace, base: Entry | None, base_len: int,
-                     ids: tuple[int, ...] | None = None) -> tuple[Entry, bool]:
-        """The exact entry for `ids` (default: the request's) on the member: built once however many ask."""
+    def _exact_build(self, req: _Request, ns: Namespace, base: Entry | None, base_len: int,
+                     ids: tuple[int, ...] | None = None) -> Callable[[], Entry]:
+        """How to build the exact entry of `ids` (default: the request's) on the member over `base`'s first tokens."""
         ids = ids or req.ids
 
         def build() -> Entry:
             start = base_len if base is not None and base_len < len(ids) else 0
             hidden = self._wants_hidden(req.member, req.repair) and (start == 0 or (base is not None and base.hidden))
-            computed = self._compute(req, ids, base.cache if start else None, start, req.tail,
+            computed = self._compute(req, ids, base.cache if start and base is not None else None, start, req.tail,
                                      base.hidden if start and base is not None else None, bool(hidden))
             if start == 0 and len(ids) >= 64:
                 self._rates[req.member] = computed.seconds / len(ids)
             return Entry(ns, req.member, ids, computed.cache, self._nbytes(computed.cache, computed.logits,
                                                                              computed.hidden),
                          tail_logits=computed.logits, logits_end=len(ids), hidden=computed.hidden,
-                         meta={"seconds": computed.seconds})
+                         seconds=computed.seconds)
 
-        return self._single_flight(req, ns, ids, build)
+        return build
 
     def _compute(self, req: _Request, ids: Sequence[int], base: Any, start: int, keep: int,
                  base_hidden: dict[int, Any] | None = None, want_hidden: bool = False, over: str | None = None) -> Any:
         """ids[start:] computed exactly on the member over `base`, charged to the request and reported as a step."""
-        computed = self.executor.run([req.member], _compute_op, list(ids), base, start, keep, base_hidden, want_hidden)
+        computed = self.executor.run([req.member], compute_tokens, list(ids), base, start, keep, base_hidden, want_hidden)
         req.prefill_s += computed.seconds
         req.step(CacheStep(step="prefill", member=req.member, tokens=len(ids) - start, reused_tokens=start,
                            seconds=computed.seconds, detail={"over": over} if over else {}))
@@ -451,22 +502,26 @@ class FamilyCache:
 
     def _single_flight(self, req: _Request, ns: Namespace, ids: tuple[int, ...],
                        build: Callable[[], Entry]) -> tuple[Entry, bool]:
-        key = (ns, token_hash(ids))
+        """Build the exact entry of `ids` outside a planned route (a shadow's reference): or wait for its build."""
         with self._flight_lock:
-            flight = self._flights.get(key)
+            flight = next((f for f in self._flights if f.member_ns == ns and f.variant is None and f.ids == ids), None)
             owner = flight is None
-            if owner:
-                flight = self._flights[key] = _Flight(ns, ids)
-        assert flight is not None
-        if not owner:
-            flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            assert flight.entry is not None
-            self.pool.pin(flight.entry)
-            req.pinned.append(flight.entry)
-            req.step(CacheStep(step="join", member=req.member, tokens=len(ids), reused_tokens=len(ids)))
-            return flight.entry, True
+            if flight is None:
+                flight = _Flight(ns, ids, None)
+                self._flights.add(flight)
+        if owner:
+            return self._run_flight(req, flight, build), False
+        flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+        assert flight.entry is not None
+        self.pool.pin(flight.entry)
+        req.pinned.append(flight.entry)
+        req.step(CacheStep(step="join", member=req.member, tokens=len(ids), reused_tokens=len(ids)))
+        return flight.entry, True
+
+    def _run_flight(self, req: _Request, flight: _Flight, build: Callable[[], Entry]) -> Entry:
+        """Build the registered `flight`'s entry, store it (pinned for the request), and let its waiters go."""
         try:
             entry = build()
             if self.policy.store:
@@ -478,14 +533,18 @@ class FamilyCache:
                 entry.pins += 1
             req.pinned.append(entry)
             flight.entry = entry
-            return entry, False
+            return entry
         except BaseException as exc:
             flight.error = exc
             raise
         finally:
-            with self._flight_lock:
-                self._flights.pop(key, None)
-            flight.done.set()
+            self._land(flight)
+
+    def _land(self, flight: _Flight) -> None:
+        """The flight is over (built, failed or given up): no new request finds it, its waiters plan again."""
+        with self._flight_lock:
+            self._flights.discard(flight)
+        flight.done.set()
 
     # -- mapped ---------------------------------------------------------------------------------
     def _variant(self, req: _Request) -> str:
@@ -497,33 +556,6 @@ class FamilyCache:
             return f"tail={req.tail};{repair.model_dump_json()};gate={gate}"
         return f"tail={req.tail};{repair.model_dump_json()}"
 
-    def _mapped_option(self, req: _Request, exact_len: int) -> tuple[str, Entry, int] | None:
-        """The best cross-member start: ('entry', a mapped entry of this member, its match) or ('source', ...)."""
-        need = exact_len + self.policy.min_mapped_tokens
-        best: tuple[str, Entry, int] | None = None
-        variant = self._variant(req)
-        for ns in self.pool.namespaces_for(req.info.fingerprint):
-            if ns.kind != "mapped" or ns.variant != variant:
-                continue
-            current = self._loaded_mappings.get((ns.source_fingerprint or "", req.info.fingerprint))
-            if current is None or current.manifest.tensors.sha256 != ns.mapping_id:
-                continue
-            entry, length = self.pool.longest_prefix(ns, req.ids, pin=True)
-            if entry is None:
-                continue
-            req.pinned.append(entry)
-            if length >= need and (best is None or length > best[2]):
-                best = ("entry", entry, length)
-        for member in self._sources_for(req):
-            info = self.executor.info(member)
-            entry, length = self.pool.longest_prefix(self._exact_ns(info), req.ids, pin=True)
-            if entry is None:
-                continue
-            req.pinned.append(entry)
-            if length >= max(need, 3) and (best is None or length > best[2]):
-                best = ("source", entry, length)
-        return best
-
     def _costs_dir(self) -> str | None:
         """Where measured pass costs are kept: beside the mappings (None: a store without a folder)."""
         directory = getattr(self.mappings, "directory", None)
@@ -534,7 +566,7 @@ class FamilyCache:
         key = (s.fingerprint, t.fingerprint)
         if key not in self._loaded_mappings:
             try:
-                mapping, calibrated = self.executor.run([source, target], _mapping_op, self.mappings, cancel)
+                mapping, calibrated = self.executor.load_mapping(source, target, self.mappings, cancel)
             except Exception as exc:  # a missing, stale, corrupt or refused mapping is a gate failure
                 if cancel is not None and cancel.is_set():
                     raise  # the request was cancelled: stop, do not fall back
@@ -545,48 +577,52 @@ class FamilyCache:
             self._loaded_mappings[key] = mapping
         return self._loaded_mappings[key]
 
-    def _try_mapped(self, req: _Request, option: tuple[str, Entry, int]) -> tuple[CacheLease | None, str | None]:
-        """A gated mapped lease, or (None, why it was refused)."""
-        kind, start_entry, length = option
-        source = start_entry.member if kind == "source" else start_entry.meta["source"]
-        s_info = self.executor.info(source)
-        pair = (s_info.fingerprint, req.info.fingerprint)
-        if self.breaker.is_open(pair):
-            return None, "circuit breaker open for this pair after shadow failures"
+    def _carry_out_mapped(self, req: _Request, route: Map | Extend | Exact,
+                          flight: _Flight | None) -> tuple[CacheLease | None, str | None]:
+        """A gated mapped lease, or (None, why it was refused); a refused route's flight is landed empty."""
+        if isinstance(route, Map):
+            source = route.source
+        else:
+            source = _mapped_of(route.entry if isinstance(route, Exact) else route.base).source
+        pair = (self.executor.info(source).fingerprint, req.info.fingerprint)
         try:
-            mapping = self._mapping(source, req.member, req.cancel)
-            offline = self._offline(req, mapping)
-            if offline is not None and not offline.passed:  # no map, repair or probe changes the manifest
-                req.decisions.append(offline)
-                self._record(req, [offline], source)
-                return None, f"offline gate failed: {offline.reason}"
-            if kind == "entry":
-                entry, joined = self._extend_mapped(req, start_entry, length)
-            else:
-                entry, joined = self._map_entry(req, source, start_entry, length, mapping)
-        except _MappingFailed as exc:
-            req.decisions.append(GateDecision(False, "mapping", str(exc)))
-            req.step(CacheStep(step="gate", member=req.member, passed=False, reason=f"mapping: {exc}", source=source))
-            return None, f"mapping gate failed: {exc}"
+            if self.breaker.is_open(pair):
+                return None, "circuit breaker open for this pair after shadow failures"
+            try:
+                mapping = self._mapping(source, req.member, req.cancel)
+                offline = self._offline(req, mapping)
+                if offline is not None and not offline.passed:  # no map, repair or probe changes the manifest
+                    req.decisions.append(offline)
+                    self._record(req, [offline], source)
+                    return None, f"offline gate failed: {offline.reason}"
+                if isinstance(route, Exact):
+                    entry = route.entry
+                elif isinstance(route, Extend):
+                    assert flight is not None
+                    entry = self._run_flight(req, flight, self._extend_mapped(req, route.base, route.start))
+                else:
+                    assert flight is not None
+                    entry = self._run_flight(req, flight, self._map_build(req, source, route.source_entry,
+                                                                          route.length, mapping))
+            except _MappingFailed as exc:
+                req.decisions.append(GateDecision(False, "mapping", str(exc)))
+                req.step(CacheStep(step="gate", member=req.member, passed=False, reason=f"mapping: {exc}",
+                                   source=source))
+                return None, f"mapping gate failed: {exc}"
+        finally:
+            if flight is not None and not flight.done.is_set():
+                self._land(flight)  # refused before building: its waiters plan again
         decisions = self._gates(req, entry, pair, offline)
         req.decisions.extend(decisions)
         failed = [d for d in decisions if not d.passed]
         if failed:
-            return None, f"{failed[0].gate} gate failed: {failed[0].reason}" + _ladder_note(entry.meta.get("repair"))
-        if joined:
-            reused = len(req.ids)
-        elif kind == "entry":
-            reused = length
-        else:  # a fresh map: the sinks and the tail were recomputed, the rest was carried across
-            reused = entry.meta["mapped_tokens"] - entry.meta["tail"] - entry.meta.get("exact_sinks", 0)
-        if kind == "entry" and length == len(req.ids):
-            self.pool.stats.hits += 1
-            self.pool.stats.misses -= 1
-            req.step(CacheStep(step="hit", member=req.member, tokens=len(req.ids), reused_tokens=len(req.ids),
-                               detail={"entry_tokens": len(entry.tokens), "kind": "mapped"}))
-        lease = self._lease(req, entry, "mapped", reused=reused, gates=decisions, source=source)
-        lease.hit = kind == "entry" and length == len(req.ids)
-        return lease, None
+            repair = _mapped_of(entry).repair
+            note = repair.ladder.refusal_note() if repair is not None and repair.ladder is not None else ""
+            return None, f"{failed[0].gate} gate failed: {failed[0].reason}" + note
+        if isinstance(route, Exact):
+            return self._hit(req, entry, "mapped", gates=decisions), None
+        reused = route.start if isinstance(route, Extend) else _mapped_of(entry).carried_tokens
+        return self._lease(req, entry, "mapped", reused=reused, gates=decisions), None
 
     def _mapped_ns(self, req: _Request, source: str, mapping: Any) -> Namespace:
         s = self.executor.info(source)
@@ -594,7 +630,9 @@ class FamilyCache:
                          source_fingerprint=s.fingerprint, mapping_id=mapping.manifest.tensors.sha256,
                          mapping_version=mapping.manifest.mapping_version, variant=self._variant(req))
 
-    def _map_entry(self, req: _Request, source: str, src_entry: Entry, length: int, mapping: Any) -> tuple[Entry, bool]:
+    def _map_build(self, req: _Request, source: str, src_entry: Entry, length: int,
+                   mapping: Any) -> Callable[[], Entry]:
+        """How to map `source`'s first `length` tokens into the member, repair them and compute the rest."""
         ns = self._mapped_ns(req, source, mapping)
         prefix = req.ids[:length]
 
@@ -605,7 +643,7 @@ class FamilyCache:
                     and src_entry.tail_logits.shape[0] >= tail:
                 src_logits = src_entry.tail_logits[-tail:]
             else:
-                computed = self.executor.run([source], _tail_op, src_entry.cache, src_ids, length, tail)
+                computed = self.executor.run([source], tail_logits, src_entry.cache, src_ids, length, tail)
                 src_logits = computed.logits
             repair = req.repair
             hidden = src_entry.hidden  # the ops cut it to the mapped positions where it lives
@@ -617,16 +655,16 @@ class FamilyCache:
                     repair = repair.model_copy(update={"layer_share": 0.0, "blocks": None})
             from mappings.metrics import tail_nll
 
-            src_cache = self.executor.run([source], _truncate_op, src_entry.cache, length)
+            src_cache = self.executor.truncate(source, src_entry.cache, length)
             tail_ids = prefix[-tail:]
             # at least the sinks the map was fitted without (it is only good with them), never into the tail
             wanted = max(self.policy.sink_tokens, _fitted_sinks(mapping))
             sinks = min(wanted, max(0, length - tail))
             costs = None
             if repair is not None and (repair.adaptive or repair.budget > 0) and self.policy.repair_costs == "measured":
-                costs = self.executor.run([req.member], _costs_op, self._costs_dir())
+                costs = self.executor.run([req.member], pass_costs, self._costs_dir())
             try:
-                ref = self.executor.run([source, req.member], _reference_op, self.mappings, mapping, tail)
+                ref = self.executor.probe_reference(source, req.member, self.mappings, mapping, tail)
                 check = ProbeCheck(tuple(tail_ids), src_logits, tail_nll(src_logits, _tensor(tail_ids)) + ref.offset_nll,
                                    ref.source_kl)
                 if repair is not None and repair.adaptive:
@@ -640,59 +678,60 @@ class FamilyCache:
                 if repair is not None and repair.adaptive:
                     importance, rank_s = None, 0.0
                     if repair.scattered_share > 0 and repair.max_budget > 0:  # ranked where the source lives
-                        importance, rank_s = self.executor.run([source], _importance_op, src_cache, src_ids,
+                        importance, rank_s = self.executor.run([source], source_importance, src_cache, src_ids,
                                                                repair.probe_tokens)
-                    mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, importance, check, sinks=sinks,
-                                                        costs=costs)
+                    mapped, summary = self.executor.map_cache(req.member, mapping, src_cache, src_ids, tail=tail,
+                                                              repair=repair, source_hidden=hidden,
+                                                              importance=importance, probe=check, sinks=sinks,
+                                                              costs=costs)
                     if summary is not None and importance is not None:
-                        summary.setdefault("seconds", {})["rank"] = rank_s
-                elif repair is not None and repair.budget > 0 and repair.scattered_share > 0:
-                    mapped, summary = self.executor.run([source, req.member], _map_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, sinks=sinks, costs=costs)
+                        summary = summary.with_rank_seconds(rank_s)
                 else:
-                    mapped, summary = self.executor.run([req.member], _map_target_op, mapping, src_cache, src_ids,
-                                                        tail, repair, hidden, sinks=sinks, costs=costs)
+                    # a fixed scattered-token repair ranks positions by the source model's attention
+                    reads_source = repair is not None and repair.budget > 0 and repair.scattered_share > 0
+                    mapped, summary = self.executor.map_cache(req.member, mapping, src_cache, src_ids, tail=tail,
+                                                              repair=repair, source_hidden=hidden,
+                                                              source=source if reads_source else None,
+                                                              sinks=sinks, costs=costs)
             except Exception as exc:  # any failure to map (bad tensors, I/O, shapes) is a gate failure
                 raise _MappingFailed(f"mapping {source} -> {req.member} failed: {_why(exc)}") from exc
-            probe = {**check.metrics(mapped.logits), "reference_source_kl": ref.source_kl,
-                     "calibrated_mapped_excess": ref.mapped_excess_nll}
+            measured = check.metrics(mapped.logits)
+            probe = ProbeReading(measured["probe_nll"], measured["reference_nll"], measured["probe_source_kl"],
+                                 ref.source_kl, ref.mapped_excess_nll)
             req.map_s += mapped.seconds
             req.step(CacheStep(step="map", member=req.member, source=source, tokens=length, seconds=mapped.seconds,
                                detail={"mapping": str(getattr(mapping, "path", "") or ""), "tail": tail,
                                        "exact_sinks": sinks}))
             if summary is not None:
-                req.step(CacheStep(step="repair", member=req.member, source=source, tokens=summary.get("tokens", 0),
-                                   seconds=sum(summary.get("seconds", {}).values()), detail=summary))
+                req.step(CacheStep(step="repair", member=req.member, source=source, tokens=summary.tokens,
+                                   seconds=summary.total_seconds, detail=summary.model_dump()))
             cache, logits = mapped.cache, mapped.logits
             extra = len(req.ids) - length
             if extra:
                 cache = self._compute(req, req.ids, cache, length, 0, over="mapped").cache
-            meta = {"source": source, "mapping": str(mapping.path) if getattr(mapping, "path", None) else None,
-                    "probe": probe, "repair": summary, "tail": tail, "mapped_tokens": length,
-                    "exact_sinks": sinks,
-                    "seconds": mapped.seconds}
+            made = MappedFrom(source=source, source_fingerprint=self.executor.info(source).fingerprint,
+                              mapping_id=mapping.manifest.tensors.sha256,
+                              mapping_path=str(mapping.path) if getattr(mapping, "path", None) else None,
+                              mapped_tokens=length, tail=tail, exact_sinks=sinks, probe=probe, repair=summary,
+                              seconds=mapped.seconds)
             return Entry(ns, req.member, req.ids, cache, self._nbytes(cache, logits), tail_logits=logits,
-                         logits_end=length, meta=meta)
+                         logits_end=length, mapped=made, seconds=mapped.seconds)
 
-        return self._single_flight(req, ns, req.ids, build)
+        return build
 
-    def _extend_mapped(self, req: _Request, base: Entry, length: int) -> tuple[Entry, bool]:
-        """An earlier map of a prefix on this member, extended exactly with the remaining tokens."""
-        if length == len(req.ids):
-            return base, True
+    def _extend_mapped(self, req: _Request, base: Entry, length: int) -> Callable[[], Entry]:
+        """How to extend an earlier map of a prefix on this member exactly with the remaining tokens."""
 
         def build() -> Entry:
             more = self._compute(req, req.ids, base.cache, length, 0, over="mapped")
-            meta = dict(base.meta, mapped_tokens=min(length, base.meta.get("mapped_tokens", length)))
+            made = _mapped_of(base)
+            made = replace(made, mapped_tokens=min(length, made.mapped_tokens))
             tail_logits = base.tail_logits if base.logits_end <= length else None
             return Entry(base.namespace, req.member, req.ids, more.cache, self._nbytes(more.cache, tail_logits),
                          tail_logits=tail_logits, logits_end=base.logits_end if tail_logits is not None else 0,
-                         meta=meta)
+                         mapped=made, seconds=more.seconds)
 
-        entry, joined = self._single_flight(req, base.namespace, req.ids, build)
-        entry.meta.setdefault("reused_from_map", length)
-        return entry, joined
+        return build
 
     # -- gates ----------------------------------------------------------------------------------
     def _offline(self, req: _Request, mapping: Any) -> GateDecision | None:
@@ -717,16 +756,15 @@ class FamilyCache:
         """The gates on a mapped `entry`: the offline decision taken before the map (it passed), then the rest."""
         policy = req.gate
         decisions: list[GateDecision] = [offline] if offline is not None else []
+        made = _mapped_of(entry)
         if policy.probe is not None:
-            probe = entry.meta.get("probe")
-            if not probe:
+            if made.probe is None:
                 decisions.append(GateDecision(False, "probe", "no probe measurement (the prefix is shorter than the probe)"))
             else:
-                decisions.append(decide_probe(policy.probe, probe["probe_nll"], probe["reference_nll"],
-                                              probe["probe_source_kl"], probe["reference_source_kl"]))
+                decisions.append(made.probe.decide(policy.probe))
         if policy.shadow is not None and entry.tail_logits is not None and self.breaker.should_shadow(policy.shadow):
             decisions.append(self._shadow(req, entry, pair))
-        self._record(req, decisions, entry.meta.get("source"))
+        self._record(req, decisions, made.source)
         return decisions
 
     def _shadow(self, req: _Request, entry: Entry, pair: tuple[str, str]) -> GateDecision:
@@ -741,11 +779,12 @@ class FamilyCache:
         base, base_len = self.pool.longest_prefix(ns, prefix, pin=True)
         if base is not None:
             req.pinned.append(base)
-        exact, _ = self._exact_entry(req, ns, base, base_len if base_len < end else 0, ids=prefix)
+        exact, _ = self._single_flight(req, ns, prefix,
+                                       self._exact_build(req, ns, base, base_len if base_len < end else 0, ids=prefix))
         if exact.tail_logits is not None and exact.logits_end == end and exact.tail_logits.shape[0] >= tail:
             reference = exact.tail_logits[-tail:]
         else:
-            reference = self.executor.run([req.member], _tail_op, exact.cache, list(prefix), end, tail).logits
+            reference = self.executor.run([req.member], tail_logits, exact.cache, list(prefix), end, tail).logits
         kl = mean_kl(reference, entry.tail_logits)
         passed = kl <= policy.max_kl
         opened = self.breaker.record(pair, passed, policy)
@@ -768,77 +807,13 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _ladder_note(summary: dict[str, Any] | None) -> str:
-    """What an adaptive repair tried before its cache was refused, for the fallback reason ('' for none)."""
-    ladder = (summary or {}).get("ladder")
-    if not ladder or ladder.get("passed") is not None:  # no ladder, or it passed and another gate refused
-        return ""
-    tried = [f"{s['budget']:.0%}" for s in ladder["steps"] if not s.get("skipped")]
-    why = f" ({ladder['stopped']})" if ladder.get("stopped") else ""
-    return (f"; repair ladder tried {', '.join(tried)} without a pass{why}, spending {ladder['spent']:.1%} of a "
-            f"prefill ({ladder['recomputed']} positions recomputed)")
+def _mapped_of(entry: Entry) -> MappedFrom:
+    """What a mapped entry knows of how it was made (an entry reached by a mapped route always has it)."""
+    assert entry.mapped is not None, "a mapped route reached an exact entry"
+    return entry.mapped
 
 
 def _tensor(ids: Sequence[int]) -> Any:
     import torch
 
     return torch.tensor(list(ids), dtype=torch.long)
-
-
-# Ops are module-level so a remote executor can ship them; they take the held models first.
-def _compute_op(model, ids, base, start, keep, base_hidden, want_hidden):
-    from orchestra.familycache._ops import compute_tokens
-
-    return compute_tokens(model, ids, base, start, keep, base_hidden, want_hidden)
-
-
-def _tail_op(model, cache, ids, end, tail):
-    from orchestra.familycache._ops import tail_logits
-
-    return tail_logits(model, cache, ids, end, tail)
-
-
-def _truncate_op(model, cache, length):
-    from orchestra.familycache._ops import truncate
-
-    return truncate(model, cache, length)
-
-
-def _map_op(source, target, mapping, src_cache, ids, tail, repair, hidden, sinks=0, costs=None):
-    from orchestra.familycache._ops import map_into
-
-    return map_into(source, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)), sinks=sinks,
-                    costs=costs)
-
-
-def _map_target_op(target, mapping, src_cache, ids, tail, repair, hidden, importance=None, probe=None, sinks=0,
-                   costs=None):
-    from orchestra.familycache._ops import map_into
-
-    return map_into(None, target, mapping, src_cache, ids, tail, repair, _cut_hidden(hidden, len(ids)),
-                    importance=importance, probe=probe, sinks=sinks, costs=costs)
-
-
-def _costs_op(target, directory):
-    from orchestra.familycache._ops import pass_costs
-
-    return pass_costs(target, directory)
-
-
-def _importance_op(source, cache, ids, probe_tokens):
-    from orchestra.familycache._ops import source_importance
-
-    return source_importance(source, cache, ids, probe_tokens)
-
-
-def _cut_hidden(hidden, length):
-    """The source's hidden states of the first `length` positions (views), or None."""
-    return {i: h[:, :length] for i, h in hidden.items()} if hidden is not None else None
-
-
-def _mapping_op(source, target, store, cancel=None):
-    return store.get(source, target, cancel=cancel)
-
-
-def _reference_op(source, target, store, mapping, tail):
-    return store.probe_reference(source, target, mapping, tail)

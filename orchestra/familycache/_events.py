@@ -15,7 +15,8 @@ class CacheStep(BaseModel):
     """One step taken to serve a request (a typed event; the pipeline re-emits it with its run id)."""
 
     step: StepKind
-    """hit: served from a cached prefix with no compute; join: waited for an identical build in flight;
+    """hit: served from a cached prefix with no compute; join: waited for a build in flight (of the same
+    tokens, or of a longer prefix to extend or map);
     prefill: tokens computed exactly on the member; map: another member's cache carried across;
     repair: part of a mapped cache recomputed; gate: a gate's decision; shadow: a sampled re-prefill;
     fallback: a mapped cache refused, re-prefilled instead; evict: an entry dropped for the budget."""

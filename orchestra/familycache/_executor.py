@@ -2,9 +2,13 @@
 
 FamilyCache never calls a model itself. It hands a module-level function (an *op*, see `_ops.py`)
 and its arguments to an `Executor`, which runs it with exclusive use of the named members' models.
-`LocalExecutor` runs ops in the calling thread under each model's lock; a remote executor
-(`orchestra.familycache._ray.RayExecutor`: Ray actors, one per member and replica) runs the same
-picklable ops where the weights live and returns handles (ObjectRefs) instead of caches.
+The Executor is the whole contract: FamilyCache, the scheduler and the server call only its methods.
+The abstract ones are what any executor must do; the rest (truncating a cache, loading a mapping,
+the probe reference, mapping a cache, streaming an op, the in-process model) have defaults here
+that run the op through `run`, which is exactly what `LocalExecutor` needs. A remote executor
+(`orchestra.familycache._ray.RayExecutor`: Ray actors, one per member and replica) overrides those it
+must do otherwise (two-model work split where each model lives, prefixes as views of a stored handle)
+and returns handles (ObjectRefs) instead of caches. `make_executor` (`_factory.py`) builds one by name.
 """
 
 from __future__ import annotations
@@ -15,17 +19,31 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from orchestra.errors import ExecutorError
+
 if TYPE_CHECKING:
+    import torch
+
+    from mappings.passcost import PassCosts
+    from mappings.repair import RepairPolicy
+    from mappings.repair_records import RepairSummary
+    from orchestra.familycache._ops import Computed
+    from orchestra.gates import ProbeCheck
+    from orchestra.mapstore import MappingStore, ProbeReference
+    from orchestra.pipeline import ExecutorSpec
     from orchestra.registry import LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["Executor", "LocalExecutor"]
 
 R = TypeVar("R")
 
+_STATES_LOCK = threading.Lock()
+
 
 class Executor(ABC):
     """Runs model work for a FamilyCache; every forward pass on a model goes through here."""
 
+    # -- what every executor must do ------------------------------------------------------------------------
     @abstractmethod
     def info(self, member: str) -> ModelInfo:
         """What is known about `member` without loading weights (fingerprint, RoPE, limits)."""
@@ -66,10 +84,98 @@ class Executor(ABC):
     def members(self) -> Sequence[str]:
         """Every member this executor can run."""
 
+    # -- what callers may ask, with in-process defaults -------------------------------------------------------
     @property
     def kind(self) -> str:
-        """What the run report calls this executor (``local``, ``ray``)."""
+        """What the run report calls this executor (``local``, ``ray``); for reports only, never to branch on."""
         return "local"
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the models live in this process: `model()` works and callers may decode beside a lease.
+
+        False for a remote executor, whose callers stream their work to the models instead (`stream`).
+        """
+        return True
+
+    @property
+    def registry(self) -> ModelRegistry:
+        """The ModelRegistry resolving members on this side (configs, tokenizers; weights only in process)."""
+        raise ExecutorError(f"{type(self).__name__} was not built over a ModelRegistry")
+
+    def model(self, member: str) -> LoadedModel:
+        """`member`'s loaded model in this process (to decode beside its caches); a remote executor refuses.
+
+        Callers take the model's lock per forward pass themselves, as agents do.
+        """
+        from orchestra.familycache._ops import held_model
+
+        return self.run([member], held_model)
+
+    def start(self) -> None:
+        """Acquire now what the first op would (a remote one: its cluster, actors, model loads), so failures
+        surface at startup; nothing in process."""
+        return None
+
+    def truncate(self, member: str, cache: Any, length: int) -> Any:
+        """The first `length` positions of `member`'s `cache` as a new cache; the given one is never modified."""
+        from orchestra.familycache._ops import truncate
+
+        return self.run([member], truncate, cache, length)
+
+    def load_mapping(self, source: str, target: str, store: MappingStore,
+                     cancel: threading.Event | None = None) -> tuple[Any, bool]:
+        """The mapping `source` -> `target` from `store`, and whether it was calibrated just now.
+
+        Holds both models (an on-demand calibration runs both); setting `cancel` stops a calibration.
+        """
+        from orchestra.familycache._ops import load_mapping
+
+        return self.run([source, target], load_mapping, store, cancel)
+
+    def probe_reference(self, source: str, target: str, store: MappingStore, mapping: Any,
+                        tail: int) -> ProbeReference:
+        """The pair's probe reference for `tail` trailing tokens (stored beside the mapping, else measured)."""
+        from orchestra.familycache._ops import probe_reference
+
+        return self.run([source, target], probe_reference, store, mapping, tail)
+
+    def map_cache(self, target: str, mapping: Any, source_cache: Any, ids: list[int], *, tail: int,
+                  repair: RepairPolicy | None, source_hidden: Any = None, source: str | None = None,
+                  importance: torch.Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
+                  costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
+        """`source_cache` (exactly the positions of `ids`) mapped onto `target`, repaired, its tail recomputed.
+
+        Returns the target's cache with the logits of its last `tail` positions and the repair summary
+        (`_ops.map_into` says what each argument does). `source` names the member whose model the repair
+        reads (a scattered-token repair without `importance`); None maps with the target alone.
+        """
+        from orchestra.familycache._ops import map_on_target, map_with_source
+
+        if source is None:
+            return self.run([target], map_on_target, mapping, source_cache, ids, tail, repair, source_hidden,
+                            importance, probe, sinks=sinks, costs=costs)
+        return self.run([source, target], map_with_source, mapping, source_cache, ids, tail, repair, source_hidden,
+                        sinks=sinks, costs=costs)
+
+    def stream(self, member: str, op: Callable[..., R], *args: Any, on_item: Callable[[Any], None],
+               cancel: threading.Event | None = None, placement: dict[str, Any] | None = None, **kwargs: Any) -> R:
+        """Run a streaming op on `member`; each item it emits reaches `on_item` as it is made; blocking, its result.
+
+        ``op(model, *args, emit=, cancel=, state=, **kwargs)`` takes the model's lock itself per forward
+        pass (so ops and other streams interleave with it); setting `cancel` stops it at its next item;
+        `state` is a scratch dict per member that outlives one call (a server's batch decoder). In process
+        (this default) it runs in the caller's thread and leaves `placement` alone; a remote executor runs
+        it where the model lives and fills `placement` with ``{"actor": ..., "node": ...}``.
+        """
+        return op(self.model(member), *args, emit=on_item, cancel=cancel or threading.Event(),
+                  state=self._stream_state(member), **kwargs)
+
+    def _stream_state(self, member: str) -> dict[str, Any]:
+        """`member`'s scratch dict for streamed ops (made on first use: subclasses need not call our __init__)."""
+        with _STATES_LOCK:
+            states: dict[str, dict[str, Any]] = self.__dict__.setdefault("_stream_states", {})
+            return states.setdefault(member, {})
 
     def nbytes(self, cache: Any, *extra: Any) -> int:
         """Bytes a cache an op returned holds, plus tensors kept beside it (the FamilyCache's byte budget)."""
@@ -85,30 +191,49 @@ class Executor(ABC):
         """Release what the executor holds (remote actors, placement groups); idempotent. Nothing, locally."""
         return None
 
+    # -- how make_executor builds one -------------------------------------------------------------------------
+    @classmethod
+    def from_spec(cls, registry: ModelRegistry, spec: ExecutorSpec | None = None, *,
+                  members: Sequence[str] | None = None, name: str = "pipeline",
+                  max_concurrency_per_device: int = 1) -> Executor:
+        """One built from a pipeline's or server's settings (`make_executor` calls it); each executor says how."""
+        raise ExecutorError(f"{cls.__name__} cannot be built from an executor spec: construct it directly")
+
 
 class LocalExecutor(Executor):
     """Models in this process (loaded on first use by a ModelRegistry), ops in the caller's thread."""
 
     def __init__(self, registry: ModelRegistry, *, max_concurrency_per_device: int = 1) -> None:
-        self.registry = registry
+        self._registry = registry
         self.max_concurrency_per_device = max_concurrency_per_device
         self._limiters: dict[str, Any] = {}
 
+    @classmethod
+    def from_spec(cls, registry: ModelRegistry, spec: ExecutorSpec | None = None, *,
+                  members: Sequence[str] | None = None, name: str = "pipeline",
+                  max_concurrency_per_device: int = 1) -> LocalExecutor:
+        """Every member of `registry`, in process (the spec's placement settings and `name` are Ray's)."""
+        return cls(registry, max_concurrency_per_device=max_concurrency_per_device)
+
+    @property
+    def registry(self) -> ModelRegistry:
+        return self._registry
+
     @property
     def members(self) -> Sequence[str]:
-        return list(self.registry.aliases)
+        return list(self._registry.aliases)
 
     def info(self, member: str) -> ModelInfo:
-        return self.registry.info(member)
+        return self._registry.info(member)
 
-    def load(self, member: str) -> LoadedModel:
-        return self.registry.load(member)
+    def model(self, member: str) -> LoadedModel:
+        return self._registry.load(member)
 
     def tokenizer(self, member: str) -> Any:
-        return self.registry.load(member).tokenizer
+        return self._registry.load(member).tokenizer
 
     def dtype(self, member: str) -> str:
-        return self.registry.dtype
+        return self._registry.dtype
 
     async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
                        upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None,
@@ -118,7 +243,7 @@ class LocalExecutor(Executor):
 
         from agents.streaming import run_agent
 
-        model = await anyio.to_thread.run_sync(self.registry.load, member)
+        model = await anyio.to_thread.run_sync(self._registry.load, member)
         limiter = self._limiters.get(model.device)
         if limiter is None:  # agents running at once per device (their steps still take the model lock)
             limiter = self._limiters[model.device] = anyio.CapacityLimiter(self.max_concurrency_per_device)
@@ -126,12 +251,12 @@ class LocalExecutor(Executor):
                                upstream=upstream, on_token=on_token, limiter=limiter, lock=model.lock)
 
     def lock(self, member: str) -> threading.Lock:
-        return self.registry.load(member).lock
+        return self._registry.load(member).lock
 
     @contextmanager
     def exclusive(self, members: Sequence[str]) -> Iterator[list[LoadedModel]]:
         """Hold the locks of `members` (each once, sorted by the lock's model path), yielding their models."""
-        models = [self.registry.load(m) for m in members]
+        models = [self._registry.load(m) for m in members]
         distinct = {id(m.lock): m for m in models}
         with ExitStack() as stack:
             for model in sorted(distinct.values(), key=lambda m: (str(m.info.path), m.info.alias)):

@@ -13,12 +13,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import threading
+
     import torch
 
+    from mappings.passcost import PassCosts
+    from mappings.repair import RepairPolicy
+    from mappings.repair_records import RepairSummary
+    from orchestra.gates import ProbeCheck
+    from orchestra.mapstore import MappingStore, ProbeReference
     from orchestra.registry import LoadedModel
 
-__all__ = ["Computed", "compute_tokens", "tail_logits", "map_into", "source_importance", "truncate", "nbytes_of",
-           "pass_costs"]
+__all__ = ["Computed", "compute_tokens", "tail_logits", "map_into", "map_on_target", "map_with_source",
+           "source_importance", "truncate", "load_mapping", "probe_reference", "held_model", "nbytes_of", "pass_costs"]
 
 
 @dataclass
@@ -88,7 +95,7 @@ def tail_logits(model: LoadedModel, cache: Any, ids: list[int], end: int, tail: 
 def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int],
              tail: int, repair: Any = None, source_hidden: dict[int, Any] | None = None,
              importance: Any = None, probe: Any = None, sinks: int = 0,
-             costs: Any = None) -> tuple[Computed, dict | None]:
+             costs: Any = None) -> tuple[Computed, RepairSummary | None]:
     """Map `source_cache` (exactly the positions of `ids`) onto `target`, repair it per policy, recompute the tail.
 
     Returns the target cache of len(ids) positions with the logits of its last `tail` positions
@@ -109,7 +116,7 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
     from mappings.cache_io import build_cache, cache_layers, sync_device, truncate_cache
 
     t0 = time.perf_counter()
-    summary = None
+    summary: RepairSummary | None = None
     with torch.no_grad():
         # the source's layers, not the target's: a member may have fewer layers than its source (distilled)
         mapped = map_cache(mapping.kv_map, truncate_cache(source_cache, len(ids)), target.model)
@@ -132,11 +139,51 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
                                    layer_scores=layer_scores(mapping.manifest), residual=mapping.residual,
                                    source_hidden=source_hidden, source=src_model, source_layers=src_layers,
                                    importance=importance, keep_logits=tail, costs=costs, exact=sinks)
-            full, logits, summary = build_cache(res.layers, target.model.config), res.logits, res.summary()
+            full, logits, summary = build_cache(res.layers, target.model.config), res.logits, res.record()
         else:
             logits, full = tail_recompute(target.model, mapped, _ids(target, ids), tail)
+    assert logits is not None  # both paths keep the tail's logits
     sync_device(target.device)
     return Computed(full, logits[0].float(), time.perf_counter() - t0), summary
+
+
+def map_on_target(target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int], tail: int,
+                  repair: RepairPolicy | None, source_hidden: dict[int, torch.Tensor] | None,
+                  importance: torch.Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
+                  costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
+    """`map_into` with the target alone (the source's hidden states cut to the mapped positions here, where they live)."""
+    return map_into(None, target, mapping, source_cache, ids, tail, repair, _cut_hidden(source_hidden, len(ids)),
+                    importance=importance, probe=probe, sinks=sinks, costs=costs)
+
+
+def map_with_source(source: LoadedModel, target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int],
+                    tail: int, repair: RepairPolicy | None, source_hidden: dict[int, torch.Tensor] | None,
+                    sinks: int = 0, costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
+    """`map_into` holding both models: a repair that reads the source model (scattered tokens) ranks with it."""
+    return map_into(source, target, mapping, source_cache, ids, tail, repair, _cut_hidden(source_hidden, len(ids)),
+                    sinks=sinks, costs=costs)
+
+
+def _cut_hidden(hidden: dict[int, torch.Tensor] | None, length: int) -> dict[int, torch.Tensor] | None:
+    """The source's hidden states of the first `length` positions (views), or None."""
+    return {i: h[:, :length] for i, h in hidden.items()} if hidden is not None else None
+
+
+def load_mapping(source: LoadedModel, target: LoadedModel, store: MappingStore,
+                 cancel: threading.Event | None = None) -> tuple[Any, bool]:
+    """The pair's mapping from `store` and whether it was calibrated just now (on demand, both models held)."""
+    return store.get(source, target, cancel=cancel)
+
+
+def probe_reference(source: LoadedModel, target: LoadedModel, store: MappingStore, mapping: Any,
+                    tail: int) -> ProbeReference:
+    """The pair's probe reference for `tail` trailing tokens: stored beside the mapping, or measured on both models."""
+    return store.probe_reference(source, target, mapping, tail)
+
+
+def held_model(model: LoadedModel) -> LoadedModel:
+    """The model itself: how `Executor.model` reaches an in-process executor's models through `run`."""
+    return model
 
 
 def pass_costs(target: LoadedModel, directory: str | None) -> Any:

@@ -13,9 +13,13 @@ import itertools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from orchestra.familycache._records import MappedFrom
 
 __all__ = ["Namespace", "Entry", "EntryPool", "PoolStats", "common_prefix", "token_hash"]
 
@@ -67,8 +71,10 @@ class Entry:
     logits_end: int = 0
     hidden: dict[int, Any] | None = None
     """Hidden states entering each layer (kept for layer repair of maps from this entry)."""
-    meta: dict[str, Any] = field(default_factory=dict)
-    """Probe metrics, mapping folder, repair summary, build seconds."""
+    mapped: MappedFrom | None = None
+    """For a mapped entry: its source, mapping, probe reading and repair (None for an exact one)."""
+    seconds: float = 0.0
+    """Seconds its build computed (or mapped) for."""
     id: int = 0
     pins: int = 0
     stored: bool = False
@@ -81,7 +87,9 @@ class PoolStats:
     hits: int = 0
     """Requests served entirely from a cached prefix (no compute on the member)."""
     misses: int = 0
-    """Requests that had to compute or map something."""
+    """Requests that had to compute or map something, or waited for an identical build."""
+    joins: int = 0
+    """Requests that waited for a build in flight (of their tokens, or of a longer prefix to extend or map)."""
     evictions: int = 0
     evicted_bytes: int = 0
     rejected: int = 0
@@ -168,6 +176,12 @@ class EntryPool:
             if pin:
                 best.pins += 1
             return best, matched
+
+    @contextmanager
+    def held_still(self) -> Iterator[None]:
+        """Hold the pool still (no add, eviction or pin elsewhere) while a route is planned and its entries pinned."""
+        with self._lock:
+            yield
 
     def namespaces_for(self, member_fingerprint: str) -> set[Namespace]:
         with self._lock:

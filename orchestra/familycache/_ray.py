@@ -1,12 +1,13 @@
 """The ray executor: family members as Ray actors, KV caches as ObjectRefs in Ray's object store.
 
-Imported only when a pipeline says ``executor: {kind: ray}`` (``pip install 'orchestra[ray]'``). The
+Imported only when a pipeline says ``executor: {kind: ray}`` (``pip install 'orchestra-kv[ray]'``). The
 driver keeps everything that decides (the FamilyCache's index, gates and fallback, the DAG, events and
 the report); every forward pass runs in an actor, one per (member, replica), placed by one placement
 group per pipeline:
 
-- **ops** (`familycache._ops`, through the module-level ops of `_core`) are shipped by reference and
-  run in the actor of the member they name, under that model's lock, as `LocalExecutor` runs them;
+- **ops** (the module-level functions of `familycache._ops`) are shipped by reference and run in the
+  actor of the member they name, under that model's lock, as `LocalExecutor` runs them; the `Executor`
+  methods whose in-process defaults would hold two models at once or copy a cache are overridden here;
 - **caches** never come back to the driver: an actor returns each cache it built as a separate
   return value holding its per-layer K/V as numpy arrays, so the driver owns an ObjectRef
   (`RemoteKV`) that FamilyCache entries hold, and another actor on the node reads it zero-copy from
@@ -33,28 +34,36 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import queue
 import threading
 import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from agents.bridge import CancelFlag, iterate_sync
 from orchestra.errors import ActorLostError, ExecutorError, ExecutorUnavailableError, MappingUnavailableError
-from orchestra.familycache import _core
 from orchestra.familycache._executor import Executor
+from orchestra.familycache._ops import Computed, map_on_target, source_importance, truncate
 
 if TYPE_CHECKING:
+    import torch
+
+    from mappings.passcost import PassCosts
+    from mappings.repair import RepairPolicy
+    from mappings.repair_records import RepairSummary
+    from orchestra.gates import ProbeCheck
+    from orchestra.mapstore import MappingStore, MappingStoreConfig, ProbeReference
     from orchestra.pipeline import ExecutorSpec
-    from orchestra.registry import ModelInfo, ModelRegistry
+    from orchestra.registry import LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["RayExecutor", "RemoteKV", "RemoteHidden", "RemoteMapping", "NAMESPACE"]
 
@@ -112,7 +121,7 @@ class RemoteMapping:
     manifest: Any
     residual: Any
     """True when the mapping has residual maps (layer repair), else None (as `mapping.residual` reads)."""
-    store: dict[str, Any] = field(repr=False)
+    store: MappingStoreConfig = field(repr=False)
     """How the actor finds it again (after a restart, or on another replica)."""
     source: Any = field(repr=False, default=None)
     """The source's ModelInfo."""
@@ -127,6 +136,16 @@ class _Slot:
     position_bytes: int = 0
     nbytes: int = 0
     layers: int = 0
+
+
+@dataclass
+class _SlottedComputed:
+    """A ``Computed`` as it travels: its cache and hidden states stand as slots in the op's extra return values."""
+
+    cache: Any
+    logits: Any
+    seconds: float
+    hidden: _Slot | None = None
 
 
 @dataclass
@@ -197,8 +216,8 @@ def _pack_result(result: Any) -> tuple[Any, list[_Packed], list[dict[int, Any]]]
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, Computed):
-            return Computed(cache=walk(obj.cache), logits=walk(obj.logits), seconds=obj.seconds,
-                            hidden=hidden_slot(obj.hidden) if obj.hidden is not None else None)
+            return _SlottedComputed(cache=walk(obj.cache), logits=walk(obj.logits), seconds=obj.seconds,
+                                    hidden=hidden_slot(obj.hidden) if obj.hidden is not None else None)
         if _is_cache(obj):
             return cache_slot(obj)
         if isinstance(obj, torch.Tensor):
@@ -228,7 +247,7 @@ def _unslot(meta: Any, kv_ref: Any, hidden_ref: Any, producer: str, node: str) -
             if obj.kind == "kv":
                 return RemoteKV(kv_ref, obj.index, obj.length, obj.total, obj.position_bytes, obj.layers, producer, node)
             return RemoteHidden(hidden_ref, obj.index, obj.nbytes, producer, node)
-        if isinstance(obj, Computed):
+        if isinstance(obj, _SlottedComputed):
             return Computed(cache=walk(obj.cache), logits=obj.logits, seconds=obj.seconds, hidden=walk(obj.hidden))
         return _through_containers(obj, walk)
 
@@ -270,11 +289,6 @@ def _tensor_bytes(obj: Any) -> int:
 class _Done:
     def __init__(self, result: Any) -> None:
         self.result = result
-
-
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
 
 
 @ray.remote
@@ -331,18 +345,16 @@ class MemberActor:
             return {k: self._resolve(v) for k, v in obj.items()}
         return obj
 
-    def _mapping(self, store: dict[str, Any], source: ModelInfo) -> Any:
-        from orchestra.mapstore import MappingStore
-
-        key = (store["directory"], source.fingerprint, self.model.info.fingerprint)
+    def _mapping(self, store: MappingStoreConfig, source: ModelInfo) -> Any:
+        key = (store.directory, source.fingerprint, self.model.info.fingerprint)
         with self.mapping_lock:
             if key not in self.mappings:
-                mapstore = MappingStore(Path(store["directory"]), on_missing="refuse", method=store["method"],
-                                        tokens=store["tokens"])
+                mapstore = store.build(on_missing="refuse")
                 try:
-                    self.mappings[key], _ = mapstore.get(SimpleNamespace(info=source), self.model)
+                    # refusing to calibrate, the store reads only the source's info
+                    self.mappings[key], _ = mapstore.get(cast("LoadedModel", SimpleNamespace(info=source)), self.model)
                 except MappingUnavailableError as exc:
-                    if store["on_missing"] != "calibrate":
+                    if store.on_missing != "calibrate":
                         raise
                     raise MappingUnavailableError(
                         f"{exc}. The ray executor does not calibrate mappings on demand (calibration runs both "
@@ -357,7 +369,7 @@ class MemberActor:
             result = op(self.model, *args, **kwargs)
         return _pack_result(result)
 
-    def load_mapping(self, store: dict[str, Any], source: ModelInfo) -> RemoteMapping:
+    def load_mapping(self, store: MappingStoreConfig, source: ModelInfo) -> RemoteMapping:
         mapping = self._mapping(store, source)
         return RemoteMapping((source.fingerprint, self.model.info.fingerprint),
                              str(mapping.path) if getattr(mapping, "path", None) else None, mapping.manifest,
@@ -398,23 +410,11 @@ class MemberActor:
         `cancel(key)`, or the driver dropping the stream, sets `cancel`, which the work checks per token.
         """
         cancel = self.cancels[key] = self.cancels.get(key) or threading.Event()
-        items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-
-        def run() -> None:
-            try:
-                items.put(_Done(work(items.put, cancel)))
-            except BaseException as exc:  # handed to the driver through the stream
-                items.put(_Failed(exc))
-
-        threading.Thread(target=run, name=name, daemon=True).start()
         try:
-            while True:
-                item = items.get()
-                if isinstance(item, _Failed):
-                    raise item.error
-                yield item
-                if isinstance(item, _Done):
-                    return
+            # the work's error is raised here, unwrapped (the driver gets it as the RayTaskError's cause);
+            # a stream closed early sets `cancel` and waits for the work to stop
+            result = yield from iterate_sync(work, cancel=cancel, thread_name=name)
+            yield _Done(result)
         finally:
             cancel.set()
             self.cancels.pop(key, None)
@@ -444,12 +444,6 @@ def _reference_target_op(model: Any, mapping: Any, measured: Any, tokens: int) -
     return MappingStore.reference_target(model, mapping, measured, tokens)
 
 
-def _importance_op(model: Any, cache: Any, ids: list[int], probe_tokens: int) -> Any:
-    from orchestra.familycache._ops import source_importance
-
-    return source_importance(model, cache, ids, probe_tokens)
-
-
 # -- the driver side ------------------------------------------------------------------------------------
 @dataclass
 class _Actor:
@@ -477,7 +471,7 @@ class RayExecutor(Executor):
 
     def __init__(self, registry: ModelRegistry, spec: ExecutorSpec, *, members: Sequence[str] | None = None,
                  name: str = "pipeline", max_concurrency_per_device: int = 1) -> None:
-        self.registry = registry
+        self._registry = registry
         self.spec = spec
         self.name = name
         self._members = list(members) if members is not None else list(registry.aliases)
@@ -493,19 +487,44 @@ class RayExecutor(Executor):
         self._tokenizers: dict[str, Any] = {}
         self._stats = {"kv_bytes_moved": 0, "kv_bytes_moved_across_nodes": 0, "result_bytes_to_driver": 0,
                        "remote_calls": 0}
-        self._special: dict[Callable[..., Any], Callable[..., Any]] = {
-            _core._truncate_op: self._truncate,
-            _core._mapping_op: self._load_mapping,
-            _core._reference_op: self._reference,
-            _core._map_op: self._map_with_source,
-        }
         ref = weakref.ref(self)
-        atexit.register(lambda: (ex := ref()) is not None and ex.close())
+
+        def close_at_exit() -> None:  # a weak reference: the hook must not keep a dropped executor alive
+            executor = ref()
+            if executor is not None:
+                executor.close()
+
+        atexit.register(close_at_exit)
+
+    @classmethod
+    def from_spec(cls, registry: ModelRegistry, spec: ExecutorSpec | None = None, *,
+                  members: Sequence[str] | None = None, name: str = "pipeline",
+                  max_concurrency_per_device: int = 1) -> RayExecutor:
+        """Actors for `members` (default: all of the registry's) placed per `spec` (default: Ray's defaults)."""
+        from orchestra.pipeline import ExecutorSpec
+
+        return cls(registry, spec if spec is not None else ExecutorSpec(kind="ray"), members=members, name=name,
+                   max_concurrency_per_device=max_concurrency_per_device)
 
     # -- Executor: what the driver knows without actors ---------------------------------------------------
     @property
     def kind(self) -> str:
         return "ray"
+
+    @property
+    def in_process(self) -> bool:
+        """False: the models live in the actors; callers stream work to them."""
+        return False
+
+    @property
+    def registry(self) -> ModelRegistry:
+        """The driver's registry: configs and tokenizers, never weights."""
+        return self._registry
+
+    def model(self, member: str) -> LoadedModel:
+        """Refused: `member`'s model lives in its actors (stream work to it with `stream`)."""
+        raise ExecutorError(f"the ray executor keeps {member}'s model in its actors, not in this process: "
+                            f"run work there with stream() or run()")
 
     @property
     def members(self) -> Sequence[str]:
@@ -580,7 +599,8 @@ class RayExecutor(Executor):
             for index, (member, replica, res) in enumerate(plan):
                 ray_name = f"orchestra.{self.name}.{self.uid}.{member}.{replica}"
                 device = "cpu" if self.registry.devices.get(member) == "cpu" else ("auto" if res.num_gpus else "cpu")
-                handle = MemberActor.options(
+                # ray.remote's stubs type the decorated class as itself, not the ActorClass that has .options
+                handle = MemberActor.options(  # type: ignore[attr-defined]
                     name=ray_name, namespace=NAMESPACE, num_cpus=res.num_cpus, num_gpus=res.num_gpus or 0,
                     max_restarts=self.spec.max_restarts, max_task_retries=0, max_concurrency=32,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
@@ -726,53 +746,53 @@ class RayExecutor(Executor):
             raise _cause(exc) from None
 
     def run(self, members: Sequence[str], op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        special = self._special.get(op)
-        if special is not None:
-            return special(members, *args, **kwargs)
         if len(members) != 1:
             raise ExecutorError(f"op {getattr(op, '__name__', op)!r} needs {', '.join(members)} in one process, "
                                 f"which the ray executor does not do")
         return self.call(members[0], op, *args, **kwargs)
 
-    # ops with special handling
-    def _truncate(self, members: Sequence[str], cache: Any, length: int) -> Any:
+    # -- the Executor methods done otherwise than in process ------------------------------------------------
+    def truncate(self, member: str, cache: Any, length: int) -> Any:
+        """A view of the same stored object (no copy, no actor call); a driver-side cache goes to an actor."""
         if isinstance(cache, RemoteKV):
             return cache.view(length)
-        return self.call(members[0], _core._truncate_op, cache, length)
+        return self.call(member, truncate, cache, length)
 
-    @staticmethod
-    def _store_config(store: Any) -> dict[str, Any]:
-        return {"directory": str(store.directory), "on_missing": store.on_missing, "method": store.method,
-                "tokens": store.tokens}
-
-    def _load_mapping(self, members: Sequence[str], store: Any, cancel: Any = None) -> tuple[RemoteMapping, bool]:
-        source, target = members
+    def load_mapping(self, source: str, target: str, store: MappingStore,
+                     cancel: threading.Event | None = None) -> tuple[RemoteMapping, bool]:
+        """Loaded in the target's actor (never calibrated: that wants both models in one process); its proxy."""
         actor = self._pick(target)
         try:
-            ref = actor.handle.load_mapping.remote(self._store_config(store), self.info(source))
+            ref = actor.handle.load_mapping.remote(store.config, self.info(source))
             return self._get(actor, ref, f"loading the mapping {source} -> {target}"), False
         finally:
             self._done(actor)
 
-    def _reference(self, members: Sequence[str], store: Any, mapping: RemoteMapping, tail: int) -> Any:
-        source, target = members
+    def probe_reference(self, source: str, target: str, store: MappingStore, mapping: Any,
+                        tail: int) -> ProbeReference:
+        """Read on the driver when stored; else measured in two halves, each in its member's actor."""
 
         def measure(tokens: int, window: int, windows: int) -> Any:
             measured = self.call(source, _reference_source_op, store.corpus, tokens, window, windows)
             return self.call(target, _reference_target_op, mapping, measured, tokens)
 
-        s, t = SimpleNamespace(info=self.info(source)), SimpleNamespace(info=self.info(target))
+        # with `measure` given, the store reads only the members' infos (the weights stay in the actors)
+        s = cast("LoadedModel", SimpleNamespace(info=self.info(source)))
+        t = cast("LoadedModel", SimpleNamespace(info=self.info(target)))
         return store.probe_reference(s, t, mapping, tail, measure=measure)
 
-    def _map_with_source(self, members: Sequence[str], mapping: Any, src_cache: Any, ids: list[int], tail: int,
-                         repair: Any, hidden: Any, sinks: int = 0, costs: Any = None) -> Any:
-        """Scattered-token repair: the source ranks positions in its actor, the target maps and repairs in its."""
-        source, target = members
-        importance, seconds = self.call(source, _importance_op, src_cache, ids, repair.probe_tokens)
-        mapped, summary = self.call(target, _core._map_target_op, mapping, src_cache, ids, tail, repair, hidden,
-                                    importance, sinks=sinks, costs=costs)
-        if summary is not None:
-            summary.setdefault("seconds", {})["rank"] = seconds
+    def map_cache(self, target: str, mapping: Any, source_cache: Any, ids: list[int], *, tail: int,
+                  repair: RepairPolicy | None, source_hidden: Any = None, source: str | None = None,
+                  importance: torch.Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
+                  costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
+        """In the target's actor; a repair that reads the source ranks positions in the source's actor first."""
+        seconds = None
+        if source is not None and importance is None and repair is not None:
+            importance, seconds = self.call(source, source_importance, source_cache, ids, repair.probe_tokens)
+        mapped, summary = self.call(target, map_on_target, mapping, source_cache, ids, tail, repair, source_hidden,
+                                    importance, probe, sinks=sinks, costs=costs)
+        if summary is not None and seconds is not None:
+            summary = summary.with_rank_seconds(seconds)
         return mapped, summary
 
     # -- agents and other streamed work -------------------------------------------------------------------
@@ -822,26 +842,23 @@ class RayExecutor(Executor):
         ``op(model, *args, emit=, cancel=, state=, **kwargs)`` runs in the actor (a module-level function,
         shipped by reference; handles in `args` arrive as caches) and each item it emits reaches
         `on_item` here as it is made; its return value is returned. Setting `cancel` stops it at its
-        next item (checked every 20 ms). A dead actor fails it with `ActorLostError`.
+        next item: at once when it is a `CancelFlag` (a Generation's is), else as the next item arrives here.
+        A dead actor fails it with `ActorLostError`.
         """
         actor = self._pick(member)
         if placement is not None:
             placement.update(actor=actor.name, node=actor.node)
         key = uuid.uuid4().hex
         what = getattr(op, "__name__", "op").strip("_")
-        over = threading.Event()
-
-        def watch() -> None:  # the driver's cancel reaches the actor while this thread waits on the stream
-            while not over.wait(0.02):
-                if cancel is not None and cancel.is_set():
-                    self._cancel(actor, key)
-                    return
-
-        threading.Thread(target=watch, name=f"cancel-{key[:8]}", daemon=True).start()
+        unhook: Callable[[], None] | None = None
+        check_per_item = cancel is not None and not isinstance(cancel, CancelFlag)
         finished = False
         try:
             self._count_in(actor, (args, kwargs))
-            for ref in actor.handle.stream.remote(key, op, args, kwargs):
+            refs = actor.handle.stream.remote(key, op, args, kwargs)
+            if isinstance(cancel, CancelFlag):  # the driver's cancel reaches the actor the moment it is set
+                unhook = cancel.on_set(partial(self._cancel, actor, key))
+            for ref in refs:
                 try:
                     item = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
@@ -852,11 +869,15 @@ class RayExecutor(Executor):
                     finished = True
                     return item.result
                 on_item(item)
+                if check_per_item and cancel is not None and cancel.is_set():  # a plain Event: told once
+                    check_per_item = False
+                    self._cancel(actor, key)
             raise ExecutorError(f"{what} on {actor.name}: the stream ended without a result")
         except ray.exceptions.RayActorError as exc:
             raise self._lost(actor, what, exc) from None
         finally:
-            over.set()
+            if unhook is not None:
+                unhook()
             self._done(actor)
             with self._lock:
                 self._stats["remote_calls"] += 1

@@ -13,16 +13,17 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import anyio
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import ContentStream
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestra.errors import ActorLostError, ExecutorError
@@ -42,14 +43,17 @@ from orchestra.serve._schemas import (
     ModelList,
     PrefillRequest,
     PrefillResponse,
+    Usage,
 )
 
 __all__ = ["create_app"]
 
 log = structlog.get_logger("orchestra.serve.access")
 OPEN_PATHS = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
-ERRORS = {400: {"model": ErrorBody}, 401: {"model": ErrorBody}, 404: {"model": ErrorBody},
-          413: {"model": ErrorBody}, 429: {"model": ErrorBody}, 503: {"model": ErrorBody}, 504: {"model": ErrorBody}}
+# Keys typed int | str: FastAPI takes the mapping invariantly as dict[int | str, ...].
+ERRORS: dict[int | str, dict[str, type[ErrorBody]]] = {
+    400: {"model": ErrorBody}, 401: {"model": ErrorBody}, 404: {"model": ErrorBody}, 413: {"model": ErrorBody},
+    429: {"model": ErrorBody}, 503: {"model": ErrorBody}, 504: {"model": ErrorBody}}
 STREAMED = {"description": "A chat.completion object, or with stream=true Server-Sent Events: one `data: "
                            "<chat.completion.chunk JSON>` per piece of text, then `data: [DONE]`.",
             "content": {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1 reads an SSE schema per event)
@@ -108,8 +112,11 @@ class _ClosingStream(StreamingResponse):
     Ending here does not wait for the generator to be collected.
     """
 
-    def __init__(self, content: Any, *, on_end: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
+    def __init__(self, content: ContentStream, *, on_end: Callable[[], Awaitable[None]], status_code: int = 200,
+                 headers: Mapping[str, str] | None = None, media_type: str | None = None,
+                 background: BackgroundTask | None = None) -> None:
+        super().__init__(content, status_code=status_code, headers=headers, media_type=media_type,
+                         background=background)
         self._on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -173,29 +180,48 @@ def _error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+class _EngineSlot:
+    """The app's engine: the one handed in, or one built from the config at first need (at start-up under
+    uvicorn, or at the first request when the app is mounted in another one: Starlette runs no lifespan of
+    a mounted app)."""
+
+    def __init__(self, config: ServeConfig, engine: ServeEngine | None) -> None:
+        self.config = config
+        self.engine = engine
+        self.owned = False  # an engine handed in belongs to the caller, who closes it
+        self._building = anyio.Lock()
+
+    async def get(self) -> ServeEngine:
+        if self.engine is None:
+            async with self._building:
+                if self.engine is None:
+                    self.engine = await anyio.to_thread.run_sync(ServeEngine, self.config)
+                    self.owned = True
+        return self.engine
+
+    def close_owned(self) -> None:
+        if self.owned and self.engine is not None:
+            self.engine.close()
+
+    def count(self, request: Request, status: int) -> None:
+        if self.engine is not None:
+            # the route's template (/v1/models/{model}), never the raw path: a label per path a client
+            # makes up would grow the metrics without bound
+            route = getattr(request.scope.get("route"), "path", None) or "unmatched"
+            self.engine.metrics.requests.labels(route=route, status=str(status)).inc()
+
+
 def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None = None) -> FastAPI:
     """The ASGI app; pass an engine to share loaded models (tests, embedding), or a config to build one at start."""
     config = engine.config if engine is not None else (config or ServeConfig())
     api_key = config.api_key()
-    state: dict[str, Any] = {"engine": engine, "owned": False}
-    building = anyio.Lock()
-
-    async def get_engine() -> ServeEngine:
-        """The engine; built from `config` on first need: at start-up under uvicorn, or at the first request
-        when this app is mounted in another one (Starlette runs no lifespan of a mounted app)."""
-        if state["engine"] is None:
-            async with building:
-                if state["engine"] is None:
-                    state["engine"] = await anyio.to_thread.run_sync(ServeEngine, config)
-                    state["owned"] = True
-        return state["engine"]
+    slot = _EngineSlot(config, engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await get_engine()
+        await slot.get()
         yield
-        if state["owned"]:  # an engine handed in belongs to the caller
-            state["engine"].close()
+        slot.close_owned()
 
     app = FastAPI(title="orchestra", version="1", lifespan=lifespan,
                   description="OpenAI-compatible chat completions over a model family whose prefix cache spans "
@@ -203,37 +229,35 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
 
     if api_key is not None:
         app.add_middleware(_ApiKey, key=api_key)
+    _add_error_handlers(app, slot)
+    _add_probe_routes(app, slot)
+    _add_api_routes(app, slot)
+    return _wrap(app, config)
+
+
+def _add_error_handlers(app: FastAPI, slot: _EngineSlot) -> None:
+    """OpenAI-shaped error bodies for every failure, each counted in the request metrics."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        _count(request, exc.status)
+        slot.count(request, exc.status)
         return _error_response(exc)
 
     @app.exception_handler(ExecutorError)
     async def executor_failed(request: Request, exc: ExecutorError) -> JSONResponse:
         # a dead actor while the prompt's cache was built (during decoding it arrives as ExecutorFailed)
-        _count(request, ExecutorFailed.status)
+        slot.count(request, ExecutorFailed.status)
         code = "actor_lost" if isinstance(exc, ActorLostError) else None
         return _error_response(ExecutorFailed(str(exc), code=code))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":  # its loc is the byte offset of the mistake, not a parameter
-            message = "the request body is not valid JSON; send a JSON object"
-            loc = []
-        elif loc:
-            message = f"{'.'.join(loc)}: {message}"
-        _count(request, 400)
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
-                                       "param": ".".join(loc) or None, "code": "invalid_request"}}, status_code=400)
+        slot.count(request, 400)
+        return _validation_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        _count(request, exc.status_code)
+        slot.count(request, exc.status_code)
         kind = "not_found" if exc.status_code == 404 else "invalid_request"
         return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {exc.detail}",
                                        "type": "invalid_request_error", "param": None, "code": kind}},
@@ -242,17 +266,29 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
         structlog.get_logger("orchestra.serve").exception("internal_error", path=request.url.path)
-        _count(request, 500)
+        slot.count(request, 500)
         return JSONResponse({"error": {"message": f"internal error ({type(exc).__name__}); the server keeps serving",
                                        "type": "server_error", "param": None, "code": "internal_error"}},
                             status_code=500)
 
-    def _count(request: Request, status: int) -> None:
-        if state["engine"] is not None:
-            # the route's template (/v1/models/{model}), never the raw path: a label per path a client
-            # makes up would grow the metrics without bound
-            route = getattr(request.scope.get("route"), "path", None) or "unmatched"
-            state["engine"].metrics.requests.labels(route=route, status=str(status)).inc()
+
+def _validation_response(exc: RequestValidationError) -> JSONResponse:
+    """The request's first validation error as a 400 naming the parameter."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":  # its loc is the byte offset of the mistake, not a parameter
+        message = "the request body is not valid JSON; send a JSON object"
+        loc = []
+    elif loc:
+        message = f"{'.'.join(loc)}: {message}"
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
+                                   "param": ".".join(loc) or None, "code": "invalid_request"}}, status_code=400)
+
+
+def _add_probe_routes(app: FastAPI, slot: _EngineSlot) -> None:
+    """Liveness, readiness and Prometheus metrics: outside the schema and the API key."""
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:
@@ -260,97 +296,110 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:
-        await get_engine()
+        await slot.get()
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return Response(generate_latest((await get_engine()).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest((await slot.get()).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_api_routes(app: FastAPI, slot: _EngineSlot) -> None:
+    """The OpenAI-compatible routes, and the cache prefill."""
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def list_models() -> ModelList:
-        return ModelList(data=(await get_engine()).model_cards())
+        return ModelList(data=(await slot.get()).model_cards())
 
     @app.get("/v1/models/{model}", response_model=ModelCard, responses=ERRORS)
     async def get_model(model: str) -> ModelCard:
-        engine = await get_engine()
+        engine = await slot.get()
         member = engine.resolve(model)
         return next(card for card in engine.model_cards() if card.id == member)
 
     @app.post("/v1/cache/prefill", response_model=PrefillResponse, responses=ERRORS)
     async def prefill(body: PrefillRequest, request: Request) -> PrefillResponse:
-        member, tokens, lease = await (await get_engine()).prefill(body.model, body.messages)
-        _count(request, 200)
+        member, tokens, lease = await (await slot.get()).prefill(body.model, body.messages)
+        slot.count(request, 200)
         return PrefillResponse(model=member, tokens=tokens, path=lease.path, cached_tokens=lease.reused_tokens,
                                seconds=lease.seconds)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={**ERRORS, 200: STREAMED})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        engine = await get_engine()
+        engine = await slot.get()
         opened = engine.open(body)
         gen = await opened.__aenter__()  # closed by the response (streamed) or below
         if body.stream:
-            return _stream(request, opened, gen)
+            return _stream(request, opened, gen, slot)
+        return await _complete(request, body, opened, gen, slot)
+
+
+async def _complete(request: Request, body: ChatCompletionRequest, opened: AbstractAsyncContextManager[Generation],
+                    gen: Generation,
+                    slot: _EngineSlot) -> Response:
+    """The whole completion as one chat.completion; a client that hangs up cancels the generation."""
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_disconnect, request, gen)
+            text = await gen.text()
+            tg.cancel_scope.cancel()
+    except BaseException as exc:
+        await opened.__aexit__(type(exc), exc, exc.__traceback__)
+        inner = _sole(exc)
+        if inner is exc:
+            raise
+        # the task group wraps the generation's own error (a timeout, a dead actor): answer that one
+        raise inner from inner.__cause__
+    await opened.__aexit__(None, None, None)
+    slot.count(request, 200)
+    completion = ChatCompletion(
+        id=gen.id, created=gen.created, model=body.model, usage=gen.usage(),
+        choices=[Choice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)])
+    return JSONResponse(completion.model_dump(mode="json"), headers=gen.cache_info.headers())
+
+
+def _stream(request: Request, opened: AbstractAsyncContextManager[Generation], gen: Generation,
+            slot: _EngineSlot) -> StreamingResponse:
+    """The completion as Server-Sent Events; the generation closes when the stream ends or the client leaves."""
+    include_usage = _wants_usage(gen)
+    closed = [False]
+
+    async def close(exc: BaseException | None = None) -> None:
+        if not closed[0]:
+            closed[0] = True
+            with anyio.CancelScope(shield=True):
+                await opened.__aexit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+
+    def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None, choices: bool = True) -> str:
+        data = ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.request.model,
+                                   choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [],
+                                   usage=usage)
+        return f"data: {data.model_dump_json(exclude_none=False)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_watch_disconnect, request, gen)
-                text = await gen.text()
-                tg.cancel_scope.cancel()
-        except BaseException as exc:
-            await opened.__aexit__(type(exc), exc, exc.__traceback__)
-            inner = _sole(exc)
-            if inner is exc:
-                raise
-            # the task group wraps the generation's own error (a timeout, a dead actor): answer that one
-            raise inner from inner.__cause__
-        await opened.__aexit__(None, None, None)
-        _count(request, 200)
-        completion = ChatCompletion(
-            id=gen.id, created=gen.created, model=body.model, usage=gen.usage(),
-            choices=[Choice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)])
-        return JSONResponse(completion.model_dump(mode="json"), headers=gen.cache_info.headers())
+            yield chunk(Delta(role="assistant", content=""))
+            async for text in gen.stream():
+                yield chunk(Delta(content=text))
+            yield chunk(Delta(), finish=gen.finish_reason)
+            if include_usage:
+                yield chunk(Delta(), usage=gen.usage(), choices=False)
+            slot.count(request, 200)
+        except ApiError as exc:  # e.g. the timeout: the stream has started, so it is told in-band
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        finally:
+            await close()
+        yield "data: [DONE]\n\n"
 
-    def _stream(request: Request, opened: Any, gen: Generation) -> StreamingResponse:
-        include_usage = bool(body_usage(gen))
-        closed = [False]
+    return _ClosingStream(events(), on_end=close, media_type="text/event-stream",
+                          headers={"cache-control": "no-cache", **gen.cache_info.headers()})
 
-        async def close(exc: BaseException | None = None) -> None:
-            if not closed[0]:
-                closed[0] = True
-                with anyio.CancelScope(shield=True):
-                    await opened.__aexit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
 
-        def chunk(delta: Delta, finish: str | None = None, usage: Any = None, choices: bool = True) -> str:
-            data = ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.request.model,
-                                       choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [],
-                                       usage=usage)
-            return f"data: {data.model_dump_json(exclude_none=False)}\n\n"
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                yield chunk(Delta(role="assistant", content=""))
-                async for text in gen.stream():
-                    yield chunk(Delta(content=text))
-                yield chunk(Delta(), finish=gen.finish_reason)
-                if include_usage:
-                    yield chunk(Delta(), usage=gen.usage(), choices=False)
-                _count(request, 200)
-            except ApiError as exc:  # e.g. the timeout: the stream has started, so it is told in-band
-                yield f"data: {json.dumps(exc.body())}\n\n"
-            finally:
-                await close()
-            yield "data: [DONE]\n\n"
-
-        return _ClosingStream(events(), on_end=close, media_type="text/event-stream",
-                              headers={"cache-control": "no-cache", **gen.cache_info.headers()})
-
-    def body_usage(gen: Generation) -> bool:
-        options = gen.request.stream_options
-        return bool(options and options.include_usage)
-
-    return _wrap(app, config)
+def _wants_usage(gen: Generation) -> bool:
+    options = gen.request.stream_options
+    return bool(options and options.include_usage)
 
 
 def _wrap(app: FastAPI, config: ServeConfig) -> FastAPI:

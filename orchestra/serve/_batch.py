@@ -13,30 +13,33 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
     from agents.continuation import Continuation, TokenStream
+    from mappings.types import KVCache
     from orchestra.registry import LoadedModel
 
 __all__ = ["BatchDecoder", "batchable"]
 
 
-def batchable(cache: Any) -> bool:
+def batchable(cache: object) -> bool:
     """Only plain full-attention layers can be padded and merged (sliding windows or quantized caches cannot)."""
     try:
         from transformers.cache_utils import DynamicLayer
     except ImportError:  # pragma: no cover - transformers without per-layer caches
         return False
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    if not layers:
+        return False
+    return all(type(layer) is DynamicLayer for layer in layers)
 
 
 @dataclass
 class _Job:
-    prefix_cache: Any
+    prefix_cache: KVCache
     prefix_len: int
     new_ids: list[int]
     stream: TokenStream
@@ -71,7 +74,7 @@ class BatchDecoder:
         self.rows_stepped = 0
         """Sum over steps of the rows in each: rows_stepped / steps is the mean batch size."""
 
-    def decode(self, prefix_cache: Any, prefix_len: int, new_ids: list[int], stream: TokenStream,
+    def decode(self, prefix_cache: KVCache, prefix_len: int, new_ids: list[int], stream: TokenStream,
                cancel: threading.Event) -> Continuation:
         job = _Job(prefix_cache, prefix_len, list(new_ids), stream, cancel, started=time.perf_counter())
         with self._cv:
@@ -151,7 +154,7 @@ class BatchDecoder:
             return self._finish(job)
         self._merge(job, cache_layers(cache))
 
-    def _merge(self, job: _Job, layers: list[tuple[Any, Any]]) -> None:
+    def _merge(self, job: _Job, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         import torch
 
         length = job.length

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypedDict, cast
 
 if TYPE_CHECKING:
+    from agents.constrained import JsonConstraint, TokenConstraint
     from agents.continuation import Continuation
+    from mappings.types import KVCache, Model, Tokenizer
     from orchestra.registry import LoadedModel
     from orchestra.serve._batch import BatchDecoder
     from orchestra.serve._schemas import ResponseFormat
@@ -26,8 +28,22 @@ OnToken = Callable[[str, int, int], None]
 _BATCHERS = threading.Lock()
 
 
-def decode(loaded: LoadedModel, lock: threading.Lock, cache: Any, prefix_len: int, new_ids: list[int],
-           settings: dict[str, Any], cancel: threading.Event, *, on_token: OnToken | None, constraint: Any,
+class SamplingSettings(TypedDict, total=False):
+    """The sampling settings of one reply, as the engine builds them (`TokenStream` / `continue_ids` keywords)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int | None
+    stop: Sequence[str]
+    repetition_penalty: float
+    no_repeat_ngram_size: int
+
+
+def decode(loaded: LoadedModel, lock: threading.Lock, cache: KVCache, prefix_len: int, new_ids: list[int],
+           settings: Mapping[str, object], cancel: threading.Event, *, on_token: OnToken | None,
+           constraint: TokenConstraint | None,
            batcher: Callable[[], BatchDecoder] | None) -> Continuation:
     """The reply to `new_ids` after `prefix_len` cached positions; `batcher` gives the member's batch decoder
     (None: decode alone). `settings` are the sampling ones (max_new_tokens, temperature, top_p, seed, stop)."""
@@ -35,18 +51,19 @@ def decode(loaded: LoadedModel, lock: threading.Lock, cache: Any, prefix_len: in
     from agents.runner import eos_token_ids
     from orchestra.serve._batch import batchable
 
+    sampling = cast(SamplingSettings, settings)  # the engine's own keys (SamplingSettings), not a client's dict
     if batcher is not None and batchable(cache):
         from agents.kv import check_context
 
-        check_context(loaded.model, prefix_len, len(new_ids), settings["max_new_tokens"])
+        check_context(loaded.model, prefix_len, len(new_ids), sampling["max_new_tokens"])
         stream = TokenStream(loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer), on_token=on_token,
-                             constraint=constraint, **settings)
+                             constraint=constraint, **sampling)
         return batcher().decode(cache, prefix_len, new_ids, stream, cancel)
     return continue_ids(loaded.model, loaded.tokenizer, cache, prefix_len, new_ids, cancel=cancel, lock=lock,
-                        on_token=on_token, constraint=constraint, **settings)
+                        on_token=on_token, constraint=constraint, **sampling)
 
 
-def json_constraint(tokenizer: Any, vocab_size: int, fmt: ResponseFormat | None) -> Any:
+def json_constraint(tokenizer: Tokenizer, vocab_size: int, fmt: ResponseFormat | None) -> JsonConstraint | None:
     """The JSON constraint a response format asks for (None for text); a schema xgrammar refuses is a 400."""
     if fmt is None or fmt.type == "text":
         return None
@@ -65,14 +82,16 @@ def json_constraint(tokenizer: Any, vocab_size: int, fmt: ResponseFormat | None)
                          f"{reason}", param="response_format") from exc
 
 
-def vocab_size(model: Any) -> int:
+def vocab_size(model: Model) -> int:
     """The model's logits width (it may pad the tokenizer's vocabulary)."""
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-def remote_decode_op(loaded: LoadedModel, cache: Any, prefix_len: int, new_ids: list[int], settings: dict[str, Any],
+def remote_decode_op(loaded: LoadedModel, cache: KVCache, prefix_len: int, new_ids: list[int],
+                     settings: Mapping[str, object],
                      response_format: ResponseFormat | None, batch: bool, max_batch: int, *,
-                     emit: Callable[[Any], None], cancel: threading.Event, state: dict[str, Any]) -> Continuation:
+                     emit: Callable[[tuple[str, int, int]], None], cancel: threading.Event,
+                     state: dict[str, object]) -> Continuation:
     """`decode` inside a member's Ray actor: each token is emitted as ``(text, token_id, index)``.
 
     The actor's one batch decoder (kept in its `state`) batches every reply running on it, whichever
@@ -85,7 +104,7 @@ def remote_decode_op(loaded: LoadedModel, cache: Any, prefix_len: int, new_ids: 
 
         with _BATCHERS:
             found = state.get("serve.batcher")
-            if found is None:
+            if not isinstance(found, BatchDecoder):  # none yet
                 found = state["serve.batcher"] = BatchDecoder(loaded, loaded.lock, max_batch=max_batch)
             return found
 
@@ -94,8 +113,11 @@ def remote_decode_op(loaded: LoadedModel, cache: Any, prefix_len: int, new_ids: 
                   batcher=batcher if batch else None)
 
 
-def batch_stats_op(loaded: LoadedModel, *, emit: Callable[[Any], None], cancel: threading.Event,
-                   state: dict[str, Any]) -> dict[str, int]:
+def batch_stats_op(loaded: LoadedModel, *, emit: Callable[[object], object], cancel: threading.Event,
+                   state: dict[str, object]) -> dict[str, int]:
     """The actor's batch decoder's counters (a streaming op that emits nothing): forward passes and rows in them."""
+    from orchestra.serve._batch import BatchDecoder
+
     found = state.get("serve.batcher")
+    found = found if isinstance(found, BatchDecoder) else None
     return {"steps": found.steps if found else 0, "rows_stepped": found.rows_stepped if found else 0}

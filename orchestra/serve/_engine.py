@@ -14,22 +14,20 @@ member's lock. Backends that do not want HTTP use this class directly:
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 import structlog
 
-from orchestra.familycache import CacheLease, CachePolicy, FamilyCache
+from agents.bridge import CancelFlag, ThreadStream, WorkerCancelledError
+from orchestra.familycache import CacheLease, CachePolicy, FamilyCache, make_executor
 from orchestra.serve._config import ServeConfig
 from orchestra.serve._errors import (
     BadRequest,
@@ -48,8 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["ServeEngine", "Generation", "CacheInfo", "render_messages"]
 
 log = structlog.get_logger("orchestra.serve")
-SHARED_MIN_TOKENS = 64
-"""Leading system messages shorter than this are not cached on their own (the extra lookup would not pay)."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +126,8 @@ class Generation:
     request: ChatCompletionRequest
     engine: ServeEngine
     started: float
-    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel: threading.Event = field(default_factory=CancelFlag)
+    """Stops decoding at its next token; a CancelFlag, so a decode in a Ray actor hears of it at once."""
     result: Continuation | None = None
     ttft_s: float | None = None
     timed_out: bool = False
@@ -139,60 +136,44 @@ class Generation:
     """The request's JSON constraint (response_format), compiled before it was admitted (local executor)."""
     placement: dict[str, Any] = field(default_factory=dict)
     """Where it was decoded under the ray executor: ``{"actor": "root#0", "node": ...}``."""
-    _thread: threading.Thread | None = None
+    _decoding: ThreadStream[str, Continuation] | None = None
 
     async def stop(self) -> None:
         """Stop decoding at the next token and wait for the thread (idempotent)."""
         self.cancel.set()
-        if self._thread is not None and self._thread.is_alive():
-            await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=False)
+        if self._decoding is not None:
+            await self._decoding.wait()
 
     async def stream(self) -> AsyncIterator[str]:
         """Text pieces as they become safe to show; `result` is set when it ends (also on cancel)."""
-        send, receive = anyio.create_memory_object_stream[str](max_buffer_size=math.inf)
-        token = anyio.lowlevel.current_token()
-        failure: list[BaseException] = []
 
-        def on_token(text: str, token_id: int, index: int) -> None:  # in the decoding thread
-            self.completion_tokens = index + 1
-            if self.ttft_s is None:
-                self.ttft_s = time.perf_counter() - self.started
-            if text:
-                try:
-                    anyio.from_thread.run_sync(send.send_nowait, text, token=token)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, RuntimeError):
-                    self.cancel.set()
+        def work(emit: Callable[[str], None], cancel: threading.Event) -> Continuation:  # the decoding thread
+            def on_token(text: str, token_id: int, index: int) -> None:
+                self.completion_tokens = index + 1
+                if self.ttft_s is None:
+                    self.ttft_s = time.perf_counter() - self.started
+                if text:
+                    emit(text)
 
-        def work() -> None:
-            try:
-                self.result = self.engine._decode(self, on_token)
-            except BaseException as exc:  # handed to the consumer
-                failure.append(exc)
-            finally:
-                try:
-                    anyio.from_thread.run_sync(send.close, token=token)
-                except RuntimeError:  # the loop is gone (shutdown): nothing to tell
-                    pass
+            self.result = self.engine._decode(self, on_token)
+            return self.result
 
-        thread = self._thread = threading.Thread(target=work, name=f"decode-{self.id}", daemon=True)
-        thread.start()
         remaining = self.engine.config.request_timeout_s - (time.perf_counter() - self.started)
-        try:
+        # A thread of its own (a reply can take long: it must not hold one of anyio's worker threads); leaving
+        # the block sets `cancel` and waits for it, so no compute outlives the request.
+        async with ThreadStream(work, cancel=self.cancel, thread_name=f"decode-{self.id}") as decoding:
+            self._decoding = decoding
             with anyio.move_on_after(max(0.0, remaining)) as scope:
-                async with receive:
-                    async for text in receive:
-                        yield text
+                async for text in decoding:  # the decode's error, unwrapped, once its text is out
+                    yield text
             if scope.cancelled_caught:
                 self.timed_out = True
                 self.cancel.set()
-        finally:
-            if self.result is None:
-                self.cancel.set()
-            # the thread stops at its next token; wait for it so no compute outlives the request
-            await anyio.to_thread.run_sync(thread.join, abandon_on_cancel=False)
-        if failure:
-            raise failure[0]
         if self.timed_out:
+            try:
+                decoding.result_nowait()  # an error of the decode wins over the timeout
+            except WorkerCancelledError:  # timed out before the thread started
+                pass
             raise RequestTimeout(f"the request ran past the server's {self.engine.config.request_timeout_s:g} s "
                                  "timeout; ask for fewer max_tokens or raise --request-timeout")
 
@@ -234,12 +215,16 @@ class ServeEngine:
             registry = ModelRegistry(aliases, family=family, default_device=self.config.device, dtype=self.config.dtype)
             registry.check_family(self.config.source)
             store = MappingStore(Path(family.home) / "mappings", on_missing=self.config.on_missing_mapping)
-            cache = FamilyCache(_executor(registry, self.config), store, source=self.config.source,
+            # started here (Ray joined, actors placed, models loaded), so a server that answers /readyz can
+            # serve, and a cluster that cannot place it fails the start
+            executor = make_executor(self.config.executor.kind, registry, self.config.executor, name="serve",
+                                     start=True)
+            cache = FamilyCache(executor, store, source=self.config.source,
                                 policy=CachePolicy(budget_bytes=self.config.cache_mb << 20, gate=self.config.gate,
                                                    tail_tokens=self.config.tail_tokens))
         self.cache = cache
-        self.remote = cache.executor.kind != "local"
-        """Models live in Ray actors: replies are decoded there, tokens streamed back."""
+        self.remote = not cache.executor.in_process
+        """Models live elsewhere (Ray actors): replies are decoded there, tokens streamed back."""
         self.metrics = metrics or ServeMetrics()
         self.metrics.bind_cache(cache)
         self._names = {name: record.role for name, record in family.members.items()}
@@ -306,7 +291,6 @@ class ServeEngine:
                 f"{max_tokens} completion tokens were asked for: shorten the messages or lower max_tokens",
                 param="messages")
         constraint = await anyio.to_thread.run_sync(self._json_constraint, member, req)
-        shared = await self._shared_prefix(member, req.messages, ids)
         if self._slots.value == 0 and self._waiting >= self.config.max_queue:
             self.metrics.rejected.inc()
             raise RateLimited(f"the server is busy: {self.config.max_concurrent} generations running and "
@@ -322,16 +306,11 @@ class ServeEngine:
         self._running += 1
         lease: CacheLease | None = None
         try:
-            head: CacheLease | None = None
+            # concurrent requests over one document build it once: a request finding a longer prefix of its
+            # prompt in flight (on its member, or on one that maps into it) waits for it, then extends or maps it
             with anyio.fail_after(self.config.request_timeout_s):
-                try:
-                    if shared:  # the shared document first: concurrent requests over it build it once
-                        head = await self.cache.acquire(member, ids[:shared], on_step=self.metrics.on_step)
-                    lease = await self.cache.acquire(member, ids[:-1], on_step=self.metrics.on_step)
-                finally:
-                    if head is not None:
-                        head.release()
-            info = _cache_info(head, lease)
+                lease = await self.cache.acquire(member, ids[:-1], on_step=self.metrics.on_step)
+            info = _cache_info(lease)
             self.metrics.on_cache(member, info.path, info.cached_tokens,
                                   self.cache.prefill_estimate(member, info.cached_tokens))
             gen = Generation(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=req.model,
@@ -371,7 +350,7 @@ class ServeEngine:
         prefix_len, new = len(gen.prompt_ids) - 1, gen.prompt_ids[-1:]
         if self.remote:
             return self._decode_remote(gen, on_token, prefix_len, new, settings)
-        loaded = self.cache.executor.registry.load(gen.member)  # type: ignore[attr-defined]
+        loaded = self.cache.executor.model(gen.member)
         lock = self.cache.lock(gen.member)
 
         def batcher() -> Any:
@@ -393,7 +372,7 @@ class ServeEngine:
         from orchestra.serve._decode import remote_decode_op
 
         try:
-            return self.cache.executor.stream(  # type: ignore[attr-defined]
+            return self.cache.executor.stream(
                 gen.member, remote_decode_op, gen.lease.cache, prefix_len, new, settings, gen.request.response_format,
                 self.config.batch_decode, self.config.max_batch, on_item=lambda item: on_token(*item),
                 cancel=gen.cancel, placement=gen.placement)
@@ -401,26 +380,6 @@ class ServeEngine:
             raise ExecutorFailed(str(exc), code="actor_lost") from exc
         except ExecutorError as exc:
             raise ExecutorFailed(str(exc)) from exc
-
-    async def _shared_prefix(self, member: str, messages: Sequence[ChatMessage], ids: list[int]) -> int:
-        """Tokens of the prompt's leading system messages (where a shared document lives), or 0 when too short.
-
-        They are cached on their own before the whole prompt: concurrent requests asking different questions
-        about one document then build (or map) the document once between them, instead of once each, since
-        the cache builds each distinct token sequence once and the whole prompts all differ.
-        """
-        lead = 0
-        while lead < len(messages) and messages[lead].role in ("system", "developer"):
-            lead += 1
-        if lead == 0 or lead == len(messages):
-            return 0
-        head = await self.prompt_ids(member, messages[:lead], add_generation_prompt=False)
-        n = 0
-        for a, b in zip(head, ids, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n if SHARED_MIN_TOKENS <= n < len(ids) - 1 else 0
 
     def _json_constraint(self, member: str, req: ChatCompletionRequest) -> Any:
         """The request's JSON constraint, or None for text; a schema xgrammar cannot compile is the client's 400.
@@ -436,7 +395,7 @@ class ServeEngine:
             size = int(text.get("vocab_size") or len(self.cache.executor.tokenizer(member)))
             json_constraint(self.cache.executor.tokenizer(member), size, req.response_format)
             return None
-        loaded = self.cache.executor.registry.load(member)  # type: ignore[attr-defined]
+        loaded = self.cache.executor.model(member)
         return json_constraint(loaded.tokenizer, vocab_size(loaded.model), req.response_format)
 
     def close(self) -> None:
@@ -450,8 +409,8 @@ class ServeEngine:
     async def prefill(self, model: str, messages: Sequence[ChatMessage | dict[str, Any]]) -> tuple[str, int, CacheLease]:
         """Warm the cache with the rendered `messages` (no generation prompt): later requests starting so reuse it."""
         member = self.resolve(model)
-        messages = [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
-        ids = await self.prompt_ids(member, messages, add_generation_prompt=False)
+        validated = [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
+        ids = await self.prompt_ids(member, validated, add_generation_prompt=False)
         limit = self.cache.info(member).max_positions
         if limit and len(ids) > limit:
             raise ContextLengthExceeded(f"the messages are {len(ids)} tokens; {model!r} takes at most {limit}",
@@ -462,40 +421,10 @@ class ServeEngine:
         return member, len(ids), lease
 
 
-def _executor(registry: Any, config: ServeConfig) -> Any:
-    """The executor `config.executor` names; a ray one is started here (Ray joined, actors placed, models
-    loaded), so a server that answers /readyz can serve, and a cluster that cannot place it fails the start."""
-    from orchestra.familycache import LocalExecutor
-
-    if config.executor.kind == "local":
-        return LocalExecutor(registry)
-    try:
-        from orchestra.familycache._ray import RayExecutor
-    except ImportError as exc:
-        from orchestra.errors import ExecutorUnavailableError
-
-        raise ExecutorUnavailableError(f"the ray executor needs Ray ({exc}): pip install 'orchestra[ray]'") from exc
-    executor = RayExecutor(registry, config.executor, name="serve")
-    try:
-        executor.start()
-    except BaseException:
-        executor.close()
-        raise
-    return executor
-
-
-def _cache_info(head: CacheLease | None, lease: CacheLease) -> CacheInfo:
-    """What the headers say about a prompt cached in one step, or in two (its shared document, then the rest)."""
-    if head is None:
-        return CacheInfo(path=lease.path, source=lease.source, cached_tokens=lease.reused_tokens,
-                         gates=lease.gate_dicts(), fallback_reason=lease.fallback_reason, seconds=lease.seconds)
-    # the document's path is the story (mapped, or refused and re-prefilled) unless the rest was mapped itself
-    path = lease.path if lease.path != "exact" or head.path == "exact" else head.path
-    gates = lease.gate_dicts() or head.gate_dicts()
-    computed = head.computed_tokens + max(0, lease.computed_tokens)
-    return CacheInfo(path=path, source=lease.source or head.source, cached_tokens=max(0, lease.tokens - computed),
-                     gates=gates, fallback_reason=lease.fallback_reason or head.fallback_reason,
-                     seconds=head.seconds + lease.seconds)
+def _cache_info(lease: CacheLease) -> CacheInfo:
+    """What the headers say about the prompt's cache."""
+    return CacheInfo(path=lease.path, source=lease.source, cached_tokens=lease.reused_tokens,
+                     gates=lease.gate_dicts(), fallback_reason=lease.fallback_reason, seconds=lease.seconds)
 
 
 _TRIMMING = threading.Lock()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from orchestra.errors import OrchestraError
 
 __all__ = [
@@ -34,7 +32,7 @@ class ApiError(OrchestraError):
         if code is not None:
             self.code = code
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from orchestra.familycache import CacheLease, CacheStep, FamilyCache
+    from orchestra.serve._schemas import Usage
 
 __all__ = ["ServeMetrics"]
+
+
+class _Finished(Protocol):
+    """What the metrics read of a finished generation (`orchestra.serve._engine.Generation`)."""
+
+    @property
+    def member(self) -> str: ...
+
+    @property
+    def ttft_s(self) -> float | None: ...
+
+    def usage(self) -> Usage: ...
 
 
 class ServeMetrics:
@@ -58,7 +71,7 @@ class ServeMetrics:
         if saved_seconds > 0:
             self.saved.inc(saved_seconds)
 
-    def on_done(self, gen: Any) -> None:
+    def on_done(self, gen: _Finished) -> None:
         usage = gen.usage()
         self.tokens.labels(direction="in", model=gen.member).inc(usage.prompt_tokens)
         self.tokens.labels(direction="out", model=gen.member).inc(usage.completion_tokens)

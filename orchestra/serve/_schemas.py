@@ -6,7 +6,8 @@ Requests are validated strictly, as OpenAI does: a string where a number or a bo
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import builtins
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -60,13 +61,17 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+def _object_schema() -> dict[str, object]:
+    return {"type": "object"}
+
+
 class JsonSchemaSpec(BaseModel):
     """`response_format.json_schema`: the schema the reply must follow."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    schema_: dict[str, object] = Field(default_factory=_object_schema, alias="schema")
     strict: bool | None = None
 
 
@@ -189,7 +194,7 @@ class ModelCard(BaseModel):
     name: str = Field(description="The member's name in the family.")
     role: str = Field(description="root, finetuned, quantized, distilled, ...")
     parent: str | None = Field(None, description="The member it was derived from.")
-    divergence: dict[str, Any] | None = Field(None, description="Measured KL / top-1 agreement to its parent.")
+    divergence: dict[str, builtins.object] | None = Field(None, description="Measured KL / top-1 agreement to its parent.")
     max_context: int | None = None
 
 

@@ -172,4 +172,4 @@ def test_repairs_priced_in_seconds_stay_in_budget_and_skip_exact_sinks(llama_fam
     climb = climb_repair(model, layers, ids, RepairPolicy(budget=0.0, ladder=(1.0,), max_spend=5.0), probe, tail=8,
                          costs=costs, exact=4)
     assert climb.plan.costs == "measured" and climb.plan.tokens == tuple(range(4, 96))
-    assert climb.ladder["repaired"] == 96 - 4 - 8  # the sinks were exact already, the probe tokens are its own
+    assert climb.ladder.repaired == 96 - 4 - 8  # the sinks were exact already, the probe tokens are its own

@@ -251,8 +251,8 @@ def test_ladder_passing_at_zero_spends_nothing(tiny_family):
         handle.remove()
     assert fed == [list(range(144, 160))]  # only the probe tokens every map recomputes
     lad = res.ladder
-    assert lad["passed"] == 0.0 and lad["spent"] == 0.0 and lad["repaired"] == 0 and lad["stopped"] is None
-    assert len(lad["steps"]) == 1 and res.logits.shape[1] == 16 and res.plan.tokens == ()
+    assert lad.passed == 0.0 and lad.spent == 0.0 and lad.repaired == 0 and lad.stopped is None
+    assert len(lad.steps) == 1 and res.logits.shape[1] == 16 and res.plan.tokens == ()
     for (k, _v), (nk, _nv) in zip(res.layers, noisy, strict=True):
         assert torch.equal(k[..., :144, :], nk[..., :144, :])
 
@@ -273,21 +273,21 @@ def test_ladder_climbs_to_the_first_passing_budget_repairing_each_position_once(
     finally:
         handle.remove()
     lad = res.ladder
-    assert lad["passed"] == 0.3 and [s["budget"] for s in lad["steps"]] == [0.0, 0.1, 0.2, 0.3]
-    assert [s["passed"] for s in lad["steps"]] == [False, False, False, True] and lad["stopped"] is None
+    assert lad.passed == 0.3 and [s.budget for s in lad.steps] == [0.0, 0.1, 0.2, 0.3]
+    assert [s.passed for s in lad.steps] == [False, False, False, True] and lad.stopped is None
     flat = [p for pass_ in fed for p in pass_]
     probe_pos = set(range(n - tail, n))
     outside = [p for p in flat if p not in probe_pos]
-    assert len(outside) == len(set(outside)) == lad["repaired"]  # no repaired position is recomputed twice
+    assert len(outside) == len(set(outside)) == lad.repaired  # no repaired position is recomputed twice
     assert all(flat.count(p) == 4 for p in probe_pos)  # the probe tokens once per rung, to re-probe
     cfg = model.config
     assert set(outside) | probe_pos == set(plan_repair(policy.at(0.3), n, len(noisy), config=cfg).tokens) | probe_pos
-    assert lad["recomputed"] == len(flat) and lad["token_share"] == pytest.approx((len(flat) - tail) / n)
+    assert lad.recomputed == len(flat) and lad.token_share == pytest.approx((len(flat) - tail) / n)
     # the spend is each rung's passes in the budget's measure (compute counting attention), less the first probe
     rungs = _rungs(fed, n)
     assert len(rungs) == 4
-    assert lad["spent"] == pytest.approx(sum(compute_share(cfg, n, r) for r in rungs) - compute_share(cfg, n, probe_pos))
-    assert lad["spent"] > lad["token_share"]
+    assert lad.spent == pytest.approx(sum(compute_share(cfg, n, r) for r in rungs) - compute_share(cfg, n, probe_pos))
+    assert lad.spent > lad.token_share
     assert 0.3 - 2 / n < res.plan.cost <= 0.3 and res.plan.token_share < 0.3
     # the same climb by hand: each rung's new positions plus the probe tokens over the previous rung's cache
     layers, seen = noisy, set()
@@ -311,22 +311,22 @@ def test_ladder_that_never_passes_reports_its_spend_and_stops_at_max_spend(llama
     _, noisy = _noisy(model, ids)
     res = climb_repair(model, noisy, ids, RepairPolicy(ladder=(0.1, 0.2)), _Probe(None), tail=tail)
     lad = res.ladder
-    assert lad["passed"] is None and "no budget" in lad["stopped"] and len(lad["steps"]) == 3
-    assert lad["token_share"] == pytest.approx((lad["recomputed"] - tail) / n) and lad["spent"] > 0.2
+    assert lad.passed is None and "no budget" in lad.stopped and len(lad.steps) == 3
+    assert lad.token_share == pytest.approx((lad.recomputed - tail) / n) and lad.spent > 0.2
     # the 20 % rung would bring the spend over a 25 % cap: the climb stops before it, having spent less
     capped = climb_repair(model, noisy, ids, RepairPolicy(ladder=(0.1, 0.2), max_spend=0.25), _Probe(None), tail=tail)
-    assert [s["budget"] for s in capped.ladder["steps"]] == [0.0, 0.1]
-    assert "max_spend" in capped.ladder["stopped"] and capped.ladder["spent"] <= 0.25
+    assert [s.budget for s in capped.ladder.steps] == [0.0, 0.1]
+    assert "max_spend" in capped.ladder.stopped and capped.ladder.spent <= 0.25
     # the cap is in compute, as the budget: a cap the token share of the whole climb fits under, but its compute
     # does not, stops it before its last rung
-    assert lad["token_share"] < lad["spent"]
-    cap = (lad["token_share"] + lad["spent"]) / 2
+    assert lad.token_share < lad.spent
+    cap = (lad.token_share + lad.spent) / 2
     between = climb_repair(model, noisy, ids, RepairPolicy(ladder=(0.1, 0.2), max_spend=cap), _Probe(None), tail=tail)
-    assert "max_spend" in between.ladder["stopped"] and between.ladder["spent"] <= cap
+    assert "max_spend" in between.ladder.stopped and between.ladder.spent <= cap
     # a rung that adds no position outside the probe tokens is skipped, not probed again
     short = climb_repair(model, noisy, ids, RepairPolicy(budget=0.02, ladder=(0.03,), sink_tokens=0), _Probe(None),
                          tail=tail)
-    assert short.ladder["steps"][1] == {"budget": 0.03, "tokens": 0, "skipped": True}
+    assert short.ladder.steps[1].model_dump() == {"budget": 0.03, "tokens": 0, "skipped": True}
 
 
 def test_ladder_probe_sees_the_repairs(llama_family):
@@ -350,9 +350,9 @@ def test_ladder_probe_sees_the_repairs(llama_family):
         return probe
 
     climbed = climb_repair(model, noisy, ids, policy, probe_under(-1.0), tail=tail)
-    kls = [s["metrics"]["kl"] for s in climbed.ladder["steps"]]
+    kls = [s.metrics["kl"] for s in climbed.ladder.steps]
     assert len(kls) == 4 and kls[-1] < kls[0]
     j = next(i for i in range(1, 4) if kls[i] < min(kls[:i]))
     res = climb_repair(model, noisy, ids, policy, probe_under((kls[j] + min(kls[:j])) / 2), tail=tail)
-    assert res.ladder["passed"] == policy.rungs[j] and len(res.ladder["steps"]) == j + 1
-    assert res.ladder["steps"][-1]["metrics"]["kl"] == pytest.approx(kls[j])
+    assert res.ladder.passed == policy.rungs[j] and len(res.ladder.steps) == j + 1
+    assert res.ladder.steps[-1].metrics["kl"] == pytest.approx(kls[j])

@@ -313,3 +313,77 @@ def test_a_map_fitted_without_its_sinks_is_served_with_them(registry, mapstore):
         mapping = cache._mapping("base", "child")
     assert mapping.manifest.method.exact_sinks == 4
     assert next(s for s in steps if s.step == "map").detail["exact_sinks"] == 4
+
+
+def _burst(cache, asks, *, first=None):
+    """Acquire every (member, ids) at once (after `first` has started building, when given); their leases."""
+    leases, errors = {}, []
+    barrier = threading.Barrier(len(asks))
+
+    def ask(i, member, ids):
+        try:
+            barrier.wait()
+            leases[i] = cache.acquire_sync(member, ids)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(i, m, ids)) for i, (m, ids) in enumerate(asks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return [leases[i] for i in range(len(asks))]
+
+
+def _builds(leases):
+    steps = [s for lease in leases for s in lease.steps]
+    return [(s.step, s.member) for s in steps if s.step in ("prefill", "map")]
+
+
+def test_a_cold_burst_over_one_document_prefills_it_once_and_maps_it_once(registry, mapstore):
+    """Three requests on the source and three on the child, all cold, all at once: the source prefills the
+    document, its other requests wait for that build, the child's wait for it too and map it once between them."""
+    cache = _family_cache(registry, mapstore)
+    cache._mapping("base", "child")  # loaded (or calibrated) before the burst: this test times the routing
+    doc = _ids(registry, data_text("gpl-3.txt")[:300])
+    started = threading.Event()
+    counter = TokenCounter(registry.load("base").model, delay=0.3)  # the prefill is still running when the rest ask
+    hook = registry.load("base").model.register_forward_pre_hook(lambda *a: started.set())
+    first: dict[str, object] = {}
+    try:
+        opener = threading.Thread(target=lambda: first.setdefault("lease", cache.acquire_sync("base", doc)))
+        opener.start()
+        started.wait(30)
+        rest = _burst(cache, [("base", doc)] * 2 + [("child", doc)] * 3)
+        opener.join()
+    finally:
+        hook.remove()
+        counter.remove()
+    leases = [first["lease"], *rest]
+    assert _builds(leases) == [("prefill", "base"), ("map", "child")]
+    assert [lease.path for lease in leases] == ["exact"] * 3 + ["mapped"] * 3
+    assert len({lease.entry_id for lease in leases[3:]}) == 1  # the three child leases share one mapped entry
+    assert all(any(s.step == "join" for s in lease.steps) for lease in leases[1:])
+    assert cache.stats.joins == 5 and cache.stats.hits == 0
+    for lease in leases:
+        lease.release()
+
+
+def test_a_cold_burst_started_at_once_builds_the_document_once_per_member_at_most(registry, mapstore):
+    """Whoever asks first builds; the same member's requests join it, and the child's map it when the source
+    was first. Planning and registering a build are one step, so no member ever builds the document twice."""
+    cache = _family_cache(registry, mapstore)
+    cache._mapping("base", "child")
+    doc = _ids(registry, data_text("mpl-2.0.txt")[:300])
+    counter = TokenCounter(registry.load("base").model, delay=0.2)
+    try:
+        leases = _burst(cache, [("base", doc), ("child", doc)] * 3)
+    finally:
+        counter.remove()
+    builds = _builds(leases)
+    assert builds in ([("prefill", "base"), ("map", "child")], [("prefill", "child"), ("prefill", "base")],
+                      [("prefill", "base"), ("prefill", "child")]), builds
+    assert sum(1 for lease in leases if not any(s.step == "join" for s in lease.steps)) == len(builds)
+    for lease in leases:
+        lease.release()

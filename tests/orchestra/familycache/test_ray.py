@@ -236,7 +236,44 @@ async def test_missing_mapping_is_refused_and_cancelled_runs_leave_nothing(ray_c
     assert not _ours() and not _live_groups()
 
 
+# The CLI, with one hook: the first token event writes the marker file and holds the run there (the event
+# sink never returns), so the run is still in progress, at a known point, whenever the signal comes.
+HELD_CLI = """
+import sys
+from pathlib import Path
+
+import anyio
+
+from orchestra.events import TokenEvent
+from orchestra.scheduler import Orchestra
+
+marker = Path(sys.argv.pop(1))
+unheld = Orchestra.run
+
+
+async def run(self, document, *, on_event=None, run_id=None):
+    async def held(event):
+        if on_event is not None:
+            result = on_event(event)
+            if result is not None:
+                await result
+        if isinstance(event, TokenEvent):
+            marker.write_text(event.agent)
+            await anyio.sleep_forever()
+
+    return await unheld(self, document, on_event=held, run_id=run_id)
+
+
+Orchestra.run = run
+from orchestra.cli import main  # noqa: E402
+
+sys.argv[0] = "orchestra"
+main()
+"""
+
+
 def test_ctrl_c_on_the_cli_leaves_no_actors(ray_cluster, fam, maps, tmp_path):
+    """Ctrl-C while agents are generating (held at their first token): exit 130, no actors or groups left."""
     pipeline = tmp_path / "p.yaml"
     pipeline.write_text(
         f"name: ctrlc\nmodels: {{base: '{fam.parent}', child: '{fam.child}'}}\nsource: base\ndefault_device: cpu\n"
@@ -247,22 +284,25 @@ def test_ctrl_c_on_the_cli_leaves_no_actors(ray_cluster, fam, maps, tmp_path):
     )
     document = tmp_path / "doc.txt"
     document.write_text(SHORT)
+    cli, marker = tmp_path / "held_cli.py", tmp_path / "first-token"
+    cli.write_text(HELD_CLI)
     env = {**os.environ, "RAY_ADDRESS": ray_cluster}
-    proc = subprocess.Popen([sys.executable, "-m", "orchestra.cli", "run", str(pipeline), "--document", str(document),
+    proc = subprocess.Popen([sys.executable, str(cli), str(marker), "run", str(pipeline), "--document", str(document),
                              "--executor", "ray", "--ray-address", "auto"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(_ours()) < 2:
-            time.sleep(0.2)
-        assert len(_ours()) == 2, proc.stdout.read1().decode() if proc.poll() is not None else "no actors"
-        time.sleep(0.1)  # the actors are loading their models: a tiny model decodes 200 tokens in under a second
+        deadline = time.monotonic() + 180
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # waiting for the marker, not racing the run: it holds until signalled
+        assert marker.exists(), proc.stdout.read1().decode()[-2000:] if proc.poll() is not None else "no token in 180 s"
+        assert proc.poll() is None and len(_ours()) == 2
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, out.decode()[-2000:]
+    assert b"interrupted" in out
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and (_ours() or _live_groups()):
         time.sleep(0.2)

@@ -22,7 +22,7 @@ import pytest
 from openai import OpenAI
 
 from orchestra.family.corpus import data_text
-from orchestra.familycache import CachePolicy, FamilyCache
+from orchestra.familycache import CachePolicy, FamilyCache, make_executor
 from orchestra.gates import GatePolicy
 from orchestra.mapstore import MappingStore
 from orchestra.pipeline import ExecutorSpec
@@ -32,7 +32,7 @@ from tests.orchestra.serve.conftest import free_port
 ray = pytest.importorskip("ray")
 uvicorn = pytest.importorskip("uvicorn")
 
-from orchestra.familycache._ray import NAMESPACE, RayExecutor, RemoteKV  # noqa: E402  (needs ray)
+from orchestra.familycache._ray import NAMESPACE, RemoteKV  # noqa: E402  (needs ray)
 from orchestra.serve._decode import batch_stats_op  # noqa: E402
 
 DOC = data_text("gpl-3.txt")[:260]
@@ -94,18 +94,15 @@ class LiveApp:
 
 @pytest.fixture(scope="module")
 def local(tiny_serve_family, mappings):
-    from orchestra.familycache import LocalExecutor
-
-    live = LiveApp(_engine(tiny_serve_family, mappings, LocalExecutor(tiny_serve_family.registry)))
+    live = LiveApp(_engine(tiny_serve_family, mappings, make_executor("local", tiny_serve_family.registry)))
     yield live
     live.stop()
 
 
 @pytest.fixture(scope="module")
 def remote(ray_cluster, tiny_serve_family, mappings):
-    executor = RayExecutor(tiny_serve_family.registry, ExecutorSpec(kind="ray", num_cpus=0.5, max_restarts=2),
-                           name="serve-test")
-    executor.start()
+    executor = make_executor("ray", tiny_serve_family.registry, ExecutorSpec(kind="ray", num_cpus=0.5, max_restarts=2),
+                             name="serve-test", start=True)
     live = LiveApp(_engine(tiny_serve_family, mappings, executor))
     yield live
     live.stop()
@@ -246,10 +243,11 @@ def test_a_killed_actor_fails_its_request_and_the_next_one_is_served(remote):
     asker.start()
     deadline = time.monotonic() + 60
     restarted = executor.actors("finetuned")[0]
-    while restarted.suspect or restarted.busy < 1:  # restarted, and decoding the reply (450 tokens: seconds)
+    while restarted.suspect or restarted.busy < 1:  # restarted, and the request is bound to it
         assert time.monotonic() < deadline and asker.is_alive(), box
         time.sleep(0.01)
-    time.sleep(0.3)
+    # killed as soon as the call is the actor's: whether it is still loading or already decoding, the
+    # request dies with it (a pause here would race the reply, which may end early at EOS)
     ray.kill(executor.actors("finetuned")[0].handle, no_restart=False)
     asker.join(120)
     response = box["response"]

@@ -1,0 +1,298 @@
+"""Code-health counts over the runtime packages: `Any` annotations, long functions, private imports.
+
+    python scripts/code_health.py [--root DIR] [--json] [--check] [--max-any N]
+
+Over ``orchestra/``, ``agents/`` and ``mappings/`` (tests and benchmarks aside) it reports:
+
+- ``Any`` in annotations: every ``Any`` / ``typing.Any`` inside an argument or return annotation, an
+  annotated assignment or a module-level type alias (``X = dict[str, Any]``, ``X: TypeAlias = ...``);
+  ``Any`` in a string or inside a call (``cast(Any, x)``) is not an annotation and is not counted;
+- functions (methods and nested ones included) longer than 80 lines, ``end_lineno - lineno + 1`` from
+  the ``def`` line; typer commands (decorated ``@<app>.command``) are listed apart, since most of their
+  length is the option list of their signature;
+- private imports across packages: ``from X import _name``, ``import X._mod`` or ``from X._mod import y``
+  where X's top-level package is another of the three; and, from ``benchmarks/*.py``, any private name
+  or module of the three packages or any name of ``orchestra.bench`` outside its ``__all__`` (the
+  benchmarks use the public API of ``orchestra.bench``).
+
+``--check`` exits 1, with a one-line reason, when more than 5 functions (typer commands aside) are over
+80 lines, any private import crosses packages, or the ``Any`` count exceeds ``--max-any`` (default 150;
+a negative value leaves ``Any`` unchecked). Otherwise the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+PACKAGES = ("orchestra", "agents", "mappings")
+BENCH_PACKAGE = "orchestra.bench"
+MAX_LINES = 80
+MAX_LONG_FUNCTIONS = 5
+DEFAULT_MAX_ANY = 150
+TOP_ANY_FILES = 10
+
+
+@dataclass(frozen=True)
+class LongFunction:
+    path: str
+    line: int
+    name: str
+    lines: int
+
+
+@dataclass(frozen=True)
+class PrivateImport:
+    path: str
+    line: int
+    statement: str
+    reason: str
+
+
+@dataclass
+class Report:
+    any_total: int = 0
+    any_by_file: dict[str, int] = field(default_factory=dict)
+    long_functions: list[LongFunction] = field(default_factory=list)
+    typer_commands: list[LongFunction] = field(default_factory=list)
+    private_imports: list[PrivateImport] = field(default_factory=list)
+    benchmark_imports: list[PrivateImport] = field(default_factory=list)
+
+    def top_any_files(self) -> list[tuple[str, int]]:
+        return Counter(self.any_by_file).most_common(TOP_ANY_FILES)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "any_total": self.any_total,
+            "any_top_files": [{"path": p, "count": n} for p, n in self.top_any_files()],
+            "long_functions": [asdict(f) for f in self.long_functions],
+            "typer_commands": [asdict(f) for f in self.typer_commands],
+            "private_imports": [asdict(i) for i in self.private_imports],
+            "benchmark_imports": [asdict(i) for i in self.benchmark_imports],
+        }
+
+
+# --- `Any` in annotations -------------------------------------------------------------------------------
+
+def _is_any(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id == "Any"
+    return (isinstance(node, ast.Attribute) and node.attr == "Any"
+            and isinstance(node.value, ast.Name) and node.value.id in ("typing", "t"))
+
+
+def count_any(annotation: ast.AST | None) -> int:
+    """`Any` names in one annotation; calls (``Field(...)`` in ``Annotated``) and strings are skipped."""
+    if annotation is None:
+        return 0
+    if _is_any(annotation):
+        return 1
+    if isinstance(annotation, (ast.Call, ast.Constant)):
+        return 0
+    return sum(count_any(child) for child in ast.iter_child_nodes(annotation))
+
+
+def _is_type_expression(node: ast.AST) -> bool:
+    """A module-level value that reads as a type alias: ``dict[str, Any]``, ``A | B``, ``Any``."""
+    if isinstance(node, ast.Subscript) or _is_any(node):
+        return True
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr)
+
+
+def _is_type_alias_annotation(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "TypeAlias") or (
+        isinstance(node, ast.Attribute) and node.attr == "TypeAlias")
+
+
+def _annotations(tree: ast.Module) -> list[ast.AST]:
+    """Every annotation of a module, plus the values of its module-level type aliases."""
+    found: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+                if arg is not None and arg.annotation is not None:
+                    found.append(arg.annotation)
+            if node.returns is not None:
+                found.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            found.append(node.annotation)
+            if _is_type_alias_annotation(node.annotation) and node.value is not None:
+                found.append(node.value)
+        elif type(node).__name__ == "TypeAlias":  # `type X = ...` (Python 3.12+)
+            found.append(node.value)  # type: ignore[attr-defined]
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and _is_type_expression(stmt.value):
+            found.append(stmt.value)
+    return found
+
+
+# --- long functions --------------------------------------------------------------------------------------
+
+def _is_typer_command(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if isinstance(target, ast.Attribute) and target.attr == "command":
+            return True
+    return False
+
+
+def _long_functions(tree: ast.Module, path: str, report: Report) -> None:
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        lines = (node.end_lineno or node.lineno) - node.lineno + 1
+        if lines <= MAX_LINES:
+            continue
+        entry = LongFunction(path, node.lineno, node.name, lines)
+        (report.typer_commands if _is_typer_command(node) else report.long_functions).append(entry)
+
+
+# --- private imports -------------------------------------------------------------------------------------
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_module(module: str) -> bool:
+    return any(_is_private(part) for part in module.split("."))
+
+
+def _imports(tree: ast.Module) -> list[tuple[int, str, list[str], str]]:
+    """(line, module, imported names, source text) of every absolute import, lazy ones included."""
+    found: list[tuple[int, str, list[str], str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [a.name for a in node.names]
+            found.append((node.lineno, node.module, names, f"from {node.module} import {', '.join(names)}"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append((node.lineno, alias.name, [], f"import {alias.name}"))
+    return found
+
+
+def _cross_package_private(tree: ast.Module, path: str, own_package: str, report: Report) -> None:
+    for line, module, names, text in _imports(tree):
+        top = module.split(".")[0]
+        if top not in PACKAGES or top == own_package:
+            continue
+        private_names = [n for n in names if _is_private(n)]
+        if _private_module(module) or private_names:
+            what = "private module" if _private_module(module) else f"private name {', '.join(private_names)}"
+            report.private_imports.append(PrivateImport(path, line, text, f"{own_package} -> {top}: {what}"))
+
+
+def _public_names(init: Path) -> set[str] | None:
+    """The literal ``__all__`` of a package ``__init__``, or None where it has none."""
+    if not init.is_file():
+        return None
+    for stmt in ast.parse(init.read_text(encoding="utf-8")).body:
+        if (isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in stmt.targets)
+                and isinstance(stmt.value, (ast.List, ast.Tuple))):
+            return {e.value for e in stmt.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return None
+
+
+def _benchmark_imports(tree: ast.Module, path: str, bench_api: set[str] | None, report: Report) -> None:
+    for line, module, names, text in _imports(tree):
+        if module.split(".")[0] not in PACKAGES:
+            continue
+        private_names = [n for n in names if _is_private(n)]
+        if _private_module(module) or private_names:
+            reason = "private module" if _private_module(module) else f"private name {', '.join(private_names)}"
+        elif module.startswith(BENCH_PACKAGE + "."):
+            reason = f"submodule of {BENCH_PACKAGE}: import from {BENCH_PACKAGE} itself"
+        elif module == BENCH_PACKAGE and bench_api is not None and set(names) - bench_api:
+            reason = f"not in {BENCH_PACKAGE}.__all__: {', '.join(sorted(set(names) - bench_api))}"
+        else:
+            continue
+        report.benchmark_imports.append(PrivateImport(path, line, text, reason))
+
+
+# --- the scan --------------------------------------------------------------------------------------------
+
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def scan(root: Path) -> Report:
+    report = Report()
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            tree = _parse(path)
+            n_any = sum(count_any(a) for a in _annotations(tree))
+            if n_any:
+                report.any_by_file[rel] = n_any
+                report.any_total += n_any
+            _long_functions(tree, rel, report)
+            _cross_package_private(tree, rel, package, report)
+    bench_api = _public_names(root / Path(*BENCH_PACKAGE.split(".")) / "__init__.py")
+    for path in sorted((root / "benchmarks").glob("*.py")):
+        _benchmark_imports(_parse(path), path.relative_to(root).as_posix(), bench_api, report)
+    for entries in (report.long_functions, report.typer_commands):
+        entries.sort(key=lambda f: (-f.lines, f.path, f.line))
+    return report
+
+
+def failures(report: Report, max_any: int) -> list[str]:
+    """Reasons the thresholds fail; empty when they hold. ``max_any < 0`` leaves `Any` unchecked."""
+    reasons: list[str] = []
+    if len(report.long_functions) > MAX_LONG_FUNCTIONS:
+        reasons.append(f"{len(report.long_functions)} functions over {MAX_LINES} lines (max {MAX_LONG_FUNCTIONS})")
+    crossing = len(report.private_imports) + len(report.benchmark_imports)
+    if crossing:
+        reasons.append(f"{crossing} private imports across packages (max 0)")
+    if max_any >= 0 and report.any_total > max_any:
+        reasons.append(f"{report.any_total} Any annotations (max {max_any})")
+    return reasons
+
+
+def render(report: Report) -> str:
+    out = [
+        f"{'metric':<46} {'count':>5}",
+        f"{'Any annotations':<46} {report.any_total:>5}",
+        f"{f'functions over {MAX_LINES} lines (typer commands aside)':<46} {len(report.long_functions):>5}",
+        f"{'typer option lists over ' + str(MAX_LINES) + ' lines':<46} {len(report.typer_commands):>5}",
+        f"{'private imports across packages':<46} {len(report.private_imports):>5}",
+        f"{'benchmarks: non-public imports':<46} {len(report.benchmark_imports):>5}",
+    ]
+    if report.any_by_file:
+        out += ["", "Any annotations, top files:"] + [f"  {n:>4}  {p}" for p, n in report.top_any_files()]
+    for title, functions in (("functions over 80 lines:", report.long_functions),
+                             ("typer option lists (may stay):", report.typer_commands)):
+        if functions:
+            out += ["", title] + [f"  {f.lines:>4}  {f.path}:{f.line}  {f.name}" for f in functions]
+    for title, imports in (("private imports across packages:", report.private_imports),
+                           ("benchmarks: non-public imports:", report.benchmark_imports)):
+        if imports:
+            out += ["", title] + [f"  {i.path}:{i.line}  {i.statement}  ({i.reason})" for i in imports]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="repository root holding orchestra/, agents/, mappings/ and benchmarks/")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a threshold fails")
+    parser.add_argument("--max-any", type=int, default=DEFAULT_MAX_ANY,
+                        help=f"most `Any` annotations --check allows (default {DEFAULT_MAX_ANY}; negative: unchecked)")
+    args = parser.parse_args(argv)
+    report = scan(args.root)
+    print(json.dumps(report.to_json(), indent=2) if args.json else render(report))
+    if args.check:
+        reasons = failures(report, args.max_any)
+        if reasons:
+            print("code health check failed: " + "; ".join(reasons), file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
