@@ -15,7 +15,7 @@ __all__ = ["SUPPORTED_TYPES", "schema_errors", "check_schema"]
 SUPPORTED_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
-def _is_type(value: Any, name: str) -> bool:
+def _is_type(value: object, name: str) -> bool:
     if name == "object":
         return isinstance(value, dict)
     if name == "array":
@@ -47,7 +47,7 @@ def _resolve(ref: str, root: dict[str, Any]) -> dict[str, Any]:
 def check_schema(schema: dict[str, Any]) -> None:
     """Raise ValueError if ``schema`` uses a form this validator cannot check (bad type, remote $ref)."""
 
-    def walk(node: Any) -> None:
+    def walk(node: object) -> None:
         if isinstance(node, dict):
             types = node.get("type")
             for t in [types] if isinstance(types, str) else (types or []):

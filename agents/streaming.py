@@ -12,8 +12,8 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import AbstractContextManager, asynccontextmanager
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -21,6 +21,9 @@ from agents.bridge import ThreadStream, WorkerCancelledError
 from agents.errors import GenerationCancelledError
 from agents.runner import AgentResult, TokenEvent, generate
 from agents.spec import AgentSpec
+
+if TYPE_CHECKING:
+    from mappings.types import CacheLike, Model, Tokenizer
 
 __all__ = ["AgentStream", "stream_agent", "run_agent"]
 
@@ -60,16 +63,16 @@ class AgentStream:
 
 @asynccontextmanager
 async def stream_agent(
-    model: Any,
-    tokenizer: Any,
+    model: Model,
+    tokenizer: Tokenizer,
     spec: AgentSpec,
     *,
     prefix_ids: Sequence[int],
-    prefix_cache: Any | None = None,
-    upstream: Mapping[str, Any] | None = None,
+    prefix_cache: CacheLike | None = None,
+    upstream: Mapping[str, object] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
     use_chat_template: bool | None = None,
-    lock: Any = None,
+    lock: AbstractContextManager[object] | None = None,
 ) -> AsyncIterator[AgentStream]:
     """Run `generate` in a worker thread (bounded by ``limiter``, e.g. one per device), streaming tokens.
 
@@ -88,17 +91,17 @@ async def stream_agent(
 
 
 async def run_agent(
-    model: Any,
-    tokenizer: Any,
+    model: Model,
+    tokenizer: Tokenizer,
     spec: AgentSpec,
     *,
     prefix_ids: Sequence[int],
-    prefix_cache: Any | None = None,
-    upstream: Mapping[str, Any] | None = None,
+    prefix_cache: CacheLike | None = None,
+    upstream: Mapping[str, object] | None = None,
     on_token: Callable[[TokenEvent], Awaitable[None] | None] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
     use_chat_template: bool | None = None,
-    lock: Any = None,
+    lock: AbstractContextManager[object] | None = None,
 ) -> AgentResult:
     """Run one agent without blocking the event loop; ``on_token`` (sync or async) sees every token."""
     async with stream_agent(model, tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=prefix_cache,

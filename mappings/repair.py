@@ -41,7 +41,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from mappings.cache_io import KVLayers
     from mappings.manifest import MappingManifest
     from mappings.residual import ResidualMap
+    from mappings.types import Model, ModelConfig
 
 __all__ = [
     "RepairPolicy",
@@ -215,7 +216,7 @@ class RepairResult:
                              exact=self.plan.exact, token_share=self.plan.token_share, seconds=dict(self.seconds),
                              ladder=self.ladder)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """JSON form of :meth:`record` for reports and events."""
         return self.record().model_dump()
 
@@ -256,7 +257,8 @@ def choose_blocks(layer_scores: Sequence[float], layers: int) -> tuple[tuple[int
 
 def plan_repair(
     policy: RepairPolicy, n: int, num_layers: int, *, layer_scores: Sequence[float] | None = None,
-    importance: torch.Tensor | None = None, config: Any = None, costs: CostModel | None = None, exact: int = 0,
+    importance: torch.Tensor | None = None, config: ModelConfig | None = None, costs: CostModel | None = None,
+    exact: int = 0,
 ) -> RepairPlan:
     """Turn a policy into positions and blocks for an ``n``-token document on ``num_layers`` layers.
 
@@ -350,7 +352,7 @@ class _ComputeModel(CostModel):
     kind: str = "compute"
 
     @classmethod
-    def of(cls, config: Any) -> _ComputeModel | None:
+    def of(cls, config: ModelConfig | None) -> _ComputeModel | None:
         """From a model config; None when it lacks the usual sizes (hidden, heads, intermediate, layers)."""
         if config is None:
             return None
@@ -376,7 +378,7 @@ class _ComputeModel(CostModel):
         return spent / prefill
 
 
-def compute_share(config: Any, n: int, tokens: Sequence[int], block_layers: int = 0) -> float | None:
+def compute_share(config: ModelConfig | None, n: int, tokens: Sequence[int], block_layers: int = 0) -> float | None:
     """Multiply-adds of a repair as a fraction of the model's causal prefill of ``n`` tokens, counting attention.
 
     Per layer, a token costs its projections and MLP plus ``2 * heads * head_dim`` per key it
@@ -394,7 +396,7 @@ def compute_share(config: Any, n: int, tokens: Sequence[int], block_layers: int 
     return model.share(n, tokens) + block_layers / model.layers
 
 
-def attention_importance(model: Any, layers: KVLayers, input_ids: torch.Tensor, probe_tokens: int = 16) -> torch.Tensor:
+def attention_importance(model: Model, layers: KVLayers, input_ids: torch.Tensor, probe_tokens: int = 16) -> torch.Tensor:
     """How much ``model``'s last ``probe_tokens`` tokens attend to each position, ``[n]``.
 
     Re-runs the last tokens over ``layers`` (the model's own cache of ``input_ids``, cut before
@@ -428,7 +430,7 @@ def attention_importance(model: Any, layers: KVLayers, input_ids: torch.Tensor, 
 
 
 
-def _rank(source: Any, source_layers: KVLayers | None, input_ids: torch.Tensor, probe_tokens: int,
+def _rank(source: Model | None, source_layers: KVLayers | None, input_ids: torch.Tensor, probe_tokens: int,
           seconds: dict[str, float]) -> torch.Tensor:
     """The source's attention ranking for scattered tokens (its seconds under ``rank``); both repair paths use it."""
     if source is None or source_layers is None:
@@ -440,7 +442,7 @@ def _rank(source: Any, source_layers: KVLayers | None, input_ids: torch.Tensor, 
     return importance
 
 def repair_cache(
-    target: Any,
+    target: Model,
     mapped: KVLayers,
     input_ids: torch.Tensor,
     policy: RepairPolicy,
@@ -448,7 +450,7 @@ def repair_cache(
     layer_scores: Sequence[float] | None = None,
     residual: ResidualMap | None = None,
     source_hidden: dict[int, torch.Tensor] | None = None,
-    source: Any = None,
+    source: Model | None = None,
     source_layers: KVLayers | None = None,
     importance: torch.Tensor | None = None,
     keep_logits: int = 0,
@@ -513,7 +515,7 @@ def repair_cache(
 
 
 def climb_repair(
-    target: Any,
+    target: Model,
     mapped: KVLayers,
     input_ids: torch.Tensor,
     policy: RepairPolicy,
@@ -521,7 +523,7 @@ def climb_repair(
     *,
     tail: int,
     importance: torch.Tensor | None = None,
-    source: Any = None,
+    source: Model | None = None,
     source_layers: KVLayers | None = None,
     costs: CostModel | None = None,
     exact: int = 0,

@@ -12,9 +12,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from mappings.types import Tensor
 
 __all__ = ["OfflineGate", "ProbeGate", "ShadowGate", "GatePolicy", "GateDecision", "CircuitBreaker", "ProbeCheck",
            "decide_offline", "decide_probe"]
@@ -112,7 +115,7 @@ class ProbeCheck:
 
     tail_ids: tuple[int, ...]
     """The probe tokens (the document's last tokens)."""
-    source_logits: Any
+    source_logits: Tensor
     """The source's own logits over the probe tokens, ``[tail, vocab]``."""
     reference_nll: float
     """The source's NLL on the probe tokens plus the pair's calibrated target-minus-source offset."""
@@ -121,7 +124,7 @@ class ProbeCheck:
     gate: ProbeGate | None = None
     """Thresholds applied by `__call__` (None: measure only)."""
 
-    def metrics(self, logits: Any) -> dict[str, float]:
+    def metrics(self, logits: Tensor) -> dict[str, float]:
         """Probe NLL, KL to the source and the references, for `logits` ``[tail, vocab]`` (or ``[1, tail, vocab]``)."""
         import torch
 
@@ -135,7 +138,7 @@ class ProbeCheck:
             out["reference_source_kl"] = self.reference_source_kl
         return out
 
-    def decide(self, logits: Any) -> GateDecision:
+    def decide(self, logits: Tensor) -> GateDecision:
         """The probe gate's decision on `logits`; needs `gate`."""
         if self.gate is None:
             raise ValueError("this probe check has no gate to decide with")
@@ -143,7 +146,7 @@ class ProbeCheck:
         return decide_probe(self.gate, m["probe_nll"], m["reference_nll"], m["probe_source_kl"],
                             m.get("reference_source_kl"))
 
-    def __call__(self, logits: Any) -> tuple[bool, dict[str, float]]:
+    def __call__(self, logits: Tensor) -> tuple[bool, dict[str, float]]:
         """(passed, metrics): the form `mappings.repair.climb_repair` climbs against."""
         decision = self.decide(logits)
         return decision.passed, dict(decision.metrics)

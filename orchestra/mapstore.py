@@ -12,15 +12,32 @@ import json
 import logging
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 from mappings.atomic import write_atomic
 from orchestra.errors import MappingUnavailableError, OperationCancelledError
 from orchestra.registry import LoadedModel, ModelInfo
 
-__all__ = ["ProbeReference", "MappingStore", "MappingStoreConfig", "PROBE_FILE"]
+if TYPE_CHECKING:
+    from mappings.manifest import MappingManifest
+    from mappings.store import Mapping
+    from mappings.types import KVCache, Tensor
+
+__all__ = ["ProbeReference", "MappingStore", "MappingStoreConfig", "PROBE_FILE", "StoredMapping", "ReferenceWindows"]
+
+ReferenceWindows: TypeAlias = "list[tuple[list[int], Tensor, KVCache]]"
+"""The source's half of a probe reference: per held-out window, its token ids, tail logits and cache."""
+
+
+class StoredMapping(Protocol):
+    """What the store reads of a mapping to keep its probe reference beside it: the manifest (and ``path``,
+    when it has one). A `mappings.store.Mapping`, or a remote executor's proxy of one loaded elsewhere."""
+
+    @property
+    def manifest(self) -> MappingManifest: ...
 
 PROBE_FILE = "probe_reference.json"
 log = logging.getLogger("orchestra.mapstore")
@@ -89,7 +106,7 @@ class MappingStore:
         self.method = method or "auto"
         self.tokens = tokens
         self._corpus = corpus
-        self._cache: dict[tuple[str, str], Any] = {}
+        self._cache: dict[tuple[str, str], Mapping] = {}
         self._probe: dict[tuple[str, str, int], ProbeReference] = {}
         self._lock = threading.Lock()
 
@@ -113,7 +130,7 @@ class MappingStore:
         s, t = _info(source), _info(target)
         return (s.fingerprint, t.fingerprint) in self._cache or (self.path_for(s, t) / "manifest.json").is_file()
 
-    def add(self, path: Path, source: LoadedModel, target: LoadedModel) -> Any:
+    def add(self, path: Path, source: LoadedModel, target: LoadedModel) -> Mapping:
         """Use the mapping in `path` for this pair (whatever its folder is called); checked against both fingerprints."""
         from mappings.store import load_mapping
 
@@ -123,7 +140,7 @@ class MappingStore:
         return mapping
 
     def get(self, source: LoadedModel, target: LoadedModel, log=None,
-            cancel: threading.Event | None = None) -> tuple[Any, bool]:
+            cancel: threading.Event | None = None) -> tuple[Mapping, bool]:
         """The mapping for the pair (loaded and fingerprint-checked) and whether it was calibrated just now.
 
         A folder at the pair's path without a manifest is a half-written mapping (an interrupted save of an
@@ -157,7 +174,7 @@ class MappingStore:
             self._cache[key] = mapping
             return mapping, calibrated
 
-    def fit(self, source: LoadedModel, target: LoadedModel, cancel: threading.Event | None = None) -> Any:
+    def fit(self, source: LoadedModel, target: LoadedModel, cancel: threading.Event | None = None) -> Mapping:
         """Calibrate the pair's mapping in memory (not saved); `cancel` stops it at the next forward pass."""
         from mappings.atomic import fault_point
         from mappings.calibrate import calibrate
@@ -172,16 +189,15 @@ class MappingStore:
         handles = [m.register_forward_pre_hook(check) for m in {id(source.model): source.model,
                                                                   id(target.model): target.model}.values()]
         try:
-            return calibrate(
-                source.model, target.model, self.corpus, method=self.method, tokens=self.tokens, progress=False,
-                source_tokenizer=source.tokenizer, target_tokenizer=target.tokenizer,
+            return calibrate(  # the handles carry the registry's fingerprints: what `get` checks the mapping by
+                source.handle(), target.handle(), self.corpus, method=self.method, tokens=self.tokens, progress=False,
             )
         finally:
             for handle in handles:
                 handle.remove()
 
     def calibrate(self, source: LoadedModel, target: LoadedModel, path: Path | None = None, *,
-                  cancel: threading.Event | None = None) -> Any:
+                  cancel: threading.Event | None = None) -> Mapping:
         """Calibrate the pair and save it at `path` (default: the pair's path) crash-safely.
 
         An existing mapping there is replaced only once the new one is complete, so it stays usable if this
@@ -196,17 +212,20 @@ class MappingStore:
         self._cache.pop((source.info.fingerprint, target.info.fingerprint), None)
         return mapping
 
-    def probe_reference(self, source: LoadedModel, target: LoadedModel, mapping: Any, tokens: int,
-                        window: int = 512, windows: int = 2, measure: Any = None) -> ProbeReference:
+    def probe_reference(self, source: LoadedModel, target: LoadedModel, mapping: StoredMapping, tokens: int,
+                        window: int = 512, windows: int = 2,
+                        measure: Callable[[int, int, int], ProbeReference] | None = None) -> ProbeReference:
         """Load or measure the pair's probe reference for `tokens` trailing tokens.
 
         `measure(tokens, window, windows)` replaces the in-process measurement (a remote executor runs
-        `reference_source` where the source lives and `reference_target` where the target lives).
+        `reference_source` where the source lives and `reference_target` where the target lives); without
+        it `mapping` is the loaded `mappings.store.Mapping` itself, whose tensors the measurement runs.
         """
         key = (source.info.fingerprint, target.info.fingerprint, tokens)
         if key in self._probe:
             return self._probe[key]
-        path = Path(mapping.path) / PROBE_FILE if getattr(mapping, "path", None) else None
+        folder = getattr(mapping, "path", None)
+        path = Path(folder) / PROBE_FILE if folder else None
         if path is not None and path.is_file():
             stored = _read_json(path)
             entry = stored.get(str(tokens))
@@ -223,7 +242,7 @@ class MappingStore:
         if measure is not None:
             ref = measure(tokens, window, windows)
         else:
-            ref = self._measure_reference(source, target, mapping, tokens, window, windows)
+            ref = self._measure_reference(source, target, cast("Mapping", mapping), tokens, window, windows)
         self._probe[key] = ref
         if path is not None:
             try:
@@ -237,13 +256,13 @@ class MappingStore:
                             path, exc.strerror or exc)
         return ref
 
-    def _measure_reference(self, source: LoadedModel, target: LoadedModel, mapping: Any, tokens: int,
+    def _measure_reference(self, source: LoadedModel, target: LoadedModel, mapping: Mapping, tokens: int,
                            window: int, windows: int) -> ProbeReference:
         measured = self.reference_source(source, tokens, window, windows)
         return self.reference_target(target, mapping, measured, tokens)
 
     def reference_source(self, source: LoadedModel, tokens: int, window: int = 512,
-                         windows: int = 2) -> list[tuple[list[int], Any, Any]]:
+                         windows: int = 2) -> ReferenceWindows:
         """The source's half of a probe reference: per held-out window, its ids, tail logits and cache."""
         import torch
 
@@ -265,7 +284,7 @@ class MappingStore:
         return out
 
     @staticmethod
-    def reference_target(target: LoadedModel, mapping: Any, measured: list[tuple[list[int], Any, Any]],
+    def reference_target(target: LoadedModel, mapping: Mapping, measured: ReferenceWindows,
                          tokens: int) -> ProbeReference:
         """The target's half: its own and the mapped tail loss on the windows `reference_source` measured."""
         import torch

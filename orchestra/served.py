@@ -71,7 +71,7 @@ def evaluate_served(mapping_dir: str | Path, ids: Sequence[int], *, source: str 
             with torch.no_grad():
                 full = torch.tensor([span], device=model.device)
                 truth, _, _ = forward_with_cache(model.model, full, None)
-                served, _, _ = forward_with_cache(model.model, full[:, n:], copy_cache(lease.cache, model.model))
+                served, _, _ = forward_with_cache(model.model, full[:, n:], copy_cache(lease.local_cache(), model.model))
             # predictions after each suffix token: the truth's own prefill vs the served cache + the suffix
             metrics = next_token_agreement(truth[:, n : n + m].float(), served[:, :m].float())
             rows.append(ServedWindow(path=lease.path, fallback_reason=lease.fallback_reason, gates=lease.gate_dicts(),

@@ -200,7 +200,7 @@ class _Asker:
             return self._memo[key]
         lm = self.fam.loaded(member)
         try:
-            result = generate(lm.model, lm.tokenizer, self.spec(q), prefix_ids=prefix, prefix_cache=lease.cache,
+            result = generate(lm.model, lm.tokenizer, self.spec(q), prefix_ids=prefix, prefix_cache=lease.local_cache(),
                               lock=self.cache.lock(member))
             out: tuple[str, str | None] = (result.text.strip(), None)
         except AgentError as exc:  # e.g. a context overflow: recorded as a wrong answer, not fatal

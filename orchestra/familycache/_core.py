@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import structlog
 
@@ -47,12 +47,17 @@ from orchestra.familycache._route import (
     Prefill,
     Route,
     RouteRequest,
+    Seed,
     plan_route,
 )
 from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy, ProbeCheck, decide_offline
 
 if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
+    from mappings.types import JSONDict, KVCache, Tensor
+    from orchestra.family.manifest import FamilyManifest
+    from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef
+    from orchestra.familycache._ops import Computed
     from orchestra.mapstore import MappingStore
     from orchestra.registry import ModelInfo, ModelRegistry
 
@@ -73,7 +78,7 @@ class CacheLease:
 
     member: str
     tokens: int
-    cache: Any
+    cache: CacheRef
     path: CachePath
     """exact: the member's own K/V; mapped: carried from `source` through a mapping; reprefilled:
     a mapped cache was refused (`fallback_reason`) and the member computed it itself."""
@@ -87,7 +92,7 @@ class CacheLease:
     """Folder of the mapping used."""
     gates: list[GateDecision] = field(default_factory=list)
     fallback_reason: str | None = None
-    repair: dict[str, Any] | None = None
+    repair: JSONDict | None = None
     """The repair plan applied to the mapped cache: tokens, tail, blocks, planned cost, seconds."""
     seconds: float = 0.0
     """Wall seconds this request took to obtain the cache (including waiting for locks)."""
@@ -122,8 +127,15 @@ class CacheLease:
     async def __aexit__(self, *exc: object) -> None:
         self.release()
 
-    def gate_dicts(self) -> list[dict[str, Any]]:
+    def gate_dicts(self) -> list[dict[str, object]]:
         return [{"gate": d.gate, "passed": d.passed, "reason": d.reason, "metrics": d.metrics} for d in self.gates]
+
+    def local_cache(self) -> KVCache:
+        """The cache itself, for code that runs it in this process (an in-process executor's lease holds the
+        cache; a Ray lease holds a handle to one in an actor, which is decoded there)."""
+        if type(self.cache).__name__ == "RemoteKV":
+            raise TypeError("this lease's cache lives in a Ray actor: run the op there (executor.run/stream)")
+        return cast("KVCache", self.cache)
 
 
 class _Flight:
@@ -180,13 +192,13 @@ class FamilyCache:
         self.pool = EntryPool(self.policy.budget_bytes, self.policy.block_tokens)
         self._flights: set[_Flight] = set()
         self._flight_lock = threading.Lock()
-        self._loaded_mappings: dict[tuple[str, str], Any] = {}
+        self._loaded_mappings: dict[tuple[str, str], MappingRef] = {}
         self._rates: dict[str, float] = {}
         self.warnings: list[str] = []
         """Things a user should know (e.g. a mapping calibrated on demand), in order."""
 
     @classmethod
-    def for_family(cls, family: Any = None, *, home: str | None = None, source: str = "root",
+    def for_family(cls, family: FamilyManifest | None = None, *, home: str | None = None, source: str = "root",
                    members: dict[str, str] | None = None, device: str = "auto", dtype: str = "float32",
                    mapping_dir: str | None = None, on_missing: Literal["calibrate", "refuse"] = "refuse",
                    policy: CachePolicy | None = None) -> FamilyCache:
@@ -312,9 +324,16 @@ class FamilyCache:
         return lease
 
     def _plan_and_join(self, req: _Request, mapped_ok: bool) -> tuple[Route, _Flight | None]:
-        """A route that is not a `Join`: every build it names to wait for is waited for, then the plan is redone."""
+        """A route that is neither `Join` nor `Seed`: every build it names to wait for is waited for, the
+        seed it names is built (once), then the plan is redone."""
+        seed_ok = mapped_ok
         while True:
-            route, flight = self._plan(req, mapped_ok)
+            route, flight = self._plan(req, mapped_ok, seed_ok)
+            if isinstance(route, Seed):
+                assert flight is not None
+                seed_ok = False
+                self._seed(req, route, flight)
+                continue
             if not isinstance(route, Join):
                 return route, flight
             t0 = time.perf_counter()
@@ -328,7 +347,7 @@ class FamilyCache:
                                detail={"waited_for": "mapped" if route.mapped else "exact", "prefix_of": route.tokens,
                                        "on": route.member}))
 
-    def _plan(self, req: _Request, mapped_ok: bool) -> tuple[Route, _Flight | None]:
+    def _plan(self, req: _Request, mapped_ok: bool, seed_ok: bool = False) -> tuple[Route, _Flight | None]:
         """`plan_route` over the pool and the builds in flight, and the build it plans registered, atomically.
 
         Looking up the builds in flight and registering this request's own happen under one lock, so of
@@ -340,6 +359,7 @@ class FamilyCache:
         sources = self._sources_for(req) if mapped_ok and len(req.ids) >= 3 else []
         spaces = {self._exact_ns(self.executor.info(m)): m for m in sources}
         variant = self._variant(req)
+        seed = self._seed_for(req, sources) if seed_ok else None
         with self._flight_lock, self.pool.held_still():
             held = self._held(req, ns, sources, variant if mapped_ok else None)
             flights = []
@@ -348,15 +368,19 @@ class FamilyCache:
                     flights.append(InFlight(f, req.member, f.ids, f.variant is not None))
                 elif f.variant is None and f.member_ns in spaces:
                     flights.append(InFlight(f, spaces[f.member_ns], f.ids))
-            route = plan_route(RouteRequest(req.member, req.ids, mapped_ok, self.policy.min_mapped_tokens), held,
-                               sources, flights)
-            reused = {Exact: "entry", Extend: "base", Map: "source_entry"}.get(type(route))
-            if reused is not None:
+            route = plan_route(RouteRequest(req.member, req.ids, mapped_ok, self.policy.min_mapped_tokens, seed),
+                               held, sources, flights)
+            reused = {Exact: "entry", Extend: "base", Map: "source_entry", Seed: "base"}.get(type(route))
+            if reused is not None and getattr(route, reused) is not None:
                 entry: Entry = getattr(route, reused)
                 self.pool.pin(entry)
                 req.pinned.append(entry)
             if isinstance(route, (Join, Exact)):
                 return route, None
+            if isinstance(route, Seed):
+                flight = _Flight(self._exact_ns(self.executor.info(route.source)), req.ids, None)
+                self._flights.add(flight)
+                return route, flight
             mapped = isinstance(route, Map) or (isinstance(route, Extend) and route.mapped)
             flight = _Flight(ns, req.ids, variant if mapped else None)
             self._flights.add(flight)
@@ -385,6 +409,30 @@ class FamilyCache:
             if entry is not None:
                 out.append(Held(entry, member, length))
         return out
+
+    def _seed_for(self, req: _Request, sources: list[str]) -> str | None:
+        """The source, when a cold request on the member should be built there and mapped: a mapping is
+        stored (no calibration on demand for it), its offline gate (when loaded) passes, its breaker is shut."""
+        if not self.policy.seed_source or req.member == self.source or self.source not in sources:
+            return None
+        source = self.executor.info(self.source)
+        if self.breaker.is_open((source.fingerprint, req.info.fingerprint)):
+            return None
+        loaded = self._loaded_mappings.get((source.fingerprint, req.info.fingerprint))
+        if loaded is None:
+            return self.source if self.mappings.has(source, req.info) else None
+        offline = self._offline(req, loaded)
+        return self.source if offline is None or offline.passed else None
+
+    def _seed(self, req: _Request, route: Seed, flight: _Flight) -> None:
+        """Build the request's tokens exactly on the seed member (its steps are the request's, as is its pin)."""
+        seed = _Request(route.source, self.executor.info(route.source), req.ids, req.gate, req.repair, req.tail,
+                        req.step, cancel=req.cancel)
+        try:
+            self._run_flight(seed, flight, self._exact_build(seed, flight.member_ns, route.base, route.start))
+        finally:
+            req.pinned.extend(seed.pinned)  # kept until the request ends: the next plan maps this build
+            req.prefill_s += seed.prefill_s
 
     def _sources_for(self, req: _Request) -> list[str]:
         """Members whose exact caches may be mapped into the request's member."""
@@ -488,8 +536,8 @@ class FamilyCache:
 
         return build
 
-    def _compute(self, req: _Request, ids: Sequence[int], base: Any, start: int, keep: int,
-                 base_hidden: dict[int, Any] | None = None, want_hidden: bool = False, over: str | None = None) -> Any:
+    def _compute(self, req: _Request, ids: Sequence[int], base: CacheRef | None, start: int, keep: int,
+                 base_hidden: HiddenRef | None = None, want_hidden: bool = False, over: str | None = None) -> Computed:
         """ids[start:] computed exactly on the member over `base`, charged to the request and reported as a step."""
         computed = self.executor.run([req.member], compute_tokens, list(ids), base, start, keep, base_hidden, want_hidden)
         req.prefill_s += computed.seconds
@@ -497,7 +545,7 @@ class FamilyCache:
                            seconds=computed.seconds, detail={"over": over} if over else {}))
         return computed
 
-    def _nbytes(self, cache: Any, *extra: Any) -> int:
+    def _nbytes(self, cache: CacheRef, *extra: Tensor | HiddenRef | None) -> int:
         return self.executor.nbytes(cache, *extra)  # a remote executor measures its handles without fetching them
 
     def _single_flight(self, req: _Request, ns: Namespace, ids: tuple[int, ...],
@@ -561,7 +609,7 @@ class FamilyCache:
         directory = getattr(self.mappings, "directory", None)
         return str(directory / "pass-costs") if directory is not None else None
 
-    def _mapping(self, source: str, target: str, cancel: threading.Event | None = None) -> Any:
+    def _mapping(self, source: str, target: str, cancel: threading.Event | None = None) -> MappingRef:
         s, t = self.executor.info(source), self.executor.info(target)
         key = (s.fingerprint, t.fingerprint)
         if key not in self._loaded_mappings:
@@ -624,14 +672,14 @@ class FamilyCache:
         reused = route.start if isinstance(route, Extend) else _mapped_of(entry).carried_tokens
         return self._lease(req, entry, "mapped", reused=reused, gates=decisions), None
 
-    def _mapped_ns(self, req: _Request, source: str, mapping: Any) -> Namespace:
+    def _mapped_ns(self, req: _Request, source: str, mapping: MappingRef) -> Namespace:
         s = self.executor.info(source)
         return Namespace("mapped", req.info.fingerprint, self._dtype(req.info), req.info.rope,
                          source_fingerprint=s.fingerprint, mapping_id=mapping.manifest.tensors.sha256,
                          mapping_version=mapping.manifest.mapping_version, variant=self._variant(req))
 
     def _map_build(self, req: _Request, source: str, src_entry: Entry, length: int,
-                   mapping: Any) -> Callable[[], Entry]:
+                   mapping: MappingRef) -> Callable[[], Entry]:
         """How to map `source`'s first `length` tokens into the member, repair them and compute the rest."""
         ns = self._mapped_ns(req, source, mapping)
         prefix = req.ids[:length]
@@ -734,7 +782,7 @@ class FamilyCache:
         return build
 
     # -- gates ----------------------------------------------------------------------------------
-    def _offline(self, req: _Request, mapping: Any) -> GateDecision | None:
+    def _offline(self, req: _Request, mapping: MappingRef) -> GateDecision | None:
         """The offline gate's decision on `mapping` (None when the gate is off).
 
         It is decided before the map: the manifest's held-out metrics are all it reads, so a mapping it
@@ -773,7 +821,9 @@ class FamilyCache:
 
         policy = req.gate.shadow
         assert policy is not None
-        end, tail = entry.logits_end, int(entry.tail_logits.shape[0])
+        assert entry.tail_logits is not None  # the caller shadows only entries that kept their tail logits
+        mapped_logits = entry.tail_logits
+        end, tail = entry.logits_end, int(mapped_logits.shape[0])
         prefix = req.ids[:end]
         ns = self._exact_ns(req.info)
         base, base_len = self.pool.longest_prefix(ns, prefix, pin=True)
@@ -785,14 +835,14 @@ class FamilyCache:
             reference = exact.tail_logits[-tail:]
         else:
             reference = self.executor.run([req.member], tail_logits, exact.cache, list(prefix), end, tail).logits
-        kl = mean_kl(reference, entry.tail_logits)
+        kl = mean_kl(reference, mapped_logits)
         passed = kl <= policy.max_kl
         opened = self.breaker.record(pair, passed, policy)
         return GateDecision(passed, "shadow", f"shadow KL {kl:.4f} {'<=' if passed else '>'} {policy.max_kl}"
                             + ("; breaker opened" if opened else ""), {"shadow_kl": kl, **self.breaker.stats(pair)})
 
 
-def _fitted_sinks(mapping: Any) -> int:
+def _fitted_sinks(mapping: MappingRef) -> int:
     """The leading positions a mapping was fitted to have exact (its method's ``exact_sinks``; 0 if unknown)."""
     method = getattr(getattr(mapping, "manifest", None), "method", None)
     return int(getattr(method, "exact_sinks", 0) or 0)
@@ -813,7 +863,7 @@ def _mapped_of(entry: Entry) -> MappedFrom:
     return entry.mapped
 
 
-def _tensor(ids: Sequence[int]) -> Any:
+def _tensor(ids: Sequence[int]) -> Tensor:
     import torch
 
     return torch.tensor(list(ids), dtype=torch.long)

@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from orchestra.errors import ExecutorError
 
 if TYPE_CHECKING:
-    import torch
+    import anyio
 
+    from agents.runner import AgentResult
+    from agents.spec import AgentSpec
     from mappings.passcost import PassCosts
     from mappings.repair import RepairPolicy
     from mappings.repair_records import RepairSummary
+    from mappings.types import KVCache, Tensor, Tokenizer
+    from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef, OnToken
     from orchestra.familycache._ops import Computed
     from orchestra.gates import ProbeCheck
     from orchestra.mapstore import MappingStore, ProbeReference
@@ -49,17 +53,19 @@ class Executor(ABC):
         """What is known about `member` without loading weights (fingerprint, RoPE, limits)."""
 
     @abstractmethod
-    def run(self, members: Sequence[str], op: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    def run(self, members: Sequence[str], op: Callable[..., R], *args: object, **kwargs: object) -> R:
         """Run ``op(*models, *args, **kwargs)`` with exclusive use of `members`' models, in order; blocking.
 
         No other op and no generation runs on any of those models meanwhile. Locks are taken in a
-        fixed order, so two ops naming the same members in any order never deadlock.
+        fixed order, so two ops naming the same members in any order never deadlock. A remote executor
+        hands back the op's result with every cache and hidden-state dict in it as a handle
+        (`CacheRef`, `HiddenRef`), and takes handles among `args` where the op reads caches.
         """
 
     @abstractmethod
-    async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
-                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None,
-                       placement: dict[str, Any] | None = None) -> Any:
+    async def generate(self, member: str, spec: AgentSpec, *, prefix_ids: Sequence[int],
+                       prefix_cache: CacheRef | None, upstream: Mapping[str, object],
+                       on_token: OnToken | None = None, placement: dict[str, str] | None = None) -> AgentResult:
         """Run one agent (`agents.AgentSpec`) on `member` over a copy of `prefix_cache`; tokens go to `on_token`.
 
         Returns the `agents.AgentResult`. Forward passes hold the member's lock per step, so cache work
@@ -72,7 +78,7 @@ class Executor(ABC):
         """The runtime dtype of `member`'s weights and caches (part of every cache key)."""
 
     @abstractmethod
-    def tokenizer(self, member: str) -> Any:
+    def tokenizer(self, member: str) -> Tokenizer:
         """The member's tokenizer (family members share one; the driver tokenizes documents with it)."""
 
     @abstractmethod
@@ -117,14 +123,14 @@ class Executor(ABC):
         surface at startup; nothing in process."""
         return None
 
-    def truncate(self, member: str, cache: Any, length: int) -> Any:
+    def truncate(self, member: str, cache: CacheRef, length: int) -> CacheRef:
         """The first `length` positions of `member`'s `cache` as a new cache; the given one is never modified."""
         from orchestra.familycache._ops import truncate
 
         return self.run([member], truncate, cache, length)
 
     def load_mapping(self, source: str, target: str, store: MappingStore,
-                     cancel: threading.Event | None = None) -> tuple[Any, bool]:
+                     cancel: threading.Event | None = None) -> tuple[MappingRef, bool]:
         """The mapping `source` -> `target` from `store`, and whether it was calibrated just now.
 
         Holds both models (an on-demand calibration runs both); setting `cancel` stops a calibration.
@@ -133,16 +139,16 @@ class Executor(ABC):
 
         return self.run([source, target], load_mapping, store, cancel)
 
-    def probe_reference(self, source: str, target: str, store: MappingStore, mapping: Any,
+    def probe_reference(self, source: str, target: str, store: MappingStore, mapping: MappingRef,
                         tail: int) -> ProbeReference:
         """The pair's probe reference for `tail` trailing tokens (stored beside the mapping, else measured)."""
         from orchestra.familycache._ops import probe_reference
 
         return self.run([source, target], probe_reference, store, mapping, tail)
 
-    def map_cache(self, target: str, mapping: Any, source_cache: Any, ids: list[int], *, tail: int,
-                  repair: RepairPolicy | None, source_hidden: Any = None, source: str | None = None,
-                  importance: torch.Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
+    def map_cache(self, target: str, mapping: MappingRef, source_cache: CacheRef, ids: list[int], *, tail: int,
+                  repair: RepairPolicy | None, source_hidden: HiddenRef | None = None, source: str | None = None,
+                  importance: Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
                   costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
         """`source_cache` (exactly the positions of `ids`) mapped onto `target`, repaired, its tail recomputed.
 
@@ -158,8 +164,9 @@ class Executor(ABC):
         return self.run([source, target], map_with_source, mapping, source_cache, ids, tail, repair, source_hidden,
                         sinks=sinks, costs=costs)
 
-    def stream(self, member: str, op: Callable[..., R], *args: Any, on_item: Callable[[Any], None],
-               cancel: threading.Event | None = None, placement: dict[str, Any] | None = None, **kwargs: Any) -> R:
+    def stream(self, member: str, op: Callable[..., R], *args: object, on_item: Callable[[Any], None],
+               cancel: threading.Event | None = None, placement: dict[str, str] | None = None,
+               **kwargs: object) -> R:
         """Run a streaming op on `member`; each item it emits reaches `on_item` as it is made; blocking, its result.
 
         ``op(model, *args, emit=, cancel=, state=, **kwargs)`` takes the model's lock itself per forward
@@ -171,17 +178,18 @@ class Executor(ABC):
         return op(self.model(member), *args, emit=on_item, cancel=cancel or threading.Event(),
                   state=self._stream_state(member), **kwargs)
 
-    def _stream_state(self, member: str) -> dict[str, Any]:
+    def _stream_state(self, member: str) -> dict[str, object]:
         """`member`'s scratch dict for streamed ops (made on first use: subclasses need not call our __init__)."""
         with _STATES_LOCK:
-            states: dict[str, dict[str, Any]] = self.__dict__.setdefault("_stream_states", {})
+            states: dict[str, dict[str, object]] = self.__dict__.setdefault("_stream_states", {})
             return states.setdefault(member, {})
 
-    def nbytes(self, cache: Any, *extra: Any) -> int:
+    def nbytes(self, cache: CacheRef, *extra: Tensor | HiddenRef | None) -> int:
         """Bytes a cache an op returned holds, plus tensors kept beside it (the FamilyCache's byte budget)."""
         from orchestra.familycache._ops import nbytes_of
 
-        return nbytes_of(cache, *extra)
+        # in process the handles are the cache and tensors themselves (a remote executor measures its own)
+        return nbytes_of(cast("KVCache", cache), *cast("tuple[Tensor | dict[int, Tensor] | None, ...]", extra))
 
     def stats(self) -> dict[str, int]:
         """Counters since the executor started (a remote one: bytes moved between processes); empty here."""
@@ -206,7 +214,7 @@ class LocalExecutor(Executor):
     def __init__(self, registry: ModelRegistry, *, max_concurrency_per_device: int = 1) -> None:
         self._registry = registry
         self.max_concurrency_per_device = max_concurrency_per_device
-        self._limiters: dict[str, Any] = {}
+        self._limiters: dict[str, anyio.CapacityLimiter] = {}
 
     @classmethod
     def from_spec(cls, registry: ModelRegistry, spec: ExecutorSpec | None = None, *,
@@ -229,15 +237,15 @@ class LocalExecutor(Executor):
     def model(self, member: str) -> LoadedModel:
         return self._registry.load(member)
 
-    def tokenizer(self, member: str) -> Any:
+    def tokenizer(self, member: str) -> Tokenizer:
         return self._registry.load(member).tokenizer
 
     def dtype(self, member: str) -> str:
         return self._registry.dtype
 
-    async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
-                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None,
-                       placement: dict[str, Any] | None = None) -> Any:
+    async def generate(self, member: str, spec: AgentSpec, *, prefix_ids: Sequence[int],
+                       prefix_cache: CacheRef | None, upstream: Mapping[str, object],
+                       on_token: OnToken | None = None, placement: dict[str, str] | None = None) -> AgentResult:
         import anyio
         import anyio.to_thread
 
@@ -247,7 +255,9 @@ class LocalExecutor(Executor):
         limiter = self._limiters.get(model.device)
         if limiter is None:  # agents running at once per device (their steps still take the model lock)
             limiter = self._limiters[model.device] = anyio.CapacityLimiter(self.max_concurrency_per_device)
-        return await run_agent(model.model, model.tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=prefix_cache,
+        # in process a cache handle is the cache itself
+        cache = cast("KVCache | None", prefix_cache)
+        return await run_agent(model.model, model.tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=cache,
                                upstream=upstream, on_token=on_token, limiter=limiter, lock=model.lock)
 
     def lock(self, member: str) -> threading.Lock:
@@ -263,6 +273,6 @@ class LocalExecutor(Executor):
                 stack.enter_context(model.lock)
             yield models
 
-    def run(self, members: Sequence[str], op: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    def run(self, members: Sequence[str], op: Callable[..., R], *args: object, **kwargs: object) -> R:
         with self.exclusive(members) as models:
             return op(*models, *args, **kwargs)

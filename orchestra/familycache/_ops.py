@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import threading
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from mappings.passcost import PassCosts
     from mappings.repair import RepairPolicy
     from mappings.repair_records import RepairSummary
+    from mappings.store import Mapping
+    from mappings.types import CacheLike, KVCache, Tensor
+    from orchestra.familycache._handles import CacheRef, HiddenRef
     from orchestra.gates import ProbeCheck
     from orchestra.mapstore import MappingStore, ProbeReference
     from orchestra.registry import LoadedModel
@@ -32,11 +35,13 @@ __all__ = ["Computed", "compute_tokens", "tail_logits", "map_into", "map_on_targ
 class Computed:
     """A cache after computing some tokens, the logits kept for its trailing positions, the seconds it took."""
 
-    cache: Any
-    logits: Any
+    cache: CacheRef
+    """The cache an op built (as an executor hands it out: a remote one's is a handle)."""
+    logits: Tensor
     """[m, vocab] float32 logits of the last m computed positions (m may be 0)."""
     seconds: float
-    hidden: dict[int, Any] | None = None
+    hidden: HiddenRef | None = None
+    """The hidden state entering each layer, by layer index, when asked for (`compute_tokens`'s `want_hidden`)."""
 
 
 def _ids(model: LoadedModel, ids: list[int]) -> torch.Tensor:
@@ -45,7 +50,7 @@ def _ids(model: LoadedModel, ids: list[int]) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long, device=model.device)
 
 
-def truncate(model: LoadedModel, cache: Any, length: int) -> Any:
+def truncate(model: LoadedModel, cache: CacheLike, length: int) -> KVCache:
     """The first `length` positions of `cache` as a new cache of views (the input is not touched).
 
     Always a new cache object, even at full length: `compute_tokens` extends what this returns,
@@ -56,8 +61,8 @@ def truncate(model: LoadedModel, cache: Any, length: int) -> Any:
     return truncate_cache(cache, length, model.model.config)
 
 
-def compute_tokens(model: LoadedModel, ids: list[int], base: Any, start: int, keep_logits: int,
-                   base_hidden: dict[int, Any] | None = None, want_hidden: bool = False) -> Computed:
+def compute_tokens(model: LoadedModel, ids: list[int], base: CacheLike | None, start: int, keep_logits: int,
+                   base_hidden: dict[int, Tensor] | None = None, want_hidden: bool = False) -> Computed:
     """Compute ids[start:] exactly on `model` over `base` (its first `start` positions; None when start is 0).
 
     Keeps the logits of the last `keep_logits` positions, and with `want_hidden` the hidden state
@@ -67,7 +72,11 @@ def compute_tokens(model: LoadedModel, ids: list[int], base: Any, start: int, ke
 
     from mappings.cache_io import forward_with_cache, sync_device
 
-    prefix = truncate(model, base, start) if start > 0 else None
+    if start > 0 and base is None:  # what reading a missing cache raises
+        from mappings.errors import ShapeMismatchError
+
+        raise ShapeMismatchError("no cache given: run the model with use_cache=True first")
+    prefix = truncate(model, base, start) if start > 0 and base is not None else None
     new = _ids(model, ids[start:])
     keep = max(0, min(keep_logits, new.shape[1]))
     t0 = time.perf_counter()
@@ -87,15 +96,16 @@ def compute_tokens(model: LoadedModel, ids: list[int], base: Any, start: int, ke
     return Computed(cache, kept, seconds, hidden)
 
 
-def tail_logits(model: LoadedModel, cache: Any, ids: list[int], end: int, tail: int) -> Computed:
+def tail_logits(model: LoadedModel, cache: CacheLike, ids: list[int], end: int, tail: int) -> Computed:
     """Logits of positions [end - tail, end) of ids, recomputed over the first end - tail positions of `cache`."""
     return compute_tokens(model, ids[:end], cache, end - tail, tail)
 
 
-def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int],
-             tail: int, repair: Any = None, source_hidden: dict[int, Any] | None = None,
-             importance: Any = None, probe: Any = None, sinks: int = 0,
-             costs: Any = None) -> tuple[Computed, RepairSummary | None]:
+def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Mapping, source_cache: CacheLike,
+             ids: list[int], tail: int, repair: RepairPolicy | None = None,
+             source_hidden: dict[int, Tensor] | None = None, importance: Tensor | None = None,
+             probe: ProbeCheck | None = None, sinks: int = 0,
+             costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
     """Map `source_cache` (exactly the positions of `ids`) onto `target`, repair it per policy, recompute the tail.
 
     Returns the target cache of len(ids) positions with the logits of its last `tail` positions
@@ -131,6 +141,7 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
             src_model = source.model if source is not None else None
             src_layers = list(cache_layers(source_cache)) if source is not None else None
             if repair.adaptive:
+                assert probe is not None  # an adaptive policy without a probe was fixed at its first budget above
                 res = climb_repair(target.model, list(cache_layers(mapped)), all_ids, repair, probe, tail=tail,
                                    importance=importance, source=src_model, source_layers=src_layers, costs=costs,
                                    exact=sinks)
@@ -147,35 +158,35 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Any, sour
     return Computed(full, logits[0].float(), time.perf_counter() - t0), summary
 
 
-def map_on_target(target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int], tail: int,
-                  repair: RepairPolicy | None, source_hidden: dict[int, torch.Tensor] | None,
-                  importance: torch.Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
+def map_on_target(target: LoadedModel, mapping: Mapping, source_cache: CacheLike, ids: list[int], tail: int,
+                  repair: RepairPolicy | None, source_hidden: dict[int, Tensor] | None,
+                  importance: Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
                   costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
     """`map_into` with the target alone (the source's hidden states cut to the mapped positions here, where they live)."""
     return map_into(None, target, mapping, source_cache, ids, tail, repair, _cut_hidden(source_hidden, len(ids)),
                     importance=importance, probe=probe, sinks=sinks, costs=costs)
 
 
-def map_with_source(source: LoadedModel, target: LoadedModel, mapping: Any, source_cache: Any, ids: list[int],
-                    tail: int, repair: RepairPolicy | None, source_hidden: dict[int, torch.Tensor] | None,
+def map_with_source(source: LoadedModel, target: LoadedModel, mapping: Mapping, source_cache: CacheLike, ids: list[int],
+                    tail: int, repair: RepairPolicy | None, source_hidden: dict[int, Tensor] | None,
                     sinks: int = 0, costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
     """`map_into` holding both models: a repair that reads the source model (scattered tokens) ranks with it."""
     return map_into(source, target, mapping, source_cache, ids, tail, repair, _cut_hidden(source_hidden, len(ids)),
                     sinks=sinks, costs=costs)
 
 
-def _cut_hidden(hidden: dict[int, torch.Tensor] | None, length: int) -> dict[int, torch.Tensor] | None:
+def _cut_hidden(hidden: dict[int, Tensor] | None, length: int) -> dict[int, Tensor] | None:
     """The source's hidden states of the first `length` positions (views), or None."""
     return {i: h[:, :length] for i, h in hidden.items()} if hidden is not None else None
 
 
 def load_mapping(source: LoadedModel, target: LoadedModel, store: MappingStore,
-                 cancel: threading.Event | None = None) -> tuple[Any, bool]:
+                 cancel: threading.Event | None = None) -> tuple[Mapping, bool]:
     """The pair's mapping from `store` and whether it was calibrated just now (on demand, both models held)."""
     return store.get(source, target, cancel=cancel)
 
 
-def probe_reference(source: LoadedModel, target: LoadedModel, store: MappingStore, mapping: Any,
+def probe_reference(source: LoadedModel, target: LoadedModel, store: MappingStore, mapping: Mapping,
                     tail: int) -> ProbeReference:
     """The pair's probe reference for `tail` trailing tokens: stored beside the mapping, or measured on both models."""
     return store.probe_reference(source, target, mapping, tail)
@@ -186,14 +197,15 @@ def held_model(model: LoadedModel) -> LoadedModel:
     return model
 
 
-def pass_costs(target: LoadedModel, directory: str | None) -> Any:
+def pass_costs(target: LoadedModel, directory: str | None) -> PassCosts:
     """The target's measured pass costs (`mappings.passcost.load_or_measure`), stored in `directory`."""
     from mappings.passcost import load_or_measure
 
     return load_or_measure(target.model, target.info.fingerprint, directory)
 
 
-def source_importance(source: LoadedModel, source_cache: Any, ids: list[int], probe_tokens: int) -> tuple[Any, float]:
+def source_importance(source: LoadedModel, source_cache: CacheLike, ids: list[int],
+                      probe_tokens: int) -> tuple[Tensor, float]:
     """How much the source's last tokens attend to each position (scattered-token repair ranks by it), and seconds.
 
     The part of a scattered repair that needs the source model: a remote executor runs it where the
@@ -210,7 +222,7 @@ def source_importance(source: LoadedModel, source_cache: Any, ids: list[int], pr
     return scores.cpu(), time.perf_counter() - t0
 
 
-def nbytes_of(cache: Any, *extra: Any) -> int:
+def nbytes_of(cache: CacheLike, *extra: Tensor | dict[int, Tensor] | None) -> int:
     """Bytes held by a cache's K/V plus any tensors (or dicts of tensors) kept beside it."""
     from mappings.cache_io import cache_layers
 

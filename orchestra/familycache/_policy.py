@@ -23,6 +23,9 @@ class CachePolicy(BaseModel):
     """Granularity of the prefix index: prefixes are found block by block, then extended token by token."""
     min_mapped_tokens: int = Field(64, ge=1)
     """Map from another member only when that reuses at least this many more tokens than the best exact prefix."""
+    seed_source: bool = True
+    """A cold request on a member with a stored mapping from the source builds its tokens on the source and maps
+    them (every member asking for that document later maps the same build); False: it prefills on its own."""
     tail_tokens: int = Field(32, ge=2)
     """Trailing tokens recomputed on the target after a map; their logits feed the probe and shadow gates."""
     sink_tokens: int = Field(4, ge=0)

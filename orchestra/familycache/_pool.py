@@ -16,9 +16,11 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from mappings.types import Tensor
+    from orchestra.familycache._handles import CacheRef, HiddenRef
     from orchestra.familycache._records import MappedFrom
 
 __all__ = ["Namespace", "Entry", "EntryPool", "PoolStats", "common_prefix", "token_hash"]
@@ -64,12 +66,13 @@ class Entry:
     namespace: Namespace
     member: str
     tokens: tuple[int, ...]
-    cache: Any
+    cache: CacheRef
+    """The cache as the executor handed it out (a remote executor's is a handle)."""
     nbytes: int
-    tail_logits: Any = None
+    tail_logits: Tensor | None = None
     """Logits of positions [logits_end - len, logits_end) (probe and shadow gates read them)."""
     logits_end: int = 0
-    hidden: dict[int, Any] | None = None
+    hidden: HiddenRef | None = None
     """Hidden states entering each layer (kept for layer repair of maps from this entry)."""
     mapped: MappedFrom | None = None
     """For a mapped entry: its source, mapping, probe reading and repair (None for an exact one)."""

@@ -38,12 +38,22 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterable, Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, cast
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    ParamSpec,
+    Protocol,
+    TypedDict,
+    TypeGuard,
+    TypeVar,
+    cast,
+)
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -52,79 +62,44 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from agents.bridge import CancelFlag, iterate_sync
 from orchestra.errors import ActorLostError, ExecutorError, ExecutorUnavailableError, MappingUnavailableError
 from orchestra.familycache._executor import Executor
+from orchestra.familycache._handles import (
+    PackedCache,
+    PackedHidden,
+    RemoteHidden,
+    RemoteKV,
+    RemoteMapping,
+    WireArray,
+)
 from orchestra.familycache._ops import Computed, map_on_target, source_importance, truncate
 
 if TYPE_CHECKING:
-    import torch
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
 
+    from agents.runner import AgentResult, TokenEvent
+    from agents.spec import AgentSpec
     from mappings.passcost import PassCosts
     from mappings.repair import RepairPolicy
     from mappings.repair_records import RepairSummary
+    from mappings.store import Mapping as LoadedMapping
+    from mappings.types import CacheLike, DeviceLike, KVCache, Tensor, Tokenizer
+    from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef, OnToken
     from orchestra.gates import ProbeCheck
-    from orchestra.mapstore import MappingStore, MappingStoreConfig, ProbeReference
+    from orchestra.mapstore import MappingStore, MappingStoreConfig, ProbeReference, ReferenceWindows
     from orchestra.pipeline import ExecutorSpec
-    from orchestra.registry import LoadedModel, ModelInfo, ModelRegistry
+    from orchestra.registry import FamilyIndex, LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["RayExecutor", "RemoteKV", "RemoteHidden", "RemoteMapping", "NAMESPACE"]
 
+R = TypeVar("R")
+T = TypeVar("T")
+Item = TypeVar("Item")
+_P = ParamSpec("_P")
+_T_co = TypeVar("_T_co", covariant=True)
+
 NAMESPACE = "orchestra"
 """Ray namespace of every actor the executor names (``ray.util.list_named_actors`` finds them there)."""
-
-
-# -- handles the driver holds ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RemoteKV:
-    """A K/V cache in Ray's object store: the first `length` positions of one cache an actor built."""
-
-    ref: Any
-    """ObjectRef of the list of packed caches the op returned (this one is at `index`)."""
-    index: int
-    length: int
-    total: int
-    """Positions the stored cache holds (a view covers the first `length`)."""
-    position_bytes: int
-    """Bytes of K/V per position, over all layers."""
-    layers: int
-    producer: str
-    """The actor that built it."""
-    node: str
-    """The node it was built on (where its bytes live)."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.position_bytes * self.length
-
-    def view(self, length: int) -> RemoteKV:
-        """The first `length` positions: the same object, nothing copied."""
-        if not 0 < length <= self.total:
-            raise ValueError(f"cannot view {length} positions of a cache of {self.total}")
-        return replace(self, length=length)
-
-
-@dataclass(frozen=True)
-class RemoteHidden:
-    """Hidden states entering each layer (kept for layer repair) in Ray's object store."""
-
-    ref: Any
-    index: int
-    nbytes: int
-    producer: str
-    node: str
-
-
-@dataclass(frozen=True)
-class RemoteMapping:
-    """The driver's proxy of a mapping loaded in a target's actor: what gates read, never the tensors."""
-
-    key: tuple[str, str]
-    path: str | None
-    manifest: Any
-    residual: Any
-    """True when the mapping has residual maps (layer repair), else None (as `mapping.residual` reads)."""
-    store: MappingStoreConfig = field(repr=False)
-    """How the actor finds it again (after a restart, or on another replica)."""
-    source: Any = field(repr=False, default=None)
-    """The source's ModelInfo."""
 
 
 @dataclass
@@ -142,23 +117,14 @@ class _Slot:
 class _SlottedComputed:
     """A ``Computed`` as it travels: its cache and hidden states stand as slots in the op's extra return values."""
 
-    cache: Any
-    logits: Any
+    cache: _Slot
+    logits: Tensor
     seconds: float
     hidden: _Slot | None = None
 
 
-@dataclass
-class _Packed:
-    """One cache as it travels: per-layer (K, V) as numpy arrays (zero-copy out of the object store)."""
-
-    layers: list[tuple[Any, Any]]
-    dtype: str
-    length: int
-
-
 # -- packing (in the actor) -----------------------------------------------------------------------------
-def _to_numpy(t: Any) -> tuple[Any, str]:
+def _to_numpy(t: Tensor) -> tuple[WireArray, str]:
     import torch
 
     t = t.detach().to("cpu").contiguous()
@@ -167,7 +133,7 @@ def _to_numpy(t: Any) -> tuple[Any, str]:
     return t.numpy(), str(t.dtype).removeprefix("torch.")
 
 
-def _from_numpy(a: Any, dtype: str, device: Any) -> Any:
+def _from_numpy(a: WireArray, dtype: str, device: DeviceLike) -> Tensor:
     import torch
 
     with warnings.catch_warnings():  # the object store's arrays are read-only; ops never write into them
@@ -178,45 +144,49 @@ def _from_numpy(a: Any, dtype: str, device: Any) -> Any:
     return t.to(device)
 
 
-def _is_cache(obj: Any) -> bool:
+def _is_cache(obj: object) -> TypeGuard[KVCache]:
     return not isinstance(obj, (list, tuple, dict)) and hasattr(obj, "layers") and hasattr(obj, "get_seq_length")
 
 
-def _pack_cache(cache: Any) -> _Packed:
+def _pack_cache(cache: CacheLike) -> PackedCache:
     from mappings.cache_io import cache_layers
 
-    layers, dtype, length = [], "float32", 0
+    layers: list[tuple[WireArray, WireArray]] = []
+    dtype, length = "float32", 0
     for k, v in cache_layers(cache):
         (kn, dtype), (vn, _) = _to_numpy(k), _to_numpy(v)
         layers.append((kn, vn))
         length = int(k.shape[-2])
-    return _Packed(layers, dtype, length)
+    return PackedCache(layers, dtype, length)
 
 
-def _pack_result(result: Any) -> tuple[Any, list[_Packed], list[dict[int, Any]]]:
+def _pack_result(result: object) -> tuple[object, list[PackedCache], list[PackedHidden]]:
     """The op's result with every cache and hidden-state dict replaced by a slot, and those, packed."""
     import torch
 
     from orchestra.familycache._ops import Computed
 
-    caches: list[_Packed] = []
-    hiddens: list[dict[int, Any]] = []
+    caches: list[PackedCache] = []
+    hiddens: list[PackedHidden] = []
 
-    def cache_slot(cache: Any) -> _Slot:
+    def cache_slot(cache: KVCache) -> _Slot:
         packed = _pack_cache(cache)
         caches.append(packed)
         nbytes = sum(k.nbytes + v.nbytes for k, v in packed.layers)
         return _Slot("kv", len(caches) - 1, packed.length, packed.length, nbytes // max(1, packed.length),
                      nbytes, len(packed.layers))
 
-    def hidden_slot(hidden: dict[int, Any]) -> _Slot:
+    def hidden_slot(hidden: dict[int, Tensor]) -> _Slot:
         packed = {i: _to_numpy(h) for i, h in hidden.items()}
         hiddens.append(packed)
         return _Slot("hidden", len(hiddens) - 1, nbytes=sum(a.nbytes for a, _ in packed.values()))
 
-    def walk(obj: Any) -> Any:
+    def walk(obj: object) -> object:
         if isinstance(obj, Computed):
-            return _SlottedComputed(cache=walk(obj.cache), logits=walk(obj.logits), seconds=obj.seconds,
+            # built in this process: its cache and hidden states are the tensors themselves, never handles
+            assert not isinstance(obj.cache, RemoteKV) and not isinstance(obj.hidden, RemoteHidden)
+            return _SlottedComputed(cache=cache_slot(obj.cache), logits=obj.logits.detach().to("cpu"),
+                                    seconds=obj.seconds,
                                     hidden=hidden_slot(obj.hidden) if obj.hidden is not None else None)
         if _is_cache(obj):
             return cache_slot(obj)
@@ -227,7 +197,7 @@ def _pack_result(result: Any) -> tuple[Any, list[_Packed], list[dict[int, Any]]]
     return walk(result), caches, hiddens
 
 
-def _through_containers(obj: Any, walk: Any) -> Any:
+def _through_containers(obj: object, walk: Callable[[object], object]) -> object:
     """`walk` applied inside tuples (not named ones), lists and dicts; anything else as it is."""
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return tuple(walk(x) for x in obj)
@@ -238,26 +208,32 @@ def _through_containers(obj: Any, walk: Any) -> Any:
     return obj
 
 
-def _unslot(meta: Any, kv_ref: Any, hidden_ref: Any, producer: str, node: str) -> Any:
+def _unslot(meta: object, kv_ref: ObjectRef[list[PackedCache]], hidden_ref: ObjectRef[list[PackedHidden]],
+            producer: str, node: str) -> object:
     """The driver's view of a result: slots become handles on the op's two extra return values."""
     from orchestra.familycache._ops import Computed
 
-    def walk(obj: Any) -> Any:
+    def kv(slot: _Slot) -> RemoteKV:
+        return RemoteKV(kv_ref, slot.index, slot.length, slot.total, slot.position_bytes, slot.layers, producer, node)
+
+    def hidden(slot: _Slot) -> RemoteHidden:
+        return RemoteHidden(hidden_ref, slot.index, slot.nbytes, producer, node)
+
+    def walk(obj: object) -> object:
         if isinstance(obj, _Slot):
-            if obj.kind == "kv":
-                return RemoteKV(kv_ref, obj.index, obj.length, obj.total, obj.position_bytes, obj.layers, producer, node)
-            return RemoteHidden(hidden_ref, obj.index, obj.nbytes, producer, node)
+            return kv(obj) if obj.kind == "kv" else hidden(obj)
         if isinstance(obj, _SlottedComputed):
-            return Computed(cache=walk(obj.cache), logits=obj.logits, seconds=obj.seconds, hidden=walk(obj.hidden))
+            return Computed(cache=kv(obj.cache), logits=obj.logits, seconds=obj.seconds,
+                            hidden=hidden(obj.hidden) if obj.hidden is not None else None)
         return _through_containers(obj, walk)
 
     return walk(meta)
 
 
-def _handles(obj: Any) -> list[RemoteKV | RemoteHidden]:
+def _handles(obj: object) -> list[RemoteKV | RemoteHidden]:
     found: list[RemoteKV | RemoteHidden] = []
 
-    def walk(o: Any) -> None:
+    def walk(o: object) -> None:
         if isinstance(o, (RemoteKV, RemoteHidden)):
             found.append(o)
         elif isinstance(o, (list, tuple)):
@@ -271,7 +247,7 @@ def _handles(obj: Any) -> list[RemoteKV | RemoteHidden]:
     return found
 
 
-def _tensor_bytes(obj: Any) -> int:
+def _tensor_bytes(obj: object) -> int:
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -286,16 +262,26 @@ def _tensor_bytes(obj: Any) -> int:
 
 
 # -- the actor ------------------------------------------------------------------------------------------
-class _Done:
-    def __init__(self, result: Any) -> None:
+class _Done(Generic[R]):
+    """The last item of a streamed call: the work's result."""
+
+    def __init__(self, result: R) -> None:
         self.result = result
+
+
+class _WhoAmI(TypedDict):
+    actor: str
+    node: str
+    pid: int
+    device: str
+    threads: int
 
 
 @ray.remote
 class MemberActor:
     """One family member's model in its own process; runs ops and agents on it."""
 
-    def __init__(self, name: str, alias: str, target: str, family: Any, device: str, dtype: str,
+    def __init__(self, name: str, alias: str, target: str, family: FamilyIndex | None, device: str, dtype: str,
                  threads: int | None, agents_at_once: int) -> None:
         import torch
 
@@ -308,30 +294,34 @@ class MemberActor:
         self.model = registry.load(alias)
         context = ray.get_runtime_context()
         self.node = f"{ray.util.get_node_ip_address()}/{context.get_node_id()[:8]}"
-        self.mappings: dict[tuple[str, str, str], Any] = {}
+        self.mappings: dict[tuple[str, str, str], LoadedMapping] = {}
         self.mapping_lock = threading.Lock()
         self.agents = threading.Semaphore(agents_at_once)
         self.cancels: dict[str, threading.Event] = {}
-        self.state: dict[str, Any] = {}
+        self.state: dict[str, object] = {}
 
-    def whoami(self) -> dict[str, Any]:
+    def whoami(self) -> _WhoAmI:
         import torch
 
         return {"actor": self.name, "node": self.node, "pid": os.getpid(), "device": self.model.device,
                 "threads": torch.get_num_threads()}
 
     # resolving what the driver sent
-    def _resolve(self, obj: Any) -> Any:
-        if isinstance(obj, RemoteKV):
-            from mappings.cache_io import build_cache
+    def _cache(self, obj: RemoteKV) -> KVCache:
+        from mappings.cache_io import build_cache
 
-            packed: _Packed = ray.get(obj.ref)[obj.index]
-            device, config = self.model.device, self.model.model.config
-            layers = [(_from_numpy(k, packed.dtype, device)[..., : obj.length, :],
-                       _from_numpy(v, packed.dtype, device)[..., : obj.length, :]) for k, v in packed.layers]
-            # this model's layer types for its own caches; another member's (a source to map) as plain layers
-            own = len(layers) == getattr(config.get_text_config(), "num_hidden_layers", len(layers))
-            return build_cache(layers, config if own else None)
+        packed = ray.get(obj.ref)[obj.index]
+        device, config = self.model.device, self.model.model.config
+        layers = [(_from_numpy(k, packed.dtype, device)[..., : obj.length, :],
+                   _from_numpy(v, packed.dtype, device)[..., : obj.length, :]) for k, v in packed.layers]
+        # this model's layer types for its own caches; another member's (a source to map) as plain layers
+        own = len(layers) == getattr(config.get_text_config(), "num_hidden_layers", len(layers))
+        return build_cache(layers, config if own else None)
+
+    def _resolve(self, obj: object) -> object:
+        """`obj` with every handle in it (inside tuples, lists and dicts) replaced by what it stands for here."""
+        if isinstance(obj, RemoteKV):
+            return self._cache(obj)
         if isinstance(obj, RemoteHidden):
             packed_h = ray.get(obj.ref)[obj.index]
             return {i: _from_numpy(a, dtype, self.model.device) for i, (a, dtype) in packed_h.items()}
@@ -345,7 +335,11 @@ class MemberActor:
             return {k: self._resolve(v) for k, v in obj.items()}
         return obj
 
-    def _mapping(self, store: MappingStoreConfig, source: ModelInfo) -> Any:
+    def _resolve_call(self, args: tuple[object, ...],
+                      kwargs: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]]:
+        return tuple(self._resolve(x) for x in args), {k: self._resolve(v) for k, v in kwargs.items()}
+
+    def _mapping(self, store: MappingStoreConfig, source: ModelInfo) -> LoadedMapping:
         key = (store.directory, source.fingerprint, self.model.info.fingerprint)
         with self.mapping_lock:
             if key not in self.mappings:
@@ -363,8 +357,9 @@ class MemberActor:
             return self.mappings[key]
 
     @ray.method(num_returns=3)
-    def run(self, op: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, list[_Packed], list[Any]]:
-        args, kwargs = self._resolve(args), self._resolve(kwargs)
+    def run(self, op: Callable[..., object], args: tuple[object, ...],
+            kwargs: dict[str, object]) -> tuple[object, list[PackedCache], list[PackedHidden]]:
+        args, kwargs = self._resolve_call(args, kwargs)
         with self.model.lock:
             result = op(self.model, *args, **kwargs)
         return _pack_result(result)
@@ -376,12 +371,13 @@ class MemberActor:
                              True if mapping.residual is not None else None, store, source)
 
     @ray.method(num_returns="streaming")
-    def generate(self, key: str, spec: Any, prefix_ids: list[int], prefix_cache: Any, upstream: dict[str, Any]):
+    def generate(self, key: str, spec: AgentSpec, prefix_ids: list[int], prefix_cache: CacheRef | None,
+                 upstream: dict[str, object]) -> Generator[TokenEvent | _Done[AgentResult], None, None]:
         from agents.runner import generate
 
-        cache = self._resolve(prefix_cache)
+        cache = self._cache(prefix_cache) if isinstance(prefix_cache, RemoteKV) else prefix_cache
 
-        def work(emit: Callable[[Any], None], cancel: threading.Event) -> Any:
+        def work(emit: Callable[[TokenEvent], None], cancel: threading.Event) -> AgentResult:
             with self.agents:
                 return generate(self.model.model, self.model.tokenizer, spec, prefix_ids=prefix_ids,
                                 prefix_cache=cache, upstream=upstream, on_token=emit, cancel=cancel,
@@ -390,20 +386,22 @@ class MemberActor:
         yield from self._streamed(key, work, f"agent-{spec.name}")
 
     @ray.method(num_returns="streaming")
-    def stream(self, key: str, op: Callable[..., Any], args: tuple, kwargs: dict):
+    def stream(self, key: str, op: Callable[..., object], args: tuple[object, ...],
+               kwargs: dict[str, object]) -> Generator[object, None, None]:
         """A streaming op: ``op(model, *args, emit=, cancel=, state=, **kwargs)``; what it emits, then its result.
 
         The op takes the model's lock itself, per forward pass (so ops and other streams interleave with
         it); `state` is this actor's scratch dict, for what outlives one call (a server's batch decoder).
         """
-        args, kwargs = self._resolve(args), self._resolve(kwargs)
+        args, kwargs = self._resolve_call(args, kwargs)
 
-        def work(emit: Callable[[Any], None], cancel: threading.Event) -> Any:
+        def work(emit: Callable[[object], None], cancel: threading.Event) -> object:
             return op(self.model, *args, emit=emit, cancel=cancel, state=self.state, **kwargs)
 
         yield from self._streamed(key, work, getattr(op, "__name__", "op").strip("_"))
 
-    def _streamed(self, key: str, work: Callable[[Callable[[Any], None], threading.Event], Any], name: str):
+    def _streamed(self, key: str, work: Callable[[Callable[[Item], None], threading.Event], R],
+                  name: str) -> Generator[Item | _Done[R], None, None]:
         """Run ``work(emit, cancel)`` in a thread of its own; yield each item it emits as it comes, then `_Done`.
 
         The one way work streams back to the driver (agents and served replies alike): the driver's
@@ -432,24 +430,60 @@ def _node_cores() -> int:
 
 
 # ops the executor ships that are not FamilyCache's own
-def _reference_source_op(model: Any, corpus: list[tuple[str, str]], tokens: int, window: int, windows: int) -> Any:
+def _reference_source_op(model: LoadedModel, corpus: list[tuple[str, str]], tokens: int, window: int,
+                         windows: int) -> ReferenceWindows:
     from orchestra.mapstore import MappingStore
 
     return MappingStore(Path("."), corpus=corpus).reference_source(model, tokens, window, windows)
 
 
-def _reference_target_op(model: Any, mapping: Any, measured: Any, tokens: int) -> Any:
+def _reference_target_op(model: LoadedModel, mapping: LoadedMapping, measured: ReferenceWindows,
+                         tokens: int) -> ProbeReference:
     from orchestra.mapstore import MappingStore
 
     return MappingStore.reference_target(model, mapping, measured, tokens)
 
 
 # -- the driver side ------------------------------------------------------------------------------------
+class _RemoteMethod(Protocol[_P, _T_co]):
+    """An actor method as the driver calls it: ``handle.method.remote(*args)``."""
+
+    def remote(self, *args: _P.args, **kwargs: _P.kwargs) -> _T_co: ...
+
+
+class _MemberHandle(Protocol):
+    """A `MemberActor` as the driver holds it (a Ray ``ActorHandle``): its methods, each called with ``.remote``.
+
+    Ray's own ``ActorHandle`` types every method of the actor as ``Never``; this says what each returns: an
+    ObjectRef per return value, or a stream of them (an ``ObjectRefGenerator``) for the streaming ones.
+    """
+
+    whoami: _RemoteMethod[[], ObjectRef[_WhoAmI]]
+    run: _RemoteMethod[[Callable[..., object], tuple[object, ...], dict[str, object]],
+                       tuple[ObjectRef[object], ObjectRef[list[PackedCache]], ObjectRef[list[PackedHidden]]]]
+    load_mapping: _RemoteMethod[[MappingStoreConfig, ModelInfo], ObjectRef[RemoteMapping]]
+    generate: _RemoteMethod[[str, AgentSpec, list[int], CacheRef | None, dict[str, object]],
+                            AsyncIterable[ObjectRef[TokenEvent | _Done[AgentResult]]]]
+    stream: _RemoteMethod[[str, Callable[..., object], tuple[object, ...], dict[str, object]],
+                          Iterable[ObjectRef[object]]]
+    cancel: _RemoteMethod[[str], ObjectRef[None]]
+
+
+class _InitArgs(TypedDict, total=False):
+    """What the executor passes to ``ray.init``."""
+
+    namespace: str
+    log_to_driver: bool
+    address: str | None
+    include_dashboard: bool
+    num_cpus: int
+
+
 @dataclass
 class _Actor:
     member: str
     replica: int
-    handle: Any
+    handle: _MemberHandle
     ray_name: str
     node: str = "?"
     busy: int = 0
@@ -478,13 +512,13 @@ class RayExecutor(Executor):
         self.max_concurrency_per_device = max_concurrency_per_device
         self.uid = uuid.uuid4().hex[:8]
         self._actors: dict[str, list[_Actor]] = {}
-        self._pg: Any = None
+        self._pg: PlacementGroup | None = None
         self._owns_ray = False
         self._started = False
         self._start_lock = threading.Lock()
         self._lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
-        self._tokenizers: dict[str, Any] = {}
+        self._tokenizers: dict[str, Tokenizer] = {}
         self._stats = {"kv_bytes_moved": 0, "kv_bytes_moved_across_nodes": 0, "result_bytes_to_driver": 0,
                        "remote_calls": 0}
         ref = weakref.ref(self)
@@ -536,7 +570,7 @@ class RayExecutor(Executor):
     def dtype(self, member: str) -> str:
         return self.registry.dtype
 
-    def tokenizer(self, member: str) -> Any:
+    def tokenizer(self, member: str) -> Tokenizer:
         path = str(self.info(member).path)
         if path not in self._tokenizers:
             from transformers import AutoTokenizer
@@ -549,7 +583,7 @@ class RayExecutor(Executor):
         with self._lock:
             return self._locks.setdefault(member, threading.Lock())
 
-    def nbytes(self, cache: Any, *extra: Any) -> int:
+    def nbytes(self, cache: CacheRef, *extra: Tensor | HiddenRef | None) -> int:
         from orchestra.familycache._ops import nbytes_of
 
         total = cache.nbytes if isinstance(cache, RemoteKV) else nbytes_of(cache)
@@ -622,11 +656,12 @@ class RayExecutor(Executor):
         if ray.is_initialized():
             return
         address = self.spec.address
-        kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False}
+        kwargs: _InitArgs = {"namespace": NAMESPACE, "log_to_driver": False}
         if address in (None, "local") and not (address is None and os.environ.get("RAY_ADDRESS")):
             need = sum((self.spec.resources(m).num_cpus or 1.0) * self.spec.resources(m).replicas for m in self._members)
             # logical CPUs: enough for every actor's bundle (each actor still runs torch on the node's cores)
-            kwargs.update(address="local", include_dashboard=False, num_cpus=max(_node_cores(), math.ceil(need)))
+            kwargs.update({"address": "local", "include_dashboard": False,
+                           "num_cpus": max(_node_cores(), math.ceil(need))})
         else:
             kwargs["address"] = address
         try:
@@ -648,7 +683,7 @@ class RayExecutor(Executor):
             for group in self._actors.values():
                 for actor in group:
                     try:
-                        ray.kill(actor.handle, no_restart=True)
+                        ray.kill(cast("ActorHandle[MemberActor]", actor.handle), no_restart=True)
                     except Exception:  # already gone
                         pass
             if self._pg is not None:
@@ -707,7 +742,7 @@ class RayExecutor(Executor):
         with self._lock:
             actor.busy -= 1
 
-    def _count_in(self, actor: _Actor, payload: Any) -> None:
+    def _count_in(self, actor: _Actor, payload: object) -> None:
         with self._lock:
             for handle in _handles(payload):
                 size = handle.nbytes
@@ -723,8 +758,17 @@ class RayExecutor(Executor):
             f"{_first_line(exc)}; Ray restarts it (up to {self.spec.max_restarts} times) and the next run uses it",
             actor=actor.name, node=actor.node, op=what)
 
-    def call(self, member: str, op: Callable[..., Any], *args: Any, actor: _Actor | None = None, **kwargs: Any) -> Any:
-        """Run ``op(model, *args, **kwargs)`` in an actor of `member` (the least busy); handles for its caches."""
+    def call(self, member: str, op: Callable[..., R], *args: object, actor: _Actor | None = None,
+             **kwargs: object) -> R:
+        """Run ``op(model, *args, **kwargs)`` in an actor of `member` (the least busy); handles for its caches.
+
+        The result is the op's, except that every cache in it is a `RemoteKV` and every hidden-state dict a
+        `RemoteHidden` (what `Executor.run` promises: `CacheRef`, `HiddenRef`).
+        """
+        return self._call(member, op, args, kwargs, actor)
+
+    def _call(self, member: str, op: Callable[..., R], args: tuple[object, ...], kwargs: dict[str, object],
+              actor: _Actor | None = None) -> R:
         actor = actor or self._pick(member)
         try:
             self._count_in(actor, (args, kwargs))
@@ -735,9 +779,9 @@ class RayExecutor(Executor):
         with self._lock:
             self._stats["remote_calls"] += 1
             self._stats["result_bytes_to_driver"] += _tensor_bytes(meta)
-        return _unslot(meta, kv_ref, hidden_ref, actor.name, actor.node)
+        return cast("R", _unslot(meta, kv_ref, hidden_ref, actor.name, actor.node))
 
-    def _get(self, actor: _Actor, ref: Any, what: str) -> Any:
+    def _get(self, actor: _Actor, ref: ObjectRef[T], what: str) -> T:
         try:
             return ray.get(ref)
         except ray.exceptions.RayActorError as exc:
@@ -745,14 +789,14 @@ class RayExecutor(Executor):
         except ray.exceptions.RayTaskError as exc:  # the op raised: the same error as a local run's
             raise _cause(exc) from None
 
-    def run(self, members: Sequence[str], op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def run(self, members: Sequence[str], op: Callable[..., R], *args: object, **kwargs: object) -> R:
         if len(members) != 1:
             raise ExecutorError(f"op {getattr(op, '__name__', op)!r} needs {', '.join(members)} in one process, "
                                 f"which the ray executor does not do")
-        return self.call(members[0], op, *args, **kwargs)
+        return self._call(members[0], op, args, kwargs)
 
     # -- the Executor methods done otherwise than in process ------------------------------------------------
-    def truncate(self, member: str, cache: Any, length: int) -> Any:
+    def truncate(self, member: str, cache: CacheRef, length: int) -> CacheRef:
         """A view of the same stored object (no copy, no actor call); a driver-side cache goes to an actor."""
         if isinstance(cache, RemoteKV):
             return cache.view(length)
@@ -768,11 +812,11 @@ class RayExecutor(Executor):
         finally:
             self._done(actor)
 
-    def probe_reference(self, source: str, target: str, store: MappingStore, mapping: Any,
+    def probe_reference(self, source: str, target: str, store: MappingStore, mapping: MappingRef,
                         tail: int) -> ProbeReference:
         """Read on the driver when stored; else measured in two halves, each in its member's actor."""
 
-        def measure(tokens: int, window: int, windows: int) -> Any:
+        def measure(tokens: int, window: int, windows: int) -> ProbeReference:
             measured = self.call(source, _reference_source_op, store.corpus, tokens, window, windows)
             return self.call(target, _reference_target_op, mapping, measured, tokens)
 
@@ -781,9 +825,9 @@ class RayExecutor(Executor):
         t = cast("LoadedModel", SimpleNamespace(info=self.info(target)))
         return store.probe_reference(s, t, mapping, tail, measure=measure)
 
-    def map_cache(self, target: str, mapping: Any, source_cache: Any, ids: list[int], *, tail: int,
-                  repair: RepairPolicy | None, source_hidden: Any = None, source: str | None = None,
-                  importance: torch.Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
+    def map_cache(self, target: str, mapping: MappingRef, source_cache: CacheRef, ids: list[int], *, tail: int,
+                  repair: RepairPolicy | None, source_hidden: HiddenRef | None = None, source: str | None = None,
+                  importance: Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
                   costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
         """In the target's actor; a repair that reads the source ranks positions in the source's actor first."""
         seconds = None
@@ -796,9 +840,9 @@ class RayExecutor(Executor):
         return mapped, summary
 
     # -- agents and other streamed work -------------------------------------------------------------------
-    async def generate(self, member: str, spec: Any, *, prefix_ids: Sequence[int], prefix_cache: Any,
-                       upstream: dict[str, Any], on_token: Callable[[Any], Any] | None = None,
-                       placement: dict[str, Any] | None = None) -> Any:
+    async def generate(self, member: str, spec: AgentSpec, *, prefix_ids: Sequence[int],
+                       prefix_cache: CacheRef | None, upstream: Mapping[str, object],
+                       on_token: OnToken | None = None, placement: dict[str, str] | None = None) -> AgentResult:
         import inspect
 
         import anyio.to_thread
@@ -834,9 +878,9 @@ class RayExecutor(Executor):
             if not finished:  # cancelled (timeout, Ctrl-C) or failed: stop decoding at the next token
                 self._cancel(actor, key)
 
-    def stream(self, member: str, op: Callable[..., Any], *args: Any, on_item: Callable[[Any], None],
-               cancel: threading.Event | None = None, placement: dict[str, Any] | None = None,
-               **kwargs: Any) -> Any:
+    def stream(self, member: str, op: Callable[..., R], *args: object, on_item: Callable[[Any], None],
+               cancel: threading.Event | None = None, placement: dict[str, str] | None = None,
+               **kwargs: object) -> R:
         """Run a streaming op in an actor of `member` (the least busy); blocking, in the caller's thread.
 
         ``op(model, *args, emit=, cancel=, state=, **kwargs)`` runs in the actor (a module-level function,
@@ -892,7 +936,7 @@ class RayExecutor(Executor):
             pass
 
 
-def _init_from_a_lasting_thread(kwargs: dict[str, Any]) -> None:
+def _init_from_a_lasting_thread(kwargs: _InitArgs) -> None:
     """`ray.init`, from the main thread or from a daemon thread that lives as long as the process.
 
     A Ray started here runs its GCS and raylet as children that die with the *thread* that spawned
@@ -919,7 +963,7 @@ def _init_from_a_lasting_thread(kwargs: dict[str, Any]) -> None:
         raise box["error"]
 
 
-def _cause(exc: Any) -> BaseException:
+def _cause(exc: BaseException) -> BaseException:
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, Exception) else exc
 

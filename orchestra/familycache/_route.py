@@ -3,8 +3,9 @@
 `plan_route` reads what the pool holds for the request (cached prefixes on its member and on members
 that can map into it), which builds are in flight, and the policy's `min_mapped_tokens`, and returns
 one route: reuse an entry whole (`Exact`), compute the rest over a prefix (`Extend`), map another
-member's prefix (`Map`), compute everything (`Prefill`), or wait for a build in flight and plan again
-(`Join`). The FamilyCache carries the route out in one place; keeping the decision pure lets tests
+member's prefix (`Map`), compute everything (`Prefill`), wait for a build in flight and plan again
+(`Join`), or build the tokens on the source first and plan again (`Seed`: a cold request on a mapped
+member then maps them, and so can every other member). The FamilyCache carries the route out in one place; keeping the decision pure lets tests
 drive every branch with fake pool contents, and lets the cache plan and register its own build
 under one lock (so concurrent requests see each other's builds: a cold burst over one document
 prefills it once and maps it into the other members).
@@ -20,7 +21,7 @@ from typing import Any
 
 from orchestra.familycache._pool import common_prefix
 
-__all__ = ["RouteRequest", "Held", "InFlight", "Exact", "Extend", "Map", "Prefill", "Join", "Route",
+__all__ = ["RouteRequest", "Held", "InFlight", "Exact", "Extend", "Map", "Prefill", "Join", "Seed", "Route",
            "plan_route"]
 
 
@@ -34,6 +35,8 @@ class RouteRequest:
     """False: only the member's own exact caches (`allow_mapped=False`, a gate forcing re-prefill, under 3 tokens)."""
     min_mapped_tokens: int = 64
     """A map (or a wait for a longer prefix) must reuse at least this many more tokens than the best exact prefix."""
+    seed: str | None = None
+    """A member (the source) to build a cold request's tokens on first, so that they are mapped (None: never)."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,20 @@ class Join:
     mapped: bool = False
 
 
-Route = Exact | Extend | Map | Prefill | Join
+@dataclass(frozen=True)
+class Seed:
+    """Build the request's tokens exactly on `source` (over `base`, its entry holding the first `start`), then plan again.
+
+    Taken only when the member holds nothing of the request: the source's build is mapped into it, and
+    into every other member that asks for the same document later, where a prefill of its own would
+    serve this member alone."""
+
+    source: str
+    base: Any = None
+    start: int = 0
+
+
+Route = Exact | Extend | Map | Prefill | Join | Seed
 
 
 def plan_route(request: RouteRequest, held: Sequence[Held], mappable: Collection[str],
@@ -120,7 +136,9 @@ def plan_route(request: RouteRequest, held: Sequence[Held], mappable: Collection
     4. a usable mapped entry of the member, or a `mappable` member's exact entry, sharing at least
        `min_mapped_tokens` more tokens (and 3 or more): the longest (a mapped entry on ties): `Exact`
        or `Extend` over the mapped entry, or `Map` (refused by a gate, the caller plans again without maps);
-    5. else `Extend` the member's exact prefix, or `Prefill`.
+    5. when the member holds nothing of the request and `request.seed` maps into it: `Seed` (build on
+       the seed member first; the caller plans again, without seeding, and maps that build);
+    6. else `Extend` the member's exact prefix, or `Prefill`.
     """
     n = len(request.ids)
     own = max((h for h in held if h.member == request.member and not h.mapped), key=lambda h: h.length, default=None)
@@ -166,4 +184,8 @@ def plan_route(request: RouteRequest, held: Sequence[Held], mappable: Collection
             return Extend(best.entry, best.length, mapped=True)
         if best is not None:
             return Map(best.member, best.entry, best.length)
+        if own is None and request.seed is not None and request.seed in mappable and n >= max(3, need):
+            start = max((h for h in held if h.member == request.seed and not h.mapped), key=lambda h: h.length,
+                        default=None)
+            return Seed(request.seed, start.entry if start else None, start.length if start else 0)
     return exact_route

@@ -17,10 +17,10 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -41,7 +41,11 @@ from orchestra.serve._metrics import ServeMetrics
 from orchestra.serve._schemas import ChatCompletionRequest, ChatMessage, ModelCard, ResponseFormat, Usage
 
 if TYPE_CHECKING:
+    from agents.constrained import JsonConstraint
     from agents.continuation import Continuation
+    from mappings.types import Tokenizer
+    from orchestra.family.manifest import FamilyManifest
+    from orchestra.serve._batch import BatchDecoder
 
 __all__ = ["ServeEngine", "Generation", "CacheInfo", "render_messages"]
 
@@ -58,7 +62,7 @@ class CacheInfo:
     """The member whose cache was mapped (mapped and reprefilled)."""
     cached_tokens: int
     """Prompt tokens not recomputed for this request."""
-    gates: list[dict[str, Any]]
+    gates: list[dict[str, object]]
     fallback_reason: str | None
     seconds: float
 
@@ -73,7 +77,7 @@ class CacheInfo:
         return out
 
 
-def render_messages(tokenizer: Any, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
+def render_messages(tokenizer: Tokenizer, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                     response_format: ResponseFormat | None = None) -> list[int]:
     """Prompt token ids: the chat template when the tokenizer has one, a plain layout otherwise.
 
@@ -132,9 +136,9 @@ class Generation:
     ttft_s: float | None = None
     timed_out: bool = False
     completion_tokens: int = 0
-    constraint: Any = None
+    constraint: JsonConstraint | None = None
     """The request's JSON constraint (response_format), compiled before it was admitted (local executor)."""
-    placement: dict[str, Any] = field(default_factory=dict)
+    placement: dict[str, str] = field(default_factory=dict)
     """Where it was decoded under the ray executor: ``{"actor": "root#0", "node": ...}``."""
     _decoding: ThreadStream[str, Continuation] | None = None
 
@@ -196,7 +200,8 @@ class Generation:
 class ServeEngine:
     """Members by role (and name), one FamilyCache for all of them, admission control, metrics."""
 
-    def __init__(self, config: ServeConfig | None = None, *, family: Any = None, cache: FamilyCache | None = None,
+    def __init__(self, config: ServeConfig | None = None, *, family: FamilyManifest | None = None,
+                 cache: FamilyCache | None = None,
                  metrics: ServeMetrics | None = None) -> None:
         self.config = config or ServeConfig()
         if family is None:
@@ -211,7 +216,7 @@ class ServeEngine:
             from orchestra.mapstore import MappingStore
             from orchestra.registry import ModelRegistry
 
-            aliases = {record.role: name for name, record in family.members.items()}
+            aliases: dict[str, str] = {record.role: name for name, record in family.members.items()}
             registry = ModelRegistry(aliases, family=family, default_device=self.config.device, dtype=self.config.dtype)
             registry.check_family(self.config.source)
             store = MappingStore(Path(family.home) / "mappings", on_missing=self.config.on_missing_mapping)
@@ -229,7 +234,7 @@ class ServeEngine:
         self.metrics.bind_cache(cache)
         self._names = {name: record.role for name, record in family.members.items()}
         self._roles = {record.role for record in family.members.values()}
-        self._batchers: dict[str, Any] = {}
+        self._batchers: dict[str, BatchDecoder] = {}
         self._batch_lock = threading.Lock()
         self._slots = anyio.Semaphore(self.config.max_concurrent)
         self._waiting = 0
@@ -353,7 +358,7 @@ class ServeEngine:
         loaded = self.cache.executor.model(gen.member)
         lock = self.cache.lock(gen.member)
 
-        def batcher() -> Any:
+        def batcher() -> BatchDecoder:
             from orchestra.serve._batch import BatchDecoder
 
             with self._batch_lock:
@@ -362,11 +367,11 @@ class ServeEngine:
                     found = self._batchers[gen.member] = BatchDecoder(loaded, lock, max_batch=self.config.max_batch)
                 return found
 
-        return decode(loaded, lock, gen.lease.cache, prefix_len, new, settings, gen.cancel, on_token=on_token,
+        return decode(loaded, lock, gen.lease.local_cache(), prefix_len, new, settings, gen.cancel, on_token=on_token,
                       constraint=gen.constraint, batcher=batcher if self.config.batch_decode else None)
 
     def _decode_remote(self, gen: Generation, on_token, prefix_len: int, new: list[int],
-                       settings: dict[str, Any]) -> Continuation:
+                       settings: Mapping[str, object]) -> Continuation:
         """The reply decoded in the member's actor (the lease's cache is an ObjectRef there), tokens streamed here."""
         from orchestra.errors import ActorLostError, ExecutorError
         from orchestra.serve._decode import remote_decode_op
@@ -381,7 +386,7 @@ class ServeEngine:
         except ExecutorError as exc:
             raise ExecutorFailed(str(exc)) from exc
 
-    def _json_constraint(self, member: str, req: ChatCompletionRequest) -> Any:
+    def _json_constraint(self, member: str, req: ChatCompletionRequest) -> JsonConstraint | None:
         """The request's JSON constraint, or None for text; a schema xgrammar cannot compile is the client's 400.
 
         Under the ray executor the schema is only checked here (so a bad one is refused before admission);
@@ -406,7 +411,8 @@ class ServeEngine:
         if self._owns_cache:
             self.cache.executor.close()
 
-    async def prefill(self, model: str, messages: Sequence[ChatMessage | dict[str, Any]]) -> tuple[str, int, CacheLease]:
+    async def prefill(self, model: str,
+                      messages: Sequence[ChatMessage | Mapping[str, object]]) -> tuple[str, int, CacheLease]:
         """Warm the cache with the rendered `messages` (no generation prompt): later requests starting so reuse it."""
         member = self.resolve(model)
         validated = [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]

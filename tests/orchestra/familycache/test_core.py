@@ -370,9 +370,9 @@ def test_a_cold_burst_over_one_document_prefills_it_once_and_maps_it_once(regist
         lease.release()
 
 
-def test_a_cold_burst_started_at_once_builds_the_document_once_per_member_at_most(registry, mapstore):
-    """Whoever asks first builds; the same member's requests join it, and the child's map it when the source
-    was first. Planning and registering a build are one step, so no member ever builds the document twice."""
+def test_a_cold_burst_started_at_once_builds_the_document_once_and_maps_it_once(registry, mapstore):
+    """Whoever asks first: the child's cold request seeds the document on the source, so the source's own
+    requests join that build and the child's map it; planning and registering a build are one step."""
     cache = _family_cache(registry, mapstore)
     cache._mapping("base", "child")
     doc = _ids(registry, data_text("mpl-2.0.txt")[:300])
@@ -381,9 +381,29 @@ def test_a_cold_burst_started_at_once_builds_the_document_once_per_member_at_mos
         leases = _burst(cache, [("base", doc), ("child", doc)] * 3)
     finally:
         counter.remove()
-    builds = _builds(leases)
-    assert builds in ([("prefill", "base"), ("map", "child")], [("prefill", "child"), ("prefill", "base")],
-                      [("prefill", "base"), ("prefill", "child")]), builds
-    assert sum(1 for lease in leases if not any(s.step == "join" for s in lease.steps)) == len(builds)
+    assert _builds(leases) == [("prefill", "base"), ("map", "child")]
+    assert [lease.path for lease in leases] == ["exact", "mapped"] * 3
     for lease in leases:
         lease.release()
+
+
+def test_a_cold_request_on_a_mapped_member_is_built_on_the_source_and_mapped(registry, mapstore):
+    cache = _family_cache(registry, mapstore)
+    cache._mapping("base", "child")
+    doc = _ids(registry, data_text("gpl-3.txt")[300:600])
+    with cache.acquire_sync("child", doc) as lease:
+        assert lease.path == "mapped" and lease.source == "base"
+        assert [(s.step, s.member) for s in lease.steps if s.step in ("prefill", "map")][:2] == [
+            ("prefill", "base"), ("map", "child")]
+        assert lease.prefill_seconds > 0
+    with cache.acquire_sync("base", doc) as again:  # the seed serves the source itself
+        assert again.path == "exact" and again.hit
+
+
+def test_seeding_off_prefills_a_cold_request_on_its_own_member(registry, mapstore):
+    cache = _family_cache(registry, mapstore, seed_source=False)
+    cache._mapping("base", "child")
+    doc = _ids(registry, data_text("gpl-3.txt")[600:900])
+    with cache.acquire_sync("child", doc) as lease:
+        assert lease.path == "exact"
+        assert [(s.step, s.member) for s in lease.steps if s.step in ("prefill", "map")] == [("prefill", "child")]

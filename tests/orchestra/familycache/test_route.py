@@ -11,6 +11,7 @@ from orchestra.familycache._route import (
     Map,
     Prefill,
     RouteRequest,
+    Seed,
     plan_route,
 )
 
@@ -118,3 +119,24 @@ def test_an_exact_build_of_the_same_tokens_is_joined_before_a_mapped_one():
 def test_three_tokens_or_fewer_are_never_mapped():
     ids = (1, 2)
     assert plan_route(_req(ids=ids, min_mapped_tokens=1), [Held("src", "base", 2)], mappable={"base"}) == Prefill()
+
+
+def test_a_cold_request_is_seeded_on_the_source_when_it_maps_into_the_member():
+    assert plan_route(_req(seed="base"), [], mappable={"base"}) == Seed("base")
+
+
+def test_a_seed_extends_the_sources_shorter_prefix():
+    held = [Held("src", "base", 10)]  # too short to map (16 more tokens needed), long enough to build over
+    assert plan_route(_req(seed="base"), held, mappable={"base"}) == Seed("base", "src", 10)
+
+
+def test_no_seed_when_the_member_holds_part_of_the_request_or_the_seed_cannot_map():
+    assert plan_route(_req(seed="base"), [Held("own", "child", 5)], mappable={"base"}) == Extend("own", 5)
+    assert plan_route(_req(seed="base"), [], mappable={"other"}) == Prefill()
+    assert plan_route(_req(seed="base", allow_mapped=False), [], mappable={"base"}) == Prefill()
+    assert plan_route(_req(seed="base", ids=DOC[:10]), [], mappable={"base"}) == Prefill()  # under min_mapped_tokens
+
+
+def test_a_build_in_flight_is_joined_rather_than_seeded_again():
+    flight = InFlight("f", "base", DOC)
+    assert plan_route(_req(seed="base"), [], mappable={"base"}, flights=[flight]) == Join("f", "base", len(DOC))
