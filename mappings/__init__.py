@@ -64,6 +64,8 @@ __all__ = [
     "PairCard",
     "ModelCard",
     "check_pair",
+    "TokenizerDiff",
+    "compare_tokenizers",
     # fitting
     "RegressionStats",
     "LayerStats",
@@ -142,6 +144,7 @@ _WHERE = {
                          "capture_queries", "make_windows"],
     "mappings.rope": ["RopeSpec"],
     "mappings.compat": ["PairCard", "ModelCard", "check_pair"],
+    "mappings.tokenizer_compat": ["TokenizerDiff", "compare_tokenizers"],
     "mappings.fit": ["RegressionStats", "LayerStats", "fit_linear"],
     "mappings.methods": ["MethodSpec", "METHODS", "resolve_method"],
     "mappings.assemble": ["fit_kv_map"],
@@ -228,6 +231,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from mappings.residual import ResidualMap, fit_residual_maps
     from mappings.rope import RopeSpec
     from mappings.store import Mapping, load_mapping, read_manifest, save_mapping
+    from mappings.tokenizer_compat import TokenizerDiff, compare_tokenizers
     from mappings.types import (
         CacheLike,
         Device,

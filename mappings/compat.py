@@ -1,8 +1,10 @@
 """Pair compatibility: may this source's KV be carried into this target, and what must be bridged?
 
-Different tokenizers are refused (same text must give the same ids, or the positions of the two
-caches mean different things). Everything a map can bridge — RoPE base or scaling, KV-head count,
-head size, depth, dtype — is listed on the :class:`PairCard` and handled by the fit.
+Tokenizers that give other token ids are refused (same text must give the same ids, or the positions
+of the two caches mean different things); what never changes ids (eos/pad roles, chat template) may
+differ and is noted on the card (`mappings.tokenizer_compat`). Everything a map can bridge — RoPE base
+or scaling, KV-head count, head size, depth, dtype — is listed on the :class:`PairCard` and handled by
+the fit.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from mappings.errors import TokenizerMismatchError
+from mappings.tokenizer_compat import compare_tokenizers, first_difference
 
 if TYPE_CHECKING:
     from mappings.types import JSONDict, Model, ModelConfig, Tokenizer
@@ -89,31 +92,6 @@ def model_card(model_or_config: Model | ModelConfig, name: str | None = None) ->
     )
 
 
-def compare_tokenizers(source: Tokenizer, target: Tokenizer, probe_text: str = PROBE_TEXT) -> list[str]:
-    """Human-readable differences between two tokenizers (empty when they agree)."""
-    problems: list[str] = []
-    va, vb = source.get_vocab(), target.get_vocab()
-    if len(va) != len(vb):
-        problems.append(f"vocabulary sizes differ ({len(va)} vs {len(vb)} tokens)")
-    differing = [tok for tok, i in va.items() if vb.get(tok) != i]
-    if differing:
-        examples = ", ".join(f"{tok!r}: {va[tok]} vs {vb.get(tok)}" for tok in sorted(differing)[:3])
-        problems.append(f"{len(differing)} tokens have different ids (e.g. {examples})")
-    sa = {k: str(v) for k, v in source.special_tokens_map.items()}
-    sb = {k: str(v) for k, v in target.special_tokens_map.items()}
-    for key in sorted(set(sa) | set(sb)):
-        if sa.get(key) != sb.get(key):
-            problems.append(f"special token {key} differs ({sa.get(key)!r} vs {sb.get(key)!r})")
-    ia = source(probe_text, add_special_tokens=False)["input_ids"]
-    ib = target(probe_text, add_special_tokens=False)["input_ids"]
-    if ia != ib:
-        first = next((i for i, (x, y) in enumerate(zip(ia, ib, strict=False)) if x != y), min(len(ia), len(ib)))
-        problems.append(
-            f"the probe text tokenizes differently ({len(ia)} vs {len(ib)} ids, first difference at token {first})"
-        )
-    return problems
-
-
 @dataclass
 class PairCard:
     """What a source→target pair shares and what a map has to bridge."""
@@ -123,7 +101,7 @@ class PairCard:
     target: ModelCard
     """The model that receives it."""
     tokenizer: str = "identical"
-    """Tokenizer verdict (only identical tokenizers get a card)."""
+    """Tokenizer verdict (only tokenizers giving the same token ids get a card) and any harmless differences."""
     differences: list[str] = field(default_factory=list)
     """Bridgeable differences, one line each."""
 
@@ -200,14 +178,29 @@ def check_pair(
     target_name: str | None = None,
     probe_text: str = PROBE_TEXT,
 ) -> PairCard:
-    """Compare a pair; raises :class:`TokenizerMismatchError` naming the difference for different tokenizers."""
-    problems = compare_tokenizers(source_tokenizer, target_tokenizer, probe_text)
-    if problems:
+    """Compare a pair; raises :class:`TokenizerMismatchError` naming what differs when the tokenizers give other ids.
+
+    Special-token roles and chat templates may differ (a base model and its instruct sibling): they
+    never change the ids of a text, so they are only noted in the card's tokenizer verdict.
+    """
+    diff = compare_tokenizers(target_tokenizer, source_tokenizer, names=("the target", "the source"))
+    if not diff.same_ids:
+        raise TokenizerMismatchError(diff.refusal("the target") + ", so their caches cannot be mapped: pick two "
+                                     "models of one family")
+    # Same rules, so the same ids; encoding a probe still checks what the rules cannot show (a slow
+    # tokenizer's code) and anything the backend adds at encoding time.
+    ia = list(source_tokenizer(probe_text, add_special_tokens=False)["input_ids"])
+    ib = list(target_tokenizer(probe_text, add_special_tokens=False)["input_ids"])
+    first = first_difference(ib, ia)
+    if first is not None:
         raise TokenizerMismatchError(
-            "source and target tokenizers differ, so their caches cannot be mapped: "
-            + "; ".join(problems)
-            + ". Pick two models of one family (same tokenizer)."
+            f"the target's tokenizer differs from the source's: the probe text tokenizes differently ({len(ib)} vs "
+            f"{len(ia)} ids, first difference at token {first}) — members of one family must share a tokenizer, "
+            "so their caches cannot be mapped: pick two models of one family"
         )
+    verdict = "same token ids (vocabulary, merges, normalizer, pre-tokenizer, added tokens, probe ids)"
+    if diff.notes:
+        verdict += "; harmless: " + "; ".join(diff.notes)
     s, t = model_card(source, source_name), model_card(target, target_name)
     diffs = []
     if s.num_layers != t.num_layers:
@@ -222,4 +215,4 @@ def check_pair(
         diffs.append(f"dtype {s.dtype} -> {t.dtype}: fitted in fp32, cast to the target dtype")
     if s.max_positions != t.max_positions:
         diffs.append(f"max positions {s.max_positions} -> {t.max_positions}: documents must fit the target")
-    return PairCard(s, t, "identical (vocabulary, special tokens, probe ids)", diffs)
+    return PairCard(s, t, verdict, diffs)

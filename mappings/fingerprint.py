@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mappings.errors import StaleMappingError
+from mappings.tokenizer_compat import id_parts
 
 if TYPE_CHECKING:  # heavy imports stay out of the import path
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from mappings.manifest import MappingManifest
+    from mappings.types import Tokenizer
 
 __all__ = ["Fingerprint", "fingerprint_model", "fingerprint_dir", "config_digest", "tokenizer_digest",
-           "check_fingerprints"]
+           "token_ids_digest", "TOKEN_IDS_DIGEST_VERSION",
+           "check_fingerprints", "weights_digest_dir", "snapshot_weights_digest", "fingerprint_with_weights"]
 
 # Keys that change with the library or the save location, not with the model.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_commit_hash", "quantization_config"}
@@ -56,10 +61,35 @@ def config_digest(config_dict: Mapping[str, object]) -> str:
 
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The tokenizer part of a model's :class:`Fingerprint` (identity): its vocabulary and special-tokens map.
+
+    Unchanged since the first manifests: family records, mapping manifests and the mapping folders
+    named after them store fingerprints made with it, so changing it would make every stored mapping
+    stale. It answers "is this the model a mapping was made for", not "can these two members share
+    token ids": a base checkpoint and its instruct checkpoint differ here (other eos/pad) and still
+    share ids. Compatibility is :func:`token_ids_digest`.
+    """
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     special = {k: str(v) for k, v in tokenizer.special_tokens_map.items()}
     payload = {"vocab": vocab, "special": special, "class_free": True}
     return hashlib.sha256(_canonical(payload)).hexdigest()
+
+
+TOKEN_IDS_DIGEST_VERSION = 1
+"""What :func:`token_ids_digest` hashes; it leads the digest (``ids1:...``) so a digest made by another
+version of the rule never equals one made by this one."""
+
+
+def token_ids_digest(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Equal for two tokenizers exactly when the same text gives the same token ids on both.
+
+    Hashes only what decides ids (``mappings.tokenizer_compat.id_parts``): the vocabulary, the merges
+    or the model's equivalent, the normalizer, the pre-tokenizer and the added tokens with their ids
+    and splitting flags; never the special-token roles, chat template, post-processor or decoder.
+    This is ``ModelInfo.tokenizer_digest``, what the registry and the FamilyCache compare; it is
+    computed from the tokenizer each time and never stored, so no manifest depends on it.
+    """
+    return f"ids{TOKEN_IDS_DIGEST_VERSION}:" + hashlib.sha256(_canonical(id_parts(tokenizer))).hexdigest()
 
 
 def _tensor_digest(name_free_bytes: bytes, dtype: str, shape: tuple[int, ...]) -> str:
@@ -98,9 +128,30 @@ def fingerprint_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 
 def fingerprint_dir(path: str | Path) -> Fingerprint:
-    """Fingerprint a saved model folder (safetensors weights, config.json, tokenizer files)."""
-    from safetensors import safe_open
+    """Fingerprint a saved model folder (safetensors weights, config.json, tokenizer files).
+
+    The weights part of a Hugging Face cache snapshot comes from the hashes the cache already holds
+    (:func:`snapshot_weights_digest`); of any other folder, from its tensors (:func:`weights_digest_dir`).
+    """
+    return fingerprint_with_weights(path, snapshot_weights_digest(path) or weights_digest_dir(path))
+
+
+def fingerprint_with_weights(path: str | Path, weights: str, tokenizer: Tokenizer | None = None) -> Fingerprint:
+    """The folder's fingerprint around a weights part already known (``tokenizer``: the folder's, if loaded).
+
+    Config and tokenizer parts are always computed here, from the files (cheap), so a cached weights
+    part is the only thing that is ever reused.
+    """
     from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(path))
+    tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(path))
+    return Fingerprint(config=config_digest(config.to_dict()), weights=weights, tokenizer=tokenizer_digest(tok))
+
+
+def weights_digest_dir(path: str | Path) -> str:
+    """The weights part of a folder's fingerprint from its tensors' contents: reads every tensor (the slow part)."""
+    from safetensors import safe_open
 
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
@@ -112,13 +163,40 @@ def fingerprint_dir(path: str | Path) -> Fingerprint:
             for key in sf.keys():
                 t = sf.get_tensor(key)
                 digests.append(_tensor_digest(_tensor_bytes(t), str(t.dtype).replace("torch.", ""), tuple(t.shape)))
-    config = AutoConfig.from_pretrained(str(path))
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return Fingerprint(
-        config=config_digest(config.to_dict()),
-        weights=_weights_digest(digests),
-        tokenizer=tokenizer_digest(tokenizer),
-    )
+    return _weights_digest(digests)
+
+
+# A blob's name is its etag: the sha256 of the content for LFS files (weights), the git blob sha1 otherwise.
+_BLOB_NAME = re.compile(r"^(?:[0-9a-f]{64}|[0-9a-f]{40})$")
+
+
+def snapshot_weights_digest(path: str | Path) -> str | None:
+    """The weights part of a Hugging Face cache snapshot, from the blob hashes the cache holds; else None.
+
+    In the hub cache, ``models--org--name/snapshots/<commit>/<file>`` is a link to ``../../blobs/<etag>``,
+    and huggingface_hub checks a download against that etag (the content's sha256 for LFS files), so the
+    sorted (file, etag) pairs of the ``*.safetensors`` files name the weights without reading a tensor.
+    It depends on the content only (not on the repository, revision or commit), so the same snapshot
+    reached by id or by path has one fingerprint. None when `path` is not such a snapshot or a weights
+    file is not such a link (a cache on a file system without symlinks): hash the tensors then.
+    """
+    path = Path(path)
+    blobs = path.parent.parent / "blobs"
+    if path.parent.name != "snapshots" or not path.parent.parent.name.startswith("models--") or not blobs.is_dir():
+        return None
+    pairs: list[str] = []
+    for f in sorted(path.glob("*.safetensors")):
+        if not f.is_symlink() or not f.is_file():
+            return None
+        # one level of the link only: the blob's own name is the hash (it may itself be a link elsewhere)
+        target = os.path.join(f.parent, os.readlink(f))
+        same_dir = os.path.realpath(os.path.dirname(target)) == os.path.realpath(blobs)
+        if not same_dir or not _BLOB_NAME.match(os.path.basename(target)):
+            return None
+        pairs.append(f"{f.name}:{os.path.basename(target)}")
+    if not pairs:
+        return None
+    return hashlib.sha256(("hub-blobs-v1\n" + "\n".join(pairs)).encode()).hexdigest()
 
 
 def _fp_dict(fp: Fingerprint | dict[str, str] | str | None) -> dict[str, str] | None:

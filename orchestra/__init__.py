@@ -26,8 +26,12 @@ from orchestra.errors import (
     FamilyError,
     FamilyHomeError,
     GGUFUnavailableError,
+    HubModelError,
     MappingUnavailableError,
     MemberNotFoundError,
+    ModelFolderError,
+    ModelNotCachedError,
+    ModelReferenceError,
     OrchestraError,
     PipelineError,
     PipelineFileError,
@@ -57,6 +61,8 @@ __all__ = [
     "build_family",
     "load_family",
     "FamilyManifest",
+    # model references: a local folder or a Hugging Face Hub id
+    "ModelRef",
     # errors
     "OrchestraError",
     "FamilyError",
@@ -70,6 +76,10 @@ __all__ = [
     "CycleError",
     "UnknownAgentError",
     "UnknownModelError",
+    "ModelReferenceError",
+    "ModelFolderError",
+    "ModelNotCachedError",
+    "HubModelError",
     "CrossFamilyError",
     "DocumentError",
     "DevicePlacementError",
@@ -84,6 +94,7 @@ if TYPE_CHECKING:
     from orchestra.family import FamilyManifest, build_family, load_family
     from orchestra.familycache import CacheLease, CachePolicy, FamilyCache
     from orchestra.gates import GatePolicy
+    from orchestra.modelref import ModelRef
     from orchestra.pipeline import AgentNode, ExecutorSpec, PipelineSpec, load_pipeline
     from orchestra.report import AgentReport, RunReport
     from orchestra.scheduler import Orchestra
@@ -104,6 +115,7 @@ _LAZY = {
     "build_family": "orchestra.family",
     "load_family": "orchestra.family",
     "FamilyManifest": "orchestra.family",
+    "ModelRef": "orchestra.modelref",
 }
 
 

@@ -22,7 +22,6 @@ import functools
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agents.spec import AgentSpec
@@ -63,7 +62,8 @@ class Pipeline:
     - ``family``: a loaded `FamilyManifest`; default: the family under ``home`` (else
       ``$ORCHESTRA_HOME``, else ``~/.cache/orchestra``), loaded lazily at the first run, so building and
       validating a pipeline never needs it.
-    - ``models``: alias -> family member (role or name) or a local Hugging Face model folder. By default
+    - ``models``: alias -> family member (role or name), a local Hugging Face model folder, or a Hub id
+      ``org/name[@revision]`` (fetched into the Hugging Face cache; docs/pipelines.md). By default
       every member role is an alias of itself (``root``, ``finetuned``, ``quantized``, ``distilled``; a
       given family's roles), so ``model="finetuned"`` just works; ``models`` adds aliases or overrides
       these. The built spec keeps the aliases that agents, the source or ``devices`` use, plus every
@@ -317,8 +317,8 @@ class Pipeline:
             self._family = load_family(self._home)
         except FamilyError:
             used = {a.model for a in spec.agents} | {spec.source_alias}
-            if all((Path(spec.models[alias]).expanduser() / "config.json").is_file() for alias in used):
-                return None  # only local model folders: no family needed
+            if all(_outside_family(spec.models[alias]) for alias in used):
+                return None  # only local model folders and Hub ids: no family needed
             raise  # its message says how to build the family
         return self._family
 
@@ -356,6 +356,14 @@ def _role_aliases(family: FamilyManifest | None) -> dict[str, str]:
         key = record.role if record.role != "external" else record.name
         aliases.setdefault(key, key)
     return aliases
+
+
+def _outside_family(target: str) -> bool:
+    """A local model folder or a Hub id (resolved later, by the registry): a model that needs no family."""
+    from orchestra.modelref import ModelRef
+
+    ref = ModelRef.parse(target)
+    return ref.is_hub or (ref.folder / "config.json").is_file()
 
 
 def _text(document: str | os.PathLike[str]) -> str:

@@ -21,6 +21,10 @@ __all__ = [
     "CycleError",
     "UnknownAgentError",
     "UnknownModelError",
+    "ModelReferenceError",
+    "ModelFolderError",
+    "ModelNotCachedError",
+    "HubModelError",
     "CrossFamilyError",
     "DocumentError",
     "DevicePlacementError",
@@ -144,6 +148,22 @@ class UnknownAgentError(PipelineError):
 
 class UnknownModelError(PipelineError):
     """An agent or the source names a model that is not in the pipeline's family."""
+
+
+class ModelReferenceError(UnknownModelError):
+    """A model reference (a local folder, or a Hugging Face Hub id ``org/name[@revision]``) cannot be used."""
+
+
+class ModelFolderError(ModelReferenceError):
+    """A model folder (or a Hub snapshot) lacks config.json or ``*.safetensors`` weights (the only ones loaded)."""
+
+
+class ModelNotCachedError(ModelReferenceError):
+    """A Hub model is not in the Hugging Face cache and cannot be downloaded now (offline, or no connection)."""
+
+
+class HubModelError(ModelReferenceError):
+    """The Hub refuses a model: no such repository or revision, gated, private, or another HTTP error."""
 
 
 class CrossFamilyError(PipelineError):

@@ -346,7 +346,8 @@ class PipelineSettings(_Validated):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field("pipeline", description="A name for reports and logs.")
-    models: dict[str, str] = Field(description="Alias -> family member name or role, or a local model folder.")
+    models: dict[str, str] = Field(description="Alias -> family member name or role, a local model folder, or a "
+                                               "Hugging Face Hub id org/name[@revision].")
     source: str | None = Field(None, description="Alias of the model that prefills the document (default: the most used).")
     devices: dict[str, str] = Field(default_factory=dict, description="Alias -> 'cpu', 'cuda:N' or 'auto'.")
     default_device: str = Field("auto", description="Device for models not listed in `devices`.")

@@ -1,7 +1,10 @@
 """Family members by alias: resolved and checked before anything loads, loaded lazily and once, placed on devices.
 
-Resolution reads only configs and tokenizers (cheap), so a pipeline that names a missing model or
-a model from another family is refused before any weights are read.
+An alias names a family member (name or role), a local model folder or a Hugging Face Hub id
+(``org/name[@revision]``, `orchestra.modelref`). Resolution reads only configs and tokenizers (cheap),
+so a pipeline that names a missing model or a model from another family is refused before any
+weights are read; a folder's weights are hashed once and the digest kept beside it (`orchestra.fpcache`),
+a Hub snapshot's taken from the hashes the Hub cache holds.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from orchestra.errors import CrossFamilyError, DevicePlacementError, UnknownModelError
+from orchestra.errors import CrossFamilyError, DevicePlacementError, ModelReferenceError, UnknownModelError
 
 if TYPE_CHECKING:
+    from mappings.models import ModelHandle
     from mappings.types import Model, Tokenizer
+    from orchestra.modelref import ResolvedModel
 
 __all__ = ["ModelInfo", "LoadedModel", "ModelRegistry", "rope_key", "pick_device"]
 
@@ -35,6 +40,7 @@ class ModelInfo:
     name: str
     path: Path
     fingerprint: str
+    # `mappings.fingerprint.token_ids_digest`: equal exactly when two members give the same token ids
     tokenizer_digest: str
     num_layers: int
     max_positions: int
@@ -42,6 +48,9 @@ class ModelInfo:
     rope: str
     # the model's config.json as read (readers index into it: config["text_config"]["vocab_size"])
     config: dict[str, Any] = field(hash=False, compare=False, repr=False)
+    # the parts of `fingerprint` (config, weights, tokenizer, combined), so a mapping calibrated from this
+    # model records the fingerprint it is looked up by without hashing the weights again
+    fingerprint_parts: dict[str, str] = field(default_factory=dict, hash=False, compare=False, repr=False)
 
 
 class FamilyMember(Protocol):
@@ -76,19 +85,22 @@ class LoadedModel:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     """Serialises forward passes on this model (modules are not re-entrant across threads)."""
 
+    def handle(self) -> ModelHandle:
+        """This model as a `mappings` handle carrying the registry's fingerprint.
 
-_FOLDER_FPS: dict[tuple[str, str], str] = {}
+        A mapping calibrated from it records the fingerprint the registry looks it up by (for a Hub model
+        that differs from hashing the tensors in memory), and no weight is hashed again.
+        """
+        from mappings.fingerprint import Fingerprint, fingerprint_model
+        from mappings.models import ModelHandle
 
-
-def _folder_fingerprint(path: Path) -> str:
-    """Content fingerprint of a folder outside the family (hashes the weights once per file state)."""
-    from mappings.fingerprint import fingerprint_dir
-
-    stamp = ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(path.iterdir()) if p.is_file())
-    key = (str(path), stamp)
-    if key not in _FOLDER_FPS:
-        _FOLDER_FPS[key] = fingerprint_dir(path).combined
-    return _FOLDER_FPS[key]
+        parts = self.info.fingerprint_parts
+        fp = None
+        if all(k in parts for k in ("config", "weights", "tokenizer")):
+            fp = Fingerprint(parts["config"], parts["weights"], parts["tokenizer"])
+        if fp is None or fp.combined != self.info.fingerprint:  # parts not known: hash the model in memory
+            fp = fingerprint_model(self.model, self.tokenizer)
+        return ModelHandle(self.model, self.tokenizer, fp, self.info.path)
 
 
 def _free_bytes(device: str) -> int:
@@ -155,7 +167,10 @@ class ModelRegistry:
         self._lock = threading.Lock()
 
     # -- resolution (no weights) ------------------------------------------------------------
-    def _path_for(self, alias: str) -> tuple[str, Path, dict[str, str] | None]:
+    def _path_for(self, alias: str) -> tuple[str, Path, dict[str, str] | None, ResolvedModel | None]:
+        """(name, folder, the family record's fingerprint, None) for a member; (.., None, resolved) otherwise."""
+        from orchestra.modelref import ModelRef
+
         if alias not in self.aliases:
             raise UnknownModelError(
                 f"model {alias!r} is not declared in the pipeline's models; declared: {', '.join(sorted(self.aliases))}"
@@ -164,58 +179,76 @@ class ModelRegistry:
         if self.family is not None:
             try:
                 record = self.family.member(target)
-                return record.name, Path(record.path), record.fingerprint
-            except Exception:  # not a member name: maybe a folder path
+                return record.name, Path(record.path), record.fingerprint, None
+            except Exception:  # not a member name: maybe a folder path or a Hub id
                 pass
-        path = Path(target).expanduser()
-        if not (path / "config.json").is_file():
+        ref = ModelRef.parse(target)
+        if not ref.is_hub and not (ref.folder / "config.json").is_file():
             members = ", ".join(self.family.members) if self.family is not None else "(no family loaded)"
             raise UnknownModelError(
                 f"model {alias!r} -> {target!r} is neither a family member ({members}) nor a model folder "
-                f"with a config.json; fix the path or build the family with `orchestra family build`"
+                f"with a config.json nor a Hugging Face Hub id (org/name[@revision]); fix the path or build "
+                f"the family with `orchestra family build`"
             )
-        return path.name, path.resolve(), None
+        try:
+            resolved = ref.resolve()
+        except ModelReferenceError as exc:  # typed errors of the reference: the same type, naming the alias
+            raise type(exc)(f"model {alias!r} -> {exc}") from exc
+        return resolved.name, resolved.path, None, resolved
 
     def info(self, alias: str) -> ModelInfo:
         if alias in self._infos:
             return self._infos[alias]
         from transformers import AutoTokenizer
 
-        from mappings.fingerprint import tokenizer_digest
+        from mappings.fingerprint import token_ids_digest
 
-        name, path, fp = self._path_for(alias)
+        name, path, fp, resolved = self._path_for(alias)
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:
             raise UnknownModelError(f"model {alias!r} at {path} has no loadable tokenizer: {exc}") from exc
-        tok_digest = tokenizer_digest(tokenizer)
-        if fp is None:
-            if not any(path.glob("*.safetensors")):
-                raise UnknownModelError(f"model {alias!r} at {path} has no *.safetensors weights (only safetensors are loaded)")
-            combined = _folder_fingerprint(path)
+        if resolved is not None:  # a folder or a Hub snapshot: weights digest cached or from the Hub cache
+            fingerprint = resolved.fingerprint(tokenizer)
+            parts = fingerprint.as_dict()
         else:
-            combined = fp["combined"]
+            assert fp is not None  # a family member: its record's fingerprint
+            parts = dict(fp)
+        # Sharing a cache needs the same token ids, not the fingerprint's tokenizer part (the model's
+        # identity, eos/pad roles included): a base checkpoint and its instruct sibling agree here.
+        tok_digest = token_ids_digest(tokenizer)
         text = config.get("text_config", config)
         weight_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
         info = ModelInfo(
-            alias=alias, name=name, path=path, fingerprint=combined, tokenizer_digest=tok_digest,
+            alias=alias, name=name, path=path, fingerprint=parts["combined"], tokenizer_digest=tok_digest,
             num_layers=int(text.get("num_hidden_layers", 0)), max_positions=int(text.get("max_position_embeddings", 0)),
-            weight_bytes=weight_bytes, rope=rope_key(text), config=config,
+            weight_bytes=weight_bytes, rope=rope_key(text), config=config, fingerprint_parts=parts,
         )
         self._infos[alias] = info
         return info
 
     def check_family(self, source_alias: str) -> None:
-        """Every declared model must share the source's tokenizer, or its KV cannot be shared."""
+        """Every declared model must give the source's token ids, or its KV cannot be shared.
+
+        Compared by what decides ids (``ModelInfo.tokenizer_digest``): other special-token roles or
+        chat templates are fine; the refusal names what differs (vocabulary size, ids, merges, ...).
+        """
         source = self.info(source_alias)
         for alias in self.aliases:
             info = self.info(alias)
             if info.tokenizer_digest != source.tokenizer_digest:
+                from transformers import AutoTokenizer
+
+                from mappings.tokenizer_compat import compare_tokenizers
+
+                # loaded again only on this error path: the infos keep digests, not tokenizers
+                diff = compare_tokenizers(AutoTokenizer.from_pretrained(str(info.path)),
+                                          AutoTokenizer.from_pretrained(str(source.path)),
+                                          names=(f"member {alias}", f"the source {source_alias}"))
                 raise CrossFamilyError(
-                    f"model {alias!r} ({info.path}) uses a different tokenizer from the source {source_alias!r} "
-                    f"({source.path}): it is not in the same family and cannot share the document cache; "
-                    f"remove it or give it its own pipeline"
+                    diff.refusal(f"member {alias}", source_alias)
+                    + f": remove {alias!r} ({info.path}) or give it a pipeline of its own"
                 )
 
     # -- loading ----------------------------------------------------------------------------

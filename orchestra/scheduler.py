@@ -3,7 +3,9 @@
 Each agent starts as soon as its own upstreams are done (no supersteps: a slow sibling never holds
 back a fast branch). The scheduler prefills nothing, maps nothing and gates nothing itself: it asks
 the FamilyCache for the document's cache on the agent's member, re-emits what the cache did as
-run events, runs the agent over a private copy, and adds up the report.
+run events, runs the agent over a private copy, and adds up the report. Each member's prefix is laid out
+by its own tokenizer and chat template; a member whose prefix ids differ from the source's (another chat
+template) cannot share the source's cache: it prefills its own, and its agents report why as a fallback.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.from_thread
@@ -32,10 +34,21 @@ from orchestra.pipeline import PipelineSpec
 from orchestra.registry import ModelRegistry
 from orchestra.report import AgentReport, ModelCacheReport, RunReport
 
+if TYPE_CHECKING:
+    from orchestra.family.manifest import FamilyManifest
+
 __all__ = ["Orchestra"]
 
 log = structlog.get_logger("orchestra")
 EventSink = Callable[[ev.Event], Awaitable[None] | None]
+
+
+@dataclass(frozen=True)
+class _MemberPrompt:
+    """The document prefix's token ids on one member, and why it cannot reuse the source's cache (None: it can)."""
+
+    ids: list[int]
+    own_reason: str | None = None
 
 
 @dataclass
@@ -46,8 +59,11 @@ class _Run:
     emit: Callable[[ev.Event], Coroutine[object, object, None]]  # a coroutine: anyio.from_thread.run takes no other
     leases: list[tuple[str | None, CacheLease]] = field(default_factory=list)
     charged: set[int] = field(default_factory=set)
-    outputs: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)
     reports: dict[str, AgentReport] = field(default_factory=dict)
+    document: str = ""
+    prompts: dict[str, _MemberPrompt] = field(default_factory=dict)
+    """Each member's document prefix (laid out by its own tokenizer and chat template), once per run."""
 
 
 class Orchestra:
@@ -57,7 +73,7 @@ class Orchestra:
         self,
         pipeline: PipelineSpec,
         *,
-        family: Any | None = None,
+        family: FamilyManifest | None = None,
         cache: FamilyCache | None = None,
         mappings: MappingStore | None = None,
         breaker: CircuitBreaker | None = None,
@@ -174,7 +190,7 @@ class Orchestra:
         except EmptyDocumentError as exc:
             raise DocumentError(str(exc)) from exc
         self._check_length(prefix_ids)
-        run = _Run(run_id, started, prefix_ids, emit)
+        run = _Run(run_id, started, prefix_ids, emit, document=document)
         await emit(ev.RunStarted(run_id=run_id, agents=[a.name for a in self.pipeline.agents],
                                  source_model=self.source_alias, document_tokens=len(prefix_ids)))
         try:
@@ -228,8 +244,11 @@ class Orchestra:
                if key in _MOVED},
         )
 
-    def _check_length(self, prefix_ids: list[int]) -> None:
+    def _check_length(self, prefix_ids: list[int], agents: list[str] | None = None) -> None:
+        """Refuse a prefix that leaves `agents` (default: all) no room for their new tokens."""
         for agent in self.pipeline.agents:
+            if agents is not None and agent.name not in agents:
+                continue
             info = self.cache.info(agent.model)
             need = len(prefix_ids) + self.specs[agent.name].generation.max_new_tokens + 1
             if info.max_positions and need > info.max_positions:
@@ -247,7 +266,8 @@ class Orchestra:
                     f"needs {need} positions but model {agent.model!r} takes at most {limit}: {fix}"
                 )
 
-    async def _acquire(self, run: _Run, agent: str | None, member: str) -> CacheLease:
+    async def _acquire(self, run: _Run, agent: str | None, member: str,
+                       prompt: _MemberPrompt | None = None) -> CacheLease:
         """The document's cache on `member` from the FamilyCache, its steps re-emitted live as run events."""
         node = self.pipeline.agent(agent) if agent is not None else None
         gate = (node.gate if node is not None else None) or self.pipeline.gate
@@ -255,10 +275,52 @@ class Orchestra:
         def on_step(step: CacheStep) -> None:  # in the FamilyCache's worker thread
             anyio.from_thread.run(run.emit, _step_event(run.run_id, agent, step))
 
-        lease = await self.cache.acquire(member, run.prefix_ids, gate=gate, on_step=on_step,
-                                         allow_mapped=self.share_prefill, reuse=self.share_prefill)
+        prompt = prompt or _MemberPrompt(run.prefix_ids)
+        # a member whose prefix has other ids prefills it itself: the source's cache (or a map of the
+        # source's prefill of these ids, which costs the same prefill again) cannot serve it better
+        lease = await self.cache.acquire(member, prompt.ids, gate=gate, on_step=on_step,
+                                         allow_mapped=self.share_prefill and prompt.own_reason is None,
+                                         reuse=self.share_prefill)
         run.leases.append((agent, lease))
         return lease
+
+    async def _prompt_for(self, run: _Run, agent: str, member: str) -> _MemberPrompt:
+        """The document prefix as `member`'s own tokenizer and chat template lay it out (once per member and run).
+
+        Members share token ids (`ModelRegistry.check_family`), not necessarily a chat template: another
+        template, or another BOS framing, gives the prefix other ids. The agent's suffix is laid out by the
+        member's template, so its prefix must be too; its cache then cannot come from the source's.
+        """
+        if member == self.source_alias:
+            return _MemberPrompt(run.prefix_ids)
+        if member not in run.prompts:
+            run.prompts[member] = await anyio.to_thread.run_sync(self._member_prompt, run.document,
+                                                                 run.prefix_ids, member)
+        prompt = run.prompts[member]
+        if len(prompt.ids) != len(run.prefix_ids):
+            self._check_length(prompt.ids, [agent])
+        return prompt
+
+    def _member_prompt(self, document: str, source_ids: list[int], member: str) -> _MemberPrompt:
+        """`member`'s prefix ids (blocking: loads its tokenizer); the source's own list when they are the same."""
+        from agents import DocumentPrompt
+        from mappings.tokenizer_compat import first_difference
+
+        tokenizer = self.cache.executor.tokenizer(member)
+        ids = DocumentPrompt(document).token_ids(tokenizer)
+        first = first_difference(ids, source_ids)
+        if first is None:
+            return _MemberPrompt(source_ids)
+        source = self.cache.executor.tokenizer(self.source_alias)
+        if self.cache.info(member).tokenizer_digest != self.cache.info(self.source_alias).tokenizer_digest:
+            what = "tokenizer (another vocabulary or other merges)"
+        elif getattr(tokenizer, "chat_template", None) != getattr(source, "chat_template", None):
+            what = "chat template"
+        else:
+            what = "special-token framing (a leading BOS)"
+        reason = (f"the member's {what} tokenizes the document prefix differently from the source's (first "
+                  f"difference at token {first}): it cannot reuse the source's cache and prefilled the document itself")
+        return _MemberPrompt(ids, reason)
 
     async def _agent_task(self, run: _Run, name: str, done: dict[str, anyio.Event]) -> None:
         agent = self.pipeline.agent(name)
@@ -283,14 +345,20 @@ class Orchestra:
 
             scope = anyio.fail_after(agent.timeout_s) if agent.timeout_s else contextlib.nullcontext()
             with scope:
-                lease = await self._acquire(run, name, agent.model)
+                prompt = await self._prompt_for(run, name, agent.model)
+                lease = await self._acquire(run, name, agent.model, prompt)
                 self._record_cache(run, report, lease)
-                await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model, path=lease.path,
-                                             seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair))
-                where: dict[str, Any] = {}
+                if prompt.own_reason is not None and self.share_prefill and report.fallback_reason is None:
+                    report.cache_path, report.fallback_reason = "reprefilled", prompt.own_reason
+                    await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=agent.model,
+                                               reason=prompt.own_reason))
+                await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model,
+                                             path=report.cache_path or lease.path, seconds=lease.seconds,
+                                             store_hit=lease.hit, repair=lease.repair))
+                where: dict[str, str] = {}
                 try:
                     result = await self.cache.executor.generate(
-                        agent.model, self.specs[name], prefix_ids=run.prefix_ids, prefix_cache=lease.cache,
+                        agent.model, self.specs[name], prefix_ids=prompt.ids, prefix_cache=lease.cache,
                         upstream={up: run.outputs[up] for up in agent.upstream}, on_token=on_token, placement=where,
                     )
                 finally:
@@ -304,7 +372,7 @@ class Orchestra:
             report.suffix_tokens = result.suffix_tokens
             report.generation_s = result.timings.generation_s
             report.ttft_s = (first_token[0] - run.started) if first_token else None
-            estimate = self.cache.prefill_estimate(agent.model, len(run.prefix_ids))
+            estimate = self.cache.prefill_estimate(agent.model, len(prompt.ids))
             report.prefill_s_saved = max(0.0, estimate - report.prefill_s_spent) if self.share_prefill else 0.0
             if result.degenerate is not None:
                 # never handed downstream as an answer: dependants are skipped, naming this agent and why
@@ -369,7 +437,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _default_family():
+def _default_family() -> FamilyManifest | None:
     from orchestra.family.manifest import load_family
 
     try:

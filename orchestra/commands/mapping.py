@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
+
+if TYPE_CHECKING:
+    from mappings.models import ModelHandle
 
 app = typer.Typer(help="Fit and evaluate cross-model KV maps.", no_args_is_help=True)
 
 ManifestSourceOpt = Annotated[
-    Path | None, typer.Option("--source", help="Source model folder (default: the one in the manifest).")
+    str | None, typer.Option("--source", help="Source model folder or Hub id org/name[@revision] (default: the "
+                             "folder in the manifest).")
 ]
 ManifestTargetOpt = Annotated[
-    Path | None, typer.Option("--target", help="Target model folder (default: the one in the manifest).")
+    str | None, typer.Option("--target", help="Target model folder or Hub id org/name[@revision] (default: the "
+                             "folder in the manifest).")
 ]
 
 
@@ -39,10 +44,29 @@ def _read_text(path: Path, encoding: str | None = None, what: str = "corpus file
     return read_text_file(path, encoding=encoding, what=what)
 
 
-def _tokenize(model_dir: str | Path, text: str) -> list[int]:
+def _load(reference: str | Path, device: str = "cpu") -> ModelHandle:
+    """A model named by folder or Hub id (`orchestra.modelref`), loaded with the fingerprint a pipeline gives it:
+    a folder's weights hashed once and kept beside it, a Hub snapshot's read from the Hugging Face cache."""
     from transformers import AutoTokenizer
 
-    return list(AutoTokenizer.from_pretrained(str(model_dir))(text, add_special_tokens=False)["input_ids"])
+    from mappings.models import load_model
+    from orchestra.modelref import ModelRef
+
+    resolved = ModelRef.parse(reference).resolve()
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    return load_model(resolved.path, tokenizer, device=device, fingerprint=resolved.fingerprint(tokenizer))
+
+
+def _pair_refs(mapping: Path, source: str | None, target: str | None) -> tuple[str | Path, str | Path]:
+    """The models given, else the folders the mapping's manifest names."""
+    from mappings.store import read_manifest
+
+    manifest = read_manifest(mapping)
+    src = source or manifest.source.path
+    tgt = target or manifest.target.path
+    if src is None or tgt is None:
+        raise ValueError("the mapping does not record its model folders: pass --source and --target")
+    return src, tgt
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -56,8 +80,10 @@ def _write_json(path: Path, data: object) -> None:
 
 @app.command("calibrate")
 def calibrate_cmd(
-    source: Annotated[Path, typer.Option("--source", help="Model folder whose KV cache is carried over.")],
-    target: Annotated[Path, typer.Option("--target", help="Model folder that receives the mapped cache.")],
+    source: Annotated[str, typer.Option("--source", help="Model folder or Hub id org/name[@revision] whose KV "
+                                        "cache is carried over.")],
+    target: Annotated[str, typer.Option("--target", help="Model folder or Hub id org/name[@revision] that "
+                                        "receives the mapped cache.")],
     corpus: Annotated[
         list[Path],
         typer.Option("--corpus", help="Calibration text file; repeat for several. With several, the last one is "
@@ -101,14 +127,15 @@ def calibrate_cmd(
 
         check_out_dir(out)  # a file or a folder of other things is refused before the calibration, not after
         texts = [(p.name, _read_text(p, encoding)) for p in corpus]
+        src, tgt = _load(source, device), _load(target, device)
         mapping = calibrate(
-            source, target, texts, method=method, tokens=tokens, window=window, stride=stride, progress=not quiet,
+            src, tgt, texts, method=method, tokens=tokens, window=window, stride=stride, progress=not quiet,
             device=device, log=None if quiet else console.print,
         )
         if repair:
             from mappings.calibrate_repair import add_residual_maps
 
-            add_residual_maps(mapping, source, target, texts, tokens=repair_tokens, window=window)
+            add_residual_maps(mapping, src, tgt, texts, tokens=repair_tokens, window=window)
         path = mapping.save(out, with_stats=not no_stats)
     except (MappingError, ValueError, FileNotFoundError) as exc:
         raise _fail(exc) from exc
@@ -135,16 +162,12 @@ def calibrate_repair_cmd(
 
     try:
         from mappings.calibrate_repair import add_residual_maps
-        from mappings.store import load_mapping, read_manifest
+        from mappings.store import load_mapping
 
-        manifest = read_manifest(mapping)
-        src = source or manifest.source.path
-        tgt = target or manifest.target.path
-        if src is None or tgt is None:
-            raise ValueError("the mapping does not record its model folders: pass --source and --target")
+        src, tgt = _pair_refs(mapping, source, target)
         loaded = load_mapping(mapping, with_stats=True)
         texts = [(p.name, _read_text(p, encoding)) for p in corpus]
-        add_residual_maps(loaded, src, tgt, texts, tokens=tokens, window=window)
+        add_residual_maps(loaded, _load(src), _load(tgt), texts, tokens=tokens, window=window)
         loaded.save(mapping, with_stats=loaded.stats is not None)
     except (MappingError, ValueError, FileNotFoundError) as exc:
         raise _fail(exc) from exc
@@ -229,8 +252,10 @@ def evaluate_cmd(
         text = _read_text(document, encoding, what="document")
         policies = [RepairPolicy(budget=b, layer_share=repair_layers, scattered_share=repair_scattered)
                     for b in (repair or [])]
+        src_ref, tgt_ref = _pair_refs(mapping, source, target)
+        src, tgt = _load(src_ref, device), _load(tgt_ref, device)
         report = evaluate(
-            mapping, text, source=source, target=target, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
+            mapping, text, source=src, target=tgt, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
             windows=windows,
             tail_tokens=tail_tokens, sink_tokens=sink_tokens, greedy_tokens=greedy_tokens, document_name=document.name,
             device=device,
@@ -247,11 +272,10 @@ def evaluate_cmd(
         if served:
             from orchestra.served import evaluate_served
 
-            src_path, tgt_path = report.source["path"] or source, report.target["path"] or target
-            assert src_path is not None and tgt_path is not None  # evaluate() loaded both models from folders
-            ids = _tokenize(tgt_path, text)
-            served_report = evaluate_served(mapping, ids, source=src_path,
-                                            target=tgt_path, prefix_tokens=prefix_tokens,
+            ids = list(tgt.tokenizer(text, add_special_tokens=False)["input_ids"])
+            # the references as given: the registry resolves them to the same folders and fingerprints
+            served_report = evaluate_served(mapping, ids, source=str(src_ref),
+                                            target=str(tgt_ref), prefix_tokens=prefix_tokens,
                                             suffix_tokens=suffix_tokens, windows=windows, device=device)
         if json_out is not None:
             report = write_report(report, json_out)
