@@ -442,6 +442,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--abandoned", type=int, default=200)
     parser.add_argument("--cache-mb", type=int, default=1024)
+    parser.add_argument("--repair-ladder", default="",
+                        help="the server's --repair-ladder, e.g. 0.02,0.05,0.1,0.2 (default: pure maps; a map the probe "
+                             "gate refuses is re-prefilled)")
     parser.add_argument("--repeats", type=int, default=3, help="headline repeats")
     parser.add_argument("--max-tokens", type=int, default=8, help="completion tokens in the load phase")
     parser.add_argument("--throughput-tokens", type=int, default=32)
@@ -466,6 +469,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     server_args = ["--cache-mb", str(args.cache_mb), "--max-concurrent", "16", "--max-batch", "8",
                    "--max-queue", "1024", "--request-timeout", "3600", "--max-tokens-limit", "256"]
+    if args.repair_ladder:
+        server_args += ["--repair-ladder", args.repair_ladder]
     result: dict[str, Any] = {"command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
                               "machine": machine_info("cpu").model_dump(), "server_args": server_args,
                               "throughput": {}, "throughput_gain": {}, "load_average_start": os.getloadavg()}

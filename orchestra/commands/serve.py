@@ -26,6 +26,9 @@ def serve(
     request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.1, help="Seconds before a request is stopped (504).")] = 300.0,
     max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1, help="Largest max_tokens a request may ask for.")] = 4096,
     default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", min=1, help="Completion tokens when a request gives none.")] = 256,
+    repair_ladder: Annotated[str | None, typer.Option("--repair-ladder", help="Comma-separated repair budgets "
+                             "(shares of a prefill, e.g. 0.02,0.05,0.1,0.2) climbed until a map passes the probe gate "
+                             "instead of re-prefilling (docs/repair.md); unset: pure maps.")] = None,
     batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Decode the requests on one member together (step-level batching).")] = True,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Rows in one member's decoding batch.")] = 8,
     on_missing_mapping: Annotated[str, typer.Option("--on-missing-mapping", help="refuse (re-prefill) or calibrate (minutes, inside the request).")] = "refuse",
@@ -44,16 +47,17 @@ def serve(
     from pydantic import ValidationError
 
     from orchestra.errors import OrchestraError
-    from orchestra.serve import ServeConfig, ServeEngine, create_app
+    from orchestra.serve import ServeConfig, ServeEngine, create_app, tune_allocator
 
     _configure_logging(log_format)
+    tune_allocator()  # before the models load: K/V memory freed under load goes back to the OS
     try:
         config = ServeConfig(home=home, device=device, dtype=dtype, source=source, api_key_env=api_key_env,
                              cache_mb=cache_mb, max_concurrent=max_concurrent, max_queue=max_queue,
                              max_body_bytes=int(max_body_mb * (1 << 20)), request_timeout_s=request_timeout,
                              max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens,
                              batch_decode=batch, max_batch=max_batch, on_missing_mapping=on_missing_mapping,
-                             executor=_executor_spec(executor, ray_address))
+                             executor=_executor_spec(executor, ray_address), repair=_ladder(repair_ladder))
         config.api_key()  # a missing key is a start-up mistake, said before anything loads
         engine = ServeEngine(config)  # a missing family is refused here, not in the first request
         app_ = create_app(engine=engine)
@@ -76,6 +80,20 @@ def serve(
         engine.close()
     if received:
         structlog.get_logger("orchestra.serve").info("shutdown", signal=signal.Signals(received[0]).name)
+
+
+def _ladder(text: str | None) -> dict[str, object] | None:
+    """`--repair-ladder 0.02,0.05` as a RepairPolicy's fields (validated with the config: a bad one is exit 2)."""
+    if text is None:
+        return None
+    try:
+        budgets = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        from orchestra.errors import OrchestraError
+
+        raise OrchestraError(f"--repair-ladder {text!r} is not a comma-separated list of numbers: give budgets "
+                             "such as 0.02,0.05,0.1") from None
+    return {"budget": 0.0, "ladder": budgets}
 
 
 def _executor_spec(executor: str, address: str | None) -> dict:

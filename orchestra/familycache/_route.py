@@ -136,8 +136,9 @@ def plan_route(request: RouteRequest, held: Sequence[Held], mappable: Collection
     4. a usable mapped entry of the member, or a `mappable` member's exact entry, sharing at least
        `min_mapped_tokens` more tokens (and 3 or more): the longest (a mapped entry on ties): `Exact`
        or `Extend` over the mapped entry, or `Map` (refused by a gate, the caller plans again without maps);
-    5. when the member holds nothing of the request and `request.seed` maps into it: `Seed` (build on
-       the seed member first; the caller plans again, without seeding, and maps that build);
+    5. when `request.seed` maps into the member and would compute at most `min_mapped_tokens` more of the
+       request than the member itself (whose own prefix is then a few shared header tokens, or nothing):
+       `Seed` (build on the seed member first; the caller plans again, without seeding, and maps that build);
     6. else `Extend` the member's exact prefix, or `Prefill`.
     """
     n = len(request.ids)
@@ -184,8 +185,13 @@ def plan_route(request: RouteRequest, held: Sequence[Held], mappable: Collection
             return Extend(best.entry, best.length, mapped=True)
         if best is not None:
             return Map(best.member, best.entry, best.length)
-        if own is None and request.seed is not None and request.seed in mappable and n >= max(3, need):
+        if request.seed is not None and request.seed in mappable and n >= max(3, need):
             start = max((h for h in held if h.member == request.seed and not h.mapped), key=lambda h: h.length,
                         default=None)
-            return Seed(request.seed, start.entry if start else None, start.length if start else 0)
+            begin = start.length if start else 0
+            # Seed only when the source computes at most `min_mapped_tokens` more than the member would alone
+            # (a chat template's few shared header tokens do not count as holding the document); its build is
+            # then shared by every member it maps into.
+            if begin + request.min_mapped_tokens >= have:
+                return Seed(request.seed, start.entry if start else None, begin)
     return exact_route

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from orchestra.serve._app import create_app
 from orchestra.serve._config import ServeConfig
-from orchestra.serve._engine import CacheInfo, Generation, ServeEngine, render_messages
+from orchestra.serve._engine import CacheInfo, Generation, ServeEngine, render_messages, tune_allocator
 from orchestra.serve._errors import (
     ApiError,
     BadRequest,
@@ -35,6 +35,7 @@ __all__ = [
     "CacheInfo",
     "ServeMetrics",
     "render_messages",
+    "tune_allocator",
     "ChatCompletionRequest",
     "ChatMessage",
     "ChatCompletion",

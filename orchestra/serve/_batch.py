@@ -66,6 +66,8 @@ class BatchDecoder:
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._mask: torch.Tensor | None = None
+        self._cache: KVCache | None = None
+        """The batch's cache while its rows stay the same (its layers have room: a step writes in place)."""
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -161,6 +163,7 @@ class BatchDecoder:
         ones = torch.ones(1, length, dtype=torch.long, device=layers[0][0].device)
         if not self._rows:
             self._keys, self._values = [k for k, _ in layers], [v for _, v in layers]
+            self._cache = None
             self._mask = ones
             self._rows = [job]
             return
@@ -174,6 +177,7 @@ class BatchDecoder:
             return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2)
 
         pad = width - length
+        self._cache = None
         self._keys = [torch.cat([k, left(nk, pad)], 0) for k, (nk, _) in zip(self._keys, layers, strict=True)]
         self._values = [torch.cat([v, left(nv, pad)], 0) for v, (_, nv) in zip(self._values, layers, strict=True)]
         row_mask = torch.cat([ones.new_zeros(1, pad), ones], 1)
@@ -187,6 +191,7 @@ class BatchDecoder:
         extra = width - self._mask.shape[1]
         if extra <= 0:
             return
+        self._cache = None
         self._keys = [torch.cat([k.new_zeros(*k.shape[:2], extra, k.shape[3]), k], 2) for k in self._keys]
         self._values = [torch.cat([v.new_zeros(*v.shape[:2], extra, v.shape[3]), v], 2) for v in self._values]
         self._mask = torch.cat([self._mask.new_zeros(self._mask.shape[0], extra), self._mask], 1)
@@ -195,7 +200,7 @@ class BatchDecoder:
         """One forward pass for every row; rows that finish (or were cancelled) leave the batch."""
         import torch
 
-        from mappings.cache_io import build_cache, cache_layers, forward_with_cache, sync_device
+        from mappings.cache_io import cache_layers, forward_with_cache, sync_device
 
         live = [i for i, job in enumerate(self._rows) if not job.cancel.is_set()]
         if len(live) < len(self._rows):
@@ -210,7 +215,12 @@ class BatchDecoder:
         tokens = torch.tensor([[job.token] for job in self._rows], dtype=torch.long, device=device)
         positions = torch.tensor([[job.length] for job in self._rows], dtype=torch.long, device=device)
         mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], 1)
-        cache = build_cache(list(zip(self._keys, self._values, strict=True)), self.model.model.config)
+        if self._cache is None:  # rows changed since the last step: one copy into layers with room
+            from orchestra.serve._room import room_cache
+
+            self._cache = room_cache(list(zip(self._keys, self._values, strict=True)))
+            self._keys, self._values = [], []  # the copies with room replace them (set again below)
+        cache = self._cache
         with self.lock:
             logits, cache, _ = forward_with_cache(self.model.model, tokens, cache, attention_mask=mask,
                                                   position_ids=positions, logits_to_keep=1)
@@ -241,6 +251,7 @@ class BatchDecoder:
             return
         assert self._mask is not None
         index = self._mask.new_tensor(rows)
+        self._cache = None
         self._keys = [k.index_select(0, index) for k in self._keys]
         self._values = [v.index_select(0, index) for v in self._values]
         self._mask = self._mask.index_select(0, index)
@@ -253,4 +264,4 @@ class BatchDecoder:
             self._mask = self._mask[:, first:]
 
     def _reset(self) -> None:
-        self._rows, self._keys, self._values, self._mask = [], [], [], None
+        self._rows, self._keys, self._values, self._mask, self._cache = [], [], [], None, None

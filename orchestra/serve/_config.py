@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mappings.repair import RepairPolicy
 from orchestra.gates import GatePolicy
 from orchestra.pipeline import ExecutorSpec
 
@@ -45,6 +46,9 @@ class ServeConfig(BaseModel):
     """Largest max_tokens a request may ask for."""
     gate: GatePolicy = Field(default_factory=GatePolicy)
     """Gates a mapped cache must pass; a refused map is re-prefilled on the requested member."""
+    repair: RepairPolicy | None = None
+    """Map, then repair: target compute spent on a fresh map (a ladder climbs until the probe gate passes, so a
+    map the gate would refuse is repaired instead of re-prefilled); None: pure map."""
     tail_tokens: int = Field(32, ge=2)
     """Trailing tokens recomputed on the target after a map (the probe gate reads their loss)."""
     batch_decode: bool = True

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from orchestra.family.manifest import FamilyManifest
     from orchestra.serve._batch import BatchDecoder
 
-__all__ = ["ServeEngine", "Generation", "CacheInfo", "render_messages"]
+__all__ = ["ServeEngine", "Generation", "CacheInfo", "render_messages", "tune_allocator"]
 
 log = structlog.get_logger("orchestra.serve")
 
@@ -226,7 +226,7 @@ class ServeEngine:
                                      start=True)
             cache = FamilyCache(executor, store, source=self.config.source,
                                 policy=CachePolicy(budget_bytes=self.config.cache_mb << 20, gate=self.config.gate,
-                                                   tail_tokens=self.config.tail_tokens))
+                                                   tail_tokens=self.config.tail_tokens, repair=self.config.repair))
         self.cache = cache
         self.remote = not cache.executor.in_process
         """Models live elsewhere (Ray actors): replies are decoded there, tokens streamed back."""
@@ -434,6 +434,35 @@ def _cache_info(lease: CacheLease) -> CacheInfo:
 
 
 _TRIMMING = threading.Lock()
+
+MMAP_THRESHOLD = 1 << 20
+"""Allocations from this size up get pages of their own from the OS (`tune_allocator`)."""
+
+
+def tune_allocator(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Make glibc give a server's K/V memory back to the OS as soon as it is freed (process-wide; glibc only).
+
+    glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after which K/V
+    tensors (a layer of a 2k-token prompt is ~2 MiB) come from its arenas, and every request thread
+    gets arenas of its own: freed copies stay resident, so under steady load (never idle, so
+    `release_memory` never runs) RSS climbs far past what is live. A fixed threshold keeps such
+    blocks mmapped, returned on free; smaller ones (per-step activations) still come from the arenas.
+    `orchestra serve` calls this at start unless ``ORCHESTRA_MALLOC=default``. Returns whether it applied.
+    """
+    import os
+
+    if os.environ.get("ORCHESTRA_MALLOC", "").strip().lower() == "default":
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_mmap_threshold, m_arena_max = -3, -8  # mallopt parameters (malloc.h)
+        ok = bool(libc.mallopt(m_mmap_threshold, threshold))
+        libc.mallopt(m_arena_max, max(2, (os.cpu_count() or 1)))
+        return ok
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def release_memory() -> None:

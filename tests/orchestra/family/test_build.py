@@ -89,12 +89,17 @@ def test_family_has_root_and_four_distinct_relatives(real_family: FamilyManifest
 
 @pytest.mark.real_model
 def test_family_json_round_trips_and_rebuild_reuses(real_family: FamilyManifest):
-    again = build_family(real_family.home)
+    again = build_family(real_family.home, calibrate=False)  # calibration's reuse: tests/orchestra/family/test_calibrate*
     assert again == real_family
     loaded = load_family(real_family.home)
     assert loaded.member_path("finetuned") == real_family.member_path("smollm2-135m-docstrings")
     with pytest.raises(MemberNotFoundError, match="known:"):
         loaded.member("base-7b")
+    # a stored mapping is kept, not calibrated again (the fixture calibrated root -> finetuned)
+    from orchestra.family.calibrate import calibrate_members
+
+    kept = calibrate_members(loaded, ["finetuned"], repair=False, progress=False)
+    assert [(r.member, r.made) for r in kept] == [(loaded.member("finetuned").name, False)]
 
 
 @pytest.mark.real_model

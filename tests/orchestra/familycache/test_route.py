@@ -130,8 +130,15 @@ def test_a_seed_extends_the_sources_shorter_prefix():
     assert plan_route(_req(seed="base"), held, mappable={"base"}) == Seed("base", "src", 10)
 
 
-def test_no_seed_when_the_member_holds_part_of_the_request_or_the_seed_cannot_map():
-    assert plan_route(_req(seed="base"), [Held("own", "child", 5)], mappable={"base"}) == Extend("own", 5)
+def test_a_few_shared_header_tokens_on_the_member_do_not_stop_a_seed():
+    # a chat template's opening tokens, cached on the member by an earlier request: the document is still cold
+    assert plan_route(_req(seed="base"), [Held("own", "child", 5)], mappable={"base"}) == Seed("base")
+    held = [Held("own", "child", 20), Held("src", "base", 4)]  # 16 tokens more on the source: still a seed
+    assert plan_route(_req(seed="base"), held, mappable={"base"}) == Seed("base", "src", 4)
+
+
+def test_no_seed_when_the_member_holds_much_of_the_request_or_the_seed_cannot_map():
+    assert plan_route(_req(seed="base"), [Held("own", "child", 17)], mappable={"base"}) == Extend("own", 17)
     assert plan_route(_req(seed="base"), [], mappable={"other"}) == Prefill()
     assert plan_route(_req(seed="base", allow_mapped=False), [], mappable={"base"}) == Prefill()
     assert plan_route(_req(seed="base", ids=DOC[:10]), [], mappable={"base"}) == Prefill()  # under min_mapped_tokens
