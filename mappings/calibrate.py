@@ -315,14 +315,18 @@ def _option_name(alpha: float | None) -> str:
 def select_layers(
     stats: Sequence[LayerStats], spec: MethodSpec, plan: Sequence[tuple[int, ...]], s: KVShape, t: KVShape,
     src_rope: RopeSpec, tgt_rope: RopeSpec, judge: KLJudge | None, heldout: HeldOut, *,
-    sweeps: int = 1, progress: bool = False,
+    sweeps: int = 1, progress: bool = False, exact: int = 0,
 ) -> tuple[LinearKVMap, list[float | None], list[dict[str, float]]]:
-    """Choose per-layer α / pass-through (``spec.selection``); returns the map, choices and scores."""
+    """Choose per-layer α / pass-through (``spec.selection``); returns the map, choices and scores.
+
+    The first ``exact`` layers are passed through, neither fitted nor scored: both models compute them alike.
+    """
     from tqdm.auto import tqdm
 
-    from mappings.assemble import fit_kv_map, fit_layer
+    from mappings.assemble import PASSTHROUGH, fit_kv_map, fit_layer
 
-    choices: list[float | None] = [spec.default_alpha] * t.num_layers
+    choices: list[float | None] = [PASSTHROUGH if i < exact else spec.default_alpha for i in range(t.num_layers)]
+    free = range(min(exact, t.num_layers), t.num_layers)
     kv_map = fit_kv_map(stats, spec, plan, s, t, src_rope, tgt_rope, choices)
     scores: list[dict[str, float]] = [{} for _ in range(t.num_layers)]
     if spec.selection == "none":
@@ -342,7 +346,7 @@ def select_layers(
 
         hk, hv = _content(heldout.source, src_rope, spec.key_space)
         tk, tv = _content(heldout.target, tgt_rope, spec.key_space)
-        for i in range(t.num_layers):
+        for i in free:
             xk = _cat_sources(hk, plan[i])
             xv = _cat_sources(hv, plan[i])
             sk, sv = RegressionStats.from_data(xk, tk[i]), RegressionStats.from_data(xv, tv[i])
@@ -372,10 +376,10 @@ def select_layers(
         return scores[i][name]
 
     per_layer = len(ordered) if spec.search == "grid" else min(len(ordered), 4)
-    bar = tqdm(total=sweeps * t.num_layers * per_layer, desc="selecting per-layer maps", disable=not progress)
+    bar = tqdm(total=sweeps * len(free) * per_layer, desc="selecting per-layer maps", disable=not progress)
     try:
         for sweep in range(sweeps):
-            for i in range(t.num_layers):
+            for i in free:
                 if sweep:
                     scores[i] = {}
                 if spec.search == "grid":
@@ -565,12 +569,15 @@ def calibrate(
     dtype: torch.dtype | str | None = None,
     config: CalibrationConfig | None = None,
     log: Callable[[str], None] | None = None,
+    exact_layers: int = 0,
 ) -> Mapping:
     """Fit a KV map from ``source`` to ``target`` (model folders, handles or in-memory models).
 
     Returns a :class:`~mappings.store.Mapping` (call ``.save(dir)``), with its manifest and the
     calibration statistics. Raises :class:`TokenizerMismatchError`, :class:`CorpusTooSmallError`,
     :class:`NonFiniteKVError`, :class:`ShapeMismatchError` (method not possible for this pair).
+    ``exact_layers``: leading layers the caller knows both models compute identically (a LoRA adapter
+    leaving them untouched, over its base): passed through exactly, not fitted (needs identical layouts).
     """
     from mappings.apply import identity_map
     from mappings.capture import kv_shape
@@ -589,6 +596,7 @@ def calibrate(
     say(card.render())
     spec = _method_for(method, card)
     _check_window(cfg.window, spec, card)
+    exact = _exact_layers(exact_layers, card)
     windows = prepare_windows(corpus, src.tokenizer, cfg)
     s, t = kv_shape(src.model.config), kv_shape(tgt.model.config)
     src_rope, tgt_rope = RopeSpec.from_config(src.model.config), RopeSpec.from_config(tgt.model.config)
@@ -611,21 +619,27 @@ def calibrate(
     # Per-layer selection.
     judge = KLJudge(tgt.model, heldout, spec.kl_suffix_tokens, sinks=spec.exact_sinks)
     kv_map, choices, scores = select_layers(fit_stats, spec, plan, s, t, src_rope, tgt_rope, judge, heldout,
-                                            sweeps=cfg.sweeps, progress=progress)
+                                            sweeps=cfg.sweeps, progress=progress, exact=exact)
     identity = identity_map(src.model.config, tgt.model.config) if card.identical_layout else None
     summary = _heldout_summary(judge, kv_map, identity, heldout)
     if spec.selection == "kl":
-        from mappings.assemble import fit_kv_map
-
-        default_map = fit_kv_map(fit_stats, spec, plan, s, t, src_rope, tgt_rope)
-        summary["kl_default_alpha"] = judge.kl(default_map.apply(judge.source_prefix))
+        summary["kl_default_alpha"] = _default_alpha_kl(judge, fit_stats, spec, plan, s, t, src_rope, tgt_rope, exact)
     metrics = _selected_metrics(kv_map, heldout, tgt.model, identity, judge.sinks, spec, choices, scores)
     say(f"held-out KL {summary['kl']:.4f}" + (
         f" (source KV unchanged: {summary['kl_identity']:.4f})" if summary["kl_identity"] is not None else ""))
 
     manifest = _manifest(src, tgt, spec, plan, kv_map, windows, cfg.window, metrics, summary, card.differences,
-                         seconds=round(time.perf_counter() - started, 3))
+                         seconds=round(time.perf_counter() - started, 3), exact_layers=exact)
     return Mapping(kv_map, manifest, stats)
+
+
+def _default_alpha_kl(judge: KLJudge, stats: Sequence[LayerStats], spec: MethodSpec, plan: Sequence[tuple[int, ...]],
+                      s: KVShape, t: KVShape, src_rope: RopeSpec, tgt_rope: RopeSpec, exact: int) -> float:
+    """Held-out KL of the map at the default α in every fitted layer: what the per-layer selection gained."""
+    from mappings.assemble import PASSTHROUGH, fit_kv_map
+
+    choices = [PASSTHROUGH if i < exact else spec.default_alpha for i in range(t.num_layers)]
+    return judge.kl(fit_kv_map(stats, spec, plan, s, t, src_rope, tgt_rope, choices).apply(judge.source_prefix))
 
 
 def _method_for(method: str | MethodSpec, card: PairCard) -> MethodSpec:
@@ -641,6 +655,18 @@ def _method_for(method: str | MethodSpec, card: PairCard) -> MethodSpec:
             "differs: use a plain-ridge, per-layer method"
         )
     return method
+
+
+def _exact_layers(count: int, card: PairCard) -> int:
+    """The exact layers asked for, refused unless the pair's caches have one layout (else no layer is the same)."""
+    if count <= 0:
+        return 0
+    if not (card.identical_layout and card.same_rope):
+        raise ShapeMismatchError(
+            f"{count} exact layers were asked for, but the pair's KV layouts or RoPE differ, so no layer's K/V "
+            "can be the same on both: calibrate without exact layers"
+        )
+    return min(count, card.target.num_layers)
 
 
 def _check_window(window: int, spec: MethodSpec, card: PairCard) -> None:
@@ -688,7 +714,8 @@ def _selected_metrics(kv_map: LinearKVMap, heldout: HeldOut, target_model: PreTr
 
 def _manifest(src: ModelHandle, tgt: ModelHandle, spec: MethodSpec, plan: Sequence[tuple[int, ...]],
               kv_map: LinearKVMap, windows: CorpusWindows, window: int, metrics: list[dict[str, object]],
-              summary: dict[str, float | None], differences: list[str], *, seconds: float) -> MappingManifest:
+              summary: dict[str, float | None], differences: list[str], *, seconds: float,
+              exact_layers: int = 0) -> MappingManifest:
     """The mapping's manifest; its tensor record is filled in when the mapping is saved."""
     from mappings.manifest import (
         CalibrationInfo,
@@ -720,4 +747,5 @@ def _manifest(src: ModelHandle, tgt: ModelHandle, spec: MethodSpec, plan: Sequen
         heldout=summary,
         pair_differences=differences,
         tensors=FileRecord(name="mapping.safetensors", sha256="", bytes=0),
+        exact_layers=exact_layers,
     )

@@ -10,12 +10,13 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mappings.methods import MethodSpec
 
 __all__ = [
     "MAPPING_VERSION",
+    "READABLE_VERSIONS",
     "MANIFEST_FILE",
     "TENSORS_FILE",
     "STATS_FILE",
@@ -29,8 +30,13 @@ __all__ = [
     "MappingManifest",
 ]
 
-MAPPING_VERSION = 1
-"""Bump whenever the on-disk format or the meaning of a stored tensor changes."""
+MAPPING_VERSION = 2
+"""Bump whenever the on-disk format or the meaning of a stored tensor changes.
+
+v2: ``exact_layers`` (leading layers whose K/V the two models compute identically, passed through)."""
+
+READABLE_VERSIONS = (1, 2)
+"""Versions this code loads: a v1 manifest reads as v2 with no exact layers (its tensors mean the same)."""
 
 MANIFEST_FILE = "manifest.json"
 TENSORS_FILE = "mapping.safetensors"
@@ -158,6 +164,19 @@ class MappingManifest(_Model):
     tensors: FileRecord
     stats: FileRecord | None = Field(default=None, description="calibration statistics (for refitting baselines)")
     repair: RepairInfo | None = Field(default=None, description="residual maps and repair planning data, if fitted")
+    exact_layers: int = Field(
+        default=0, ge=0, description="leading target layers whose K/V equal the source's exactly (the same weights "
+        "below them, e.g. a LoRA adapter and its base): passed through unchanged, never fitted",
+    )
+
+    @model_validator(mode="after")
+    def _exact_layers_pass_through(self) -> MappingManifest:
+        plan = {e.target_layer: e for e in self.layer_plan}
+        for i in range(self.exact_layers):
+            entry = plan.get(i)
+            if entry is None or entry.mode != "passthrough" or entry.sources != [i]:
+                raise ValueError(f"exact layer {i} is not a pass-through of source layer {i}")
+        return self
 
     def cache_key(self) -> dict[str, object]:
         """Fields that must all match before KV mapped with this mapping may be reused (seed §5.3)."""

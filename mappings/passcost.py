@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
+    import torch
+
     from mappings.types import KVCache, Model
 
 __all__ = ["PassCosts", "CostModel", "measure_pass_costs", "load_or_measure", "pass_features", "prefill_features",
@@ -178,7 +180,8 @@ def architecture_hash(model: Model) -> str:
 
     Weight values are left out (a dense matmul takes as long whatever the numbers), and so are the
     config's names and paths. Quantised weights that stay quantised at run time show in their module
-    types (and the config's ``quantization_config``), so they hash apart from the dense model.
+    types (and the config's ``quantization_config``), or, quantized in place by torchao, in their
+    parameters' tensor types, so they hash apart from the dense model.
     """
     import hashlib
     from collections import Counter
@@ -187,10 +190,20 @@ def architecture_hash(model: Model) -> str:
     drop = {"name_or_path", "transformers_version", "architectures", "auto_map"}
     shape = {k: v for k, v in config.items() if not k.startswith("_") and k not in drop}
     modules = Counter(f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules())
-    dtypes = Counter(str(p.dtype) for p in model.parameters())
+    dtypes = Counter(_weight_kind(p) for p in model.parameters())
     blob = json.dumps({"config": shape, "modules": sorted(modules.items()), "dtypes": sorted(dtypes.items())},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _weight_kind(p: torch.Tensor) -> str:
+    """A parameter's dtype, and its tensor type when it is a subclass (torchao's int8 weights report float32)."""
+    import torch
+
+    kind = type(p)
+    if kind in (torch.Tensor, torch.nn.Parameter):
+        return str(p.dtype)  # what plain models always hashed: their stored timings stay valid
+    return f"{kind.__module__}.{kind.__qualname__}:{p.dtype}"
 
 
 def costs_key(model: Model) -> dict[str, str]:

@@ -19,6 +19,7 @@ from mappings.errors import CorruptMappingError, StaleMappingError
 from mappings.manifest import (
     MANIFEST_FILE,
     MAPPING_VERSION,
+    READABLE_VERSIONS,
     RESIDUAL_FILE,
     STATS_FILE,
     TENSORS_FILE,
@@ -211,10 +212,10 @@ def read_manifest(mapping_dir: str | Path) -> MappingManifest:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptMappingError(f"{path} is not valid JSON ({exc}); recalibrate into a fresh directory") from exc
-    if isinstance(raw, dict) and raw.get("mapping_version") not in (None, MAPPING_VERSION):
+    if isinstance(raw, dict) and raw.get("mapping_version") not in (None, *READABLE_VERSIONS):
         raise StaleMappingError(
             f"{mapping_dir} was written by mapping format v{raw.get('mapping_version')}, this code reads "
-            f"v{MAPPING_VERSION}: recalibrate with `orchestra calibrate`"
+            f"v{READABLE_VERSIONS[0]} to v{MAPPING_VERSION}: recalibrate with `orchestra calibrate`"
         )
     try:
         manifest = MappingManifest.model_validate(raw)

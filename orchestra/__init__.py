@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from orchestra.errors import (
     ActorLostError,
+    AdapterBaseError,
+    AdapterError,
     CorruptGGUFError,
     CrossFamilyError,
     CycleError,
@@ -35,11 +37,18 @@ from orchestra.errors import (
     OrchestraError,
     PipelineError,
     PipelineFileError,
+    QuantizeBaseError,
+    QuantizeError,
     UnknownAgentError,
     UnknownModelError,
 )
+from orchestra.quantize import quiet_torchao_import
 
 __version__ = "0.1.0"
+
+# transformers imports torchao (when installed) as it loads any model, whose import logs warnings about
+# CUDA-only kernels on a CPU build: filtered before anything can import it (cheap: two logging filters)
+quiet_torchao_import()
 
 __all__ = [
     "__version__",
@@ -61,8 +70,11 @@ __all__ = [
     "build_family",
     "load_family",
     "FamilyManifest",
-    # model references: a local folder or a Hugging Face Hub id
+    # model references: a local folder or a Hugging Face Hub id; a LoRA adapter over a declared model or a
+    # quantized view of one
     "ModelRef",
+    "AdapterSpec",
+    "QuantizeSpec",
     # errors
     "OrchestraError",
     "FamilyError",
@@ -80,6 +92,10 @@ __all__ = [
     "ModelFolderError",
     "ModelNotCachedError",
     "HubModelError",
+    "AdapterError",
+    "AdapterBaseError",
+    "QuantizeError",
+    "QuantizeBaseError",
     "CrossFamilyError",
     "DocumentError",
     "DevicePlacementError",
@@ -94,7 +110,7 @@ if TYPE_CHECKING:
     from orchestra.family import FamilyManifest, build_family, load_family
     from orchestra.familycache import CacheLease, CachePolicy, FamilyCache
     from orchestra.gates import GatePolicy
-    from orchestra.modelref import ModelRef
+    from orchestra.modelref import AdapterSpec, ModelRef, QuantizeSpec
     from orchestra.pipeline import AgentNode, ExecutorSpec, PipelineSpec, load_pipeline
     from orchestra.report import AgentReport, RunReport
     from orchestra.scheduler import Orchestra
@@ -116,6 +132,8 @@ _LAZY = {
     "load_family": "orchestra.family",
     "FamilyManifest": "orchestra.family",
     "ModelRef": "orchestra.modelref",
+    "AdapterSpec": "orchestra.modelref",
+    "QuantizeSpec": "orchestra.modelref",
 }
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from agents.spec import AgentSpec
 from orchestra.errors import EventLoopRunningError, FamilyError, PipelineProblem, PipelineValidationError
 from orchestra.gates import GatePolicy
+from orchestra.modelref import AdapterSpec, QuantizeSpec
 from orchestra.pipeline import (
     AgentNode,
     ExecutorSpec,
@@ -62,12 +63,16 @@ class Pipeline:
     - ``family``: a loaded `FamilyManifest`; default: the family under ``home`` (else
       ``$ORCHESTRA_HOME``, else ``~/.cache/orchestra``), loaded lazily at the first run, so building and
       validating a pipeline never needs it.
-    - ``models``: alias -> family member (role or name), a local Hugging Face model folder, or a Hub id
-      ``org/name[@revision]`` (fetched into the Hugging Face cache; docs/pipelines.md). By default
+    - ``models``: alias -> family member (role or name), a local Hugging Face model folder, a Hub id
+      ``org/name[@revision]`` (fetched into the Hugging Face cache; docs/pipelines.md), or a LoRA adapter
+      over another alias, ``AdapterSpec(adapter=folder_or_id, base=alias)`` or
+      ``{"adapter": ..., "base": ...}`` (its base's weights are shared, held once), or a quantized view of
+      another alias, ``QuantizeSpec(base=alias, quantize="int8")`` or ``{"base": ..., "quantize": "int8"}``
+      (the base's weights loaded again and quantized by torchao: the ``quant`` extra). By default
       every member role is an alias of itself (``root``, ``finetuned``, ``quantized``, ``distilled``; a
       given family's roles), so ``model="finetuned"`` just works; ``models`` adds aliases or overrides
       these. The built spec keeps the aliases that agents, the source or ``devices`` use, plus every
-      alias given in ``models``.
+      alias given in ``models`` and the base of every adapter or quantized view kept.
     - ``source``: the alias that prefills the document (None: the model most agents use).
     - ``executor``: where model work runs: ``"local"`` (default), ``"ray"``, or an `ExecutorSpec` / mapping
       (``{"kind": "ray", "members": {"finetuned": {"num_gpus": 1, "replicas": 2}}}``; docs/scale-out.md).
@@ -85,7 +90,7 @@ class Pipeline:
         *,
         family: FamilyManifest | None = None,
         home: str | os.PathLike[str] | None = None,
-        models: Mapping[str, str | os.PathLike[str]] | None = None,
+        models: Mapping[str, str | os.PathLike[str] | AdapterSpec | QuantizeSpec | Mapping[str, str]] | None = None,
         gate: GatePolicy | Mapping[str, object] | None = None,
         mapping: MappingPolicy | Mapping[str, object] | None = None,
         devices: Mapping[str, str] | None = None,
@@ -97,11 +102,13 @@ class Pipeline:
     ) -> None:
         self._family = family
         self._home = home
-        declared = {alias: os.fspath(target) for alias, target in (models or {}).items()}
+        declared = {alias: os.fspath(target) if isinstance(target, os.PathLike) else target
+                    for alias, target in (models or {}).items()}
         self._declared = set(declared)  # aliases the user asked for: always kept in the spec
-        self._models: dict[str, str] = {**_role_aliases(family), **declared}
+        self._models: dict[str, str | AdapterSpec | QuantizeSpec] = {}
         settings: dict[str, object] = {
-            "name": name, "models": self._models, "source": source, "devices": dict(devices or {}),
+            "name": name, "models": {**_role_aliases(family), **declared}, "source": source,
+            "devices": dict(devices or {}),
             "default_device": default_device, "dtype": dtype, "store_budget_mb": store_budget_mb,
             "max_concurrency_per_device": max_concurrency_per_device,
         }
@@ -112,6 +119,7 @@ class Pipeline:
         if executor is not None:
             settings["executor"] = executor
         self._settings = PipelineSettings(**settings)
+        self._models = dict(self._settings.models)  # validated: mappings made AdapterSpecs and QuantizeSpecs
         self._nodes: list[AgentNode] = []
         self._spec: PipelineSpec | None = None
         self._orch: Orchestra | None = None
@@ -255,7 +263,7 @@ class Pipeline:
         return self._settings.source
 
     @property
-    def models(self) -> dict[str, str]:
+    def models(self) -> dict[str, str | AdapterSpec | QuantizeSpec]:
         """Every alias available to agents (a copy): the default role aliases and ``models``."""
         return dict(self._models)
 
@@ -283,6 +291,7 @@ class Pipeline:
         keep = self._declared | {n.model for n in self._nodes} | set(settings["devices"])
         if settings["source"] is not None:
             keep.add(settings["source"])
+        keep |= {t.base for a, t in self._models.items() if a in keep and isinstance(t, AdapterSpec | QuantizeSpec)}
         settings["models"] = {alias: target for alias, target in self._models.items() if alias in keep}
         self._spec = PipelineSpec(**settings, agents=list(self._nodes))
         return self._spec
@@ -317,6 +326,7 @@ class Pipeline:
             self._family = load_family(self._home)
         except FamilyError:
             used = {a.model for a in spec.agents} | {spec.source_alias}
+            used |= {t.base for a, t in spec.models.items() if a in used and isinstance(t, AdapterSpec | QuantizeSpec)}
             if all(_outside_family(spec.models[alias]) for alias in used):
                 return None  # only local model folders and Hub ids: no family needed
             raise  # its message says how to build the family
@@ -358,12 +368,16 @@ def _role_aliases(family: FamilyManifest | None) -> dict[str, str]:
     return aliases
 
 
-def _outside_family(target: str) -> bool:
-    """A local model folder or a Hub id (resolved later, by the registry): a model that needs no family."""
+def _outside_family(target: str | AdapterSpec | QuantizeSpec) -> bool:
+    """A local model or adapter folder or a Hub id (resolved later, by the registry): one that needs no family.
+
+    An adapter's or a quantized view's base is checked as a model of its own (it is among the aliases used)."""
     from orchestra.modelref import ModelRef
 
+    if isinstance(target, AdapterSpec | QuantizeSpec):
+        return True
     ref = ModelRef.parse(target)
-    return ref.is_hub or (ref.folder / "config.json").is_file()
+    return ref.is_hub or (ref.folder / "config.json").is_file() or (ref.folder / "adapter_config.json").is_file()
 
 
 def _text(document: str | os.PathLike[str]) -> str:

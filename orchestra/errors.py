@@ -25,6 +25,10 @@ __all__ = [
     "ModelFolderError",
     "ModelNotCachedError",
     "HubModelError",
+    "AdapterError",
+    "AdapterBaseError",
+    "QuantizeError",
+    "QuantizeBaseError",
     "CrossFamilyError",
     "DocumentError",
     "DevicePlacementError",
@@ -164,6 +168,22 @@ class ModelNotCachedError(ModelReferenceError):
 
 class HubModelError(ModelReferenceError):
     """The Hub refuses a model: no such repository or revision, gated, private, or another HTTP error."""
+
+
+class AdapterError(ModelReferenceError):
+    """A LoRA adapter cannot be a member: files missing, or a peft feature the runtime does not apply."""
+
+
+class AdapterBaseError(AdapterError):
+    """An adapter's base is not a declared (plain) model of the pipeline, so there are no weights to put it on."""
+
+
+class QuantizeError(ModelReferenceError):
+    """A quantized view of a member cannot be made: an unknown scheme, or one the device (or torchao) cannot run."""
+
+
+class QuantizeBaseError(QuantizeError):
+    """A quantized view's base is not a declared plain model of the pipeline, so there are no weights to quantize."""
 
 
 class CrossFamilyError(PipelineError):

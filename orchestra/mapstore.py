@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 from mappings.atomic import write_atomic
 from orchestra.errors import MappingUnavailableError, OperationCancelledError
-from orchestra.registry import LoadedModel, ModelInfo
+from orchestra.registry import LoadedModel, ModelInfo, shared_layers
 
 if TYPE_CHECKING:
     from mappings.manifest import MappingManifest
@@ -158,6 +158,12 @@ class MappingStore:
             if not (path / "manifest.json").is_file():
                 half = " (the folder there is a half-written mapping without a manifest)" if path.exists() else ""
                 if self.on_missing == "refuse":
+                    if source.info.quantized is not None or target.info.quantized is not None:
+                        # `orchestra calibrate` loads folders as they are stored: it would fit the base, not the view
+                        raise MappingUnavailableError(
+                            f"no mapping for {source.info.name} -> {target.info.name} in {self.directory}{half}, and a "
+                            "quantized view is only made when a pipeline loads it: set mapping.on_missing: calibrate"
+                        )
                     raise MappingUnavailableError(
                         f"no mapping for {source.info.name} -> {target.info.name} in {self.directory}{half}; run "
                         f"`orchestra family calibrate`, or `orchestra calibrate --source {source.info.path} "
@@ -191,6 +197,8 @@ class MappingStore:
         try:
             return calibrate(  # the handles carry the registry's fingerprints: what `get` checks the mapping by
                 source.handle(), target.handle(), self.corpus, method=self.method, tokens=self.tokens, progress=False,
+                # a base and its LoRA adapters compute the layers below the first one adapted identically
+                exact_layers=shared_layers(source.info, target.info),
             )
         finally:
             for handle in handles:

@@ -40,14 +40,18 @@ from agents.builtin import BUILTINS
 from agents.spec import AGENT_NAME_PATTERN, AgentSpec
 from mappings.repair import RepairPolicy
 from orchestra.errors import (
+    AdapterBaseError,
     CycleError,
     PipelineError,
     PipelineFileError,
     PipelineProblem,
     PipelineValidationError,
+    QuantizeBaseError,
+    QuantizeError,
     UnknownAgentError,
 )
 from orchestra.gates import GatePolicy
+from orchestra.modelref import AdapterSpec, QuantizeSpec
 
 __all__ = [
     "pipeline_mermaid","AgentNode", "MappingPolicy", "PipelineSettings", "PipelineSpec", "load_pipeline", "suggest",
@@ -346,8 +350,10 @@ class PipelineSettings(_Validated):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field("pipeline", description="A name for reports and logs.")
-    models: dict[str, str] = Field(description="Alias -> family member name or role, a local model folder, or a "
-                                               "Hugging Face Hub id org/name[@revision].")
+    models: dict[str, str | AdapterSpec | QuantizeSpec] = Field(
+        description="Alias -> family member name or role, a local model folder, a Hugging Face Hub id "
+        "org/name[@revision], a LoRA adapter over another alias: {adapter: <folder or Hub id>, base: <alias>}, "
+        "or a quantized view of another alias: {base: <alias>, quantize: int8}.")
     source: str | None = Field(None, description="Alias of the model that prefills the document (default: the most used).")
     devices: dict[str, str] = Field(default_factory=dict, description="Alias -> 'cpu', 'cuda:N' or 'auto'.")
     default_device: str = Field("auto", description="Device for models not listed in `devices`.")
@@ -359,8 +365,36 @@ class PipelineSettings(_Validated):
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec,
                                    description="Where model work runs: local (default) or ray (docs/scale-out.md).")
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _adapter_entries(cls, value: object) -> object:
+        """A mapping value is a LoRA adapter (`AdapterSpec`) or a quantized view (`QuantizeSpec`); a path is its text."""
+        if not isinstance(value, Mapping):
+            return value
+        out: dict[object, object] = {}
+        for alias, target in value.items():
+            if isinstance(target, Mapping) and "adapter" not in target:
+                target = _quantize_spec(str(alias), target)
+            elif isinstance(target, Mapping):
+                target = _adapter_spec(str(alias), target)
+            elif isinstance(target, os.PathLike):
+                target = os.fspath(target)
+            out[alias] = target
+        return out
+
     @model_validator(mode="after")
     def _aliases_declared(self) -> PipelineSettings:
+        _check_adapter_bases(self.models)
+        _check_view_bases(self.models)
+        adapters = [alias for alias, target in self.models.items() if isinstance(target, AdapterSpec)]
+        if adapters and self.executor.kind == "ray":
+            raise _pipeline_error("executor", f"LoRA adapter members ({', '.join(adapters)}) run on the local "
+                                  "executor only, where they share their base's weights: use executor: local")
+        views = [alias for alias, target in self.models.items() if isinstance(target, QuantizeSpec)]
+        if views and self.executor.kind == "ray":
+            raise _pipeline_error("executor", f"quantized views ({', '.join(views)}) run on the local executor only "
+                                  "(a Ray actor resolves its one member alone, without the base a view reads): "
+                                  "use executor: local")
         if self.source is not None and self.source not in self.models:
             raise _pipeline_error("source", _unknown("source", self.source, self.models))
         for alias in self.devices:
@@ -451,7 +485,100 @@ def _reference_field(agent: AgentNode, up: str) -> str:
     return "args" if agent.builtin is not None else "spec.task"
 
 
-def _unknown(what: str, value: str, known: Mapping[str, str]) -> str:
+def _adapter_spec(alias: str, fields: Mapping[object, object]) -> AdapterSpec:
+    """`AdapterSpec` from a ``{adapter: ..., base: ...}`` mapping, each mistake one pipeline problem."""
+    where = f"models.{alias}"
+    extra = sorted(str(k) for k in fields if k not in ("adapter", "base"))
+    if extra:
+        raise _pipeline_error(where, f"unknown field {extra[0]!r} of a LoRA adapter; it takes `adapter` (its folder "
+                              "or Hub id) and `base` (the alias of the model it goes on)")
+    values = {}
+    for key in ("adapter", "base"):
+        value = fields.get(key)
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str) or not value.strip():
+            what = "its folder or Hub id" if key == "adapter" else "the alias of the declared model it goes on"
+            raise _pipeline_error(f"{where}.{key}", f"a LoRA adapter needs `{key}`: {what}")
+        values[key] = value.strip()
+    return AdapterSpec(adapter=values["adapter"], base=values["base"])
+
+
+def _quantize_spec(alias: str, fields: Mapping[object, object]) -> QuantizeSpec:
+    """`QuantizeSpec` from a ``{base: ..., quantize: ...}`` mapping, each mistake one pipeline problem."""
+    where = f"models.{alias}"
+    if "quantize" not in fields:
+        raise _pipeline_error(where, "a model given as a mapping is a LoRA adapter, {adapter: <folder or Hub id>, "
+                              "base: <alias>}, or a quantized view, {base: <alias>, quantize: int8}")
+    extra = sorted(str(k) for k in fields if k not in ("base", "quantize"))
+    if extra:
+        raise _pipeline_error(where, f"unknown field {extra[0]!r} of a quantized view; it takes `base` (the alias of "
+                              "the model to quantize) and `quantize` (the scheme)")
+    base, scheme = fields.get("base"), fields.get("quantize")
+    if not isinstance(base, str) or not base.strip():
+        raise _pipeline_error(f"{where}.base", "a quantized view needs `base`: the alias of the declared model whose "
+                              "weights it quantizes")
+    try:
+        return QuantizeSpec(base=base.strip(), quantize=scheme.strip() if isinstance(scheme, str) else str(scheme))
+    except QuantizeError as exc:
+        raise _pipeline_error(f"{where}.quantize", str(exc)) from exc
+
+
+def _check_view_bases(models: Mapping[str, str | AdapterSpec | QuantizeSpec]) -> None:
+    """Each quantized view's base is a declared model that is neither an adapter nor a view, else QuantizeBaseError.
+
+    Raised as itself, as `_check_adapter_bases` does: `orchestra run` prints its one line.
+    """
+    plain = [alias for alias, target in models.items() if isinstance(target, str)]
+    for alias, target in models.items():
+        if not isinstance(target, QuantizeSpec):
+            continue
+        if target.base not in models or target.base == alias:
+            raise QuantizeBaseError(
+                f"models.{alias}: the quantized view's base {target.base!r} is not a declared model"
+                f"{_did_you_mean(target.base, plain)}: set `base` to one of {', '.join(plain) or '(none)'}, or "
+                f"declare {target.base!r} in models"
+            )
+        if not isinstance(models[target.base], str):
+            raise QuantizeBaseError(
+                f"models.{alias}: the quantized view's base {target.base!r} is {_kind(models[target.base])}, not a "
+                f"model of its own: set `base` to one of {', '.join(plain) or '(none)'}"
+            )
+
+
+def _kind(target: str | AdapterSpec | QuantizeSpec) -> str:
+    return "a LoRA adapter" if isinstance(target, AdapterSpec) else "a quantized view"
+
+
+def _check_adapter_bases(models: Mapping[str, str | AdapterSpec | QuantizeSpec]) -> None:
+    """Each adapter's base is a declared model that is not an adapter itself, else AdapterBaseError.
+
+    Raised as itself, not as a validation problem: it is a model-reference error (`orchestra run` prints
+    its one line), the same the registry raises for an adapter given to it directly.
+    """
+    plain = [alias for alias, target in models.items() if isinstance(target, str)]
+    for alias, target in models.items():
+        if not isinstance(target, AdapterSpec):
+            continue
+        if target.base not in models:
+            raise AdapterBaseError(
+                f"models.{alias}: the LoRA adapter's base {target.base!r} is not a declared model"
+                f"{_did_you_mean(target.base, plain)}: set `base` to one of {', '.join(plain) or '(none)'}, or "
+                f"declare {target.base!r} in models"
+            )
+        if isinstance(models[target.base], AdapterSpec):
+            raise AdapterBaseError(
+                f"models.{alias}: the LoRA adapter's base {target.base!r} is an adapter itself: set `base` to the "
+                f"model both were trained on ({', '.join(plain) or 'declare it in models'})"
+            )
+        if isinstance(models[target.base], QuantizeSpec):
+            raise AdapterBaseError(
+                f"models.{alias}: the LoRA adapter's base {target.base!r} is a quantized view: set `base` to the "
+                f"model it was trained on ({', '.join(plain) or 'declare it in models'})"
+            )
+
+
+def _unknown(what: str, value: str, known: Mapping[str, object]) -> str:
     return (f"{what} {value!r}, which is not declared in `models`{_did_you_mean(value, list(known))}; "
             f"declared: {', '.join(known)}")
 

@@ -33,12 +33,15 @@ def print_error(message: str, exc: BaseException | None = None) -> None:
 
 def family_table(manifest: FamilyManifest) -> Table:
     table = Table(title=f"{manifest.family} family at {manifest.home}")
-    for col in ("member", "role", "parent", "layers", "params", "fingerprint", "KL vs root", "top-1 vs root"):
-        table.add_column(col, justify="right" if col in {"layers", "params", "KL vs root", "top-1 vs root"} else "left")
+    numeric = {"layers", "params", "weights", "KL vs root", "top-1 vs root"}
+    for col in ("member", "role", "parent", "layers", "params", "weights", "fingerprint", "KL vs root",
+                "top-1 vs root"):
+        table.add_column(col, justify="right" if col in numeric else "left")
     for r in manifest.members.values():
         d = r.divergence
         table.add_row(
             r.name, r.role, r.parent or "-", str(r.num_layers), f"{r.num_parameters / 1e6:.1f}M",
-            r.fingerprint["combined"][:12], f"{d.kl:.4f}" if d else "-", f"{d.top1:.3f}" if d else "-",
+            f"{r.bytes / 2**20:,.0f} MiB", r.fingerprint["combined"][:12], f"{d.kl:.4f}" if d else "-",
+            f"{d.top1:.3f}" if d else "-",
         )
     return table

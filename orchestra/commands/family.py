@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from orchestra.commands._output import console, family_table
 
-app = typer.Typer(help="Build and inspect the bundled model family.", no_args_is_help=True)
+if TYPE_CHECKING:
+    from orchestra.family.manifest import FamilyManifest
+
+app = typer.Typer(help="Build the bundled model family or make one of your own models, and inspect it.",
+                  no_args_is_help=True)
 
 HomeOpt = Annotated[
     Path | None,
@@ -36,6 +40,29 @@ def build(
     manifest = build_family(home, gguf=gguf, allow_download=download, force=force, log=console.print,
                             calibrate=calibrate, calibration_tokens=tokens)
     console.print(family_table(manifest))
+
+
+@app.command("init")
+def init(
+    name: Annotated[str, typer.Argument(help="A name for the family (letters, digits, '.', '_', '-').")],
+    models: Annotated[list[str], typer.Argument(
+        help="Models: a folder or a Hugging Face Hub id org/name[@revision], optionally named: NAME=MODEL.")],
+    home: HomeOpt = None,
+    source: Annotated[str | None, typer.Option("--source", help="The member whose cache is mapped into the others "
+                                               "(default: the first model).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a family manifest already in the home.")] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate/--no-calibrate", help="Also calibrate source -> member "
+                                            "mappings now (else the first run that needs one does).")] = False,
+    tokens: Annotated[int, typer.Option("--tokens", min=512, help="Calibration tokens per mapping.")] = 8192,
+) -> None:
+    """Make a family of your own models: write its manifest into a home (nothing is copied), so that
+    `orchestra run`, `serve` and `bench` with --home take it as they take the bundled family."""
+    from orchestra.family.init import init_family
+
+    manifest = init_family(name, models, home=home, source=source, force=force)
+    console.print(family_table(manifest))
+    if calibrate:
+        _calibrate(manifest, None, tokens=tokens, repair=True, force=False)
 
 
 @app.command("show")
@@ -89,12 +116,24 @@ def calibrate(
     Each mapping is written crash-safely: with --force (or over a broken or half-written folder) the old
     mapping stays in place, usable, until the new one is complete.
     """
-    from orchestra.family import build_family
+    from orchestra.errors import FamilyError
+    from orchestra.family import build_family, load_family
+
+    try:
+        manifest = load_family(home)
+    except FamilyError:
+        manifest = None
+    if manifest is None or manifest.family == "smollm2":  # the bundled family: build (or repair) it first
+        manifest = build_family(home, log=console.print, calibrate=False)
+    _calibrate(manifest, members or None, tokens=tokens, repair=repair, force=force)
+
+
+def _calibrate(manifest: FamilyManifest, members: list[str] | None, *, tokens: int, repair: bool,
+               force: bool) -> None:
     from orchestra.family.calibrate import calibrate_members
     from orchestra.family.corpus import CALIBRATION_TEXTS
 
-    manifest = build_family(home, log=console.print, calibrate=False)
-    results = calibrate_members(manifest, members or None, tokens=tokens, repair=repair, force=force,
+    results = calibrate_members(manifest, members, tokens=tokens, repair=repair, force=force,
                                 log=lambda msg: console.print(msg, highlight=False))
     for r in results:
         console.print(f"{r.member}: {'calibrated' if r.made else 'kept'} {r.path.name} "

@@ -16,6 +16,7 @@ __all__ = [
     "MEMBERS",
     "MemberSpec",
     "build_family",
+    "init_family",
     "load_family",
     "family_dir",
     "FamilyManifest",
@@ -27,6 +28,7 @@ _LAZY = {
     "MEMBERS": "orchestra.family.build",
     "MemberSpec": "orchestra.family.build",
     "build_family": "orchestra.family.build",
+    "init_family": "orchestra.family.init",
     "load_family": "orchestra.family.manifest",
     "family_dir": "orchestra.family.manifest",
     "FamilyManifest": "orchestra.family.manifest",
@@ -36,6 +38,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # for type checkers, IDEs and the import contracts (which count these imports)
     from orchestra.family.build import MEMBERS, MemberSpec, build_family
+    from orchestra.family.init import init_family
     from orchestra.family.manifest import Divergence, FamilyManifest, MemberRecord, family_dir, load_family
 
 

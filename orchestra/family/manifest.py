@@ -13,10 +13,13 @@ from orchestra.errors import FamilyError, FamilyHomeError, MemberNotFoundError
 from orchestra.paths import resolve_home
 
 __all__ = ["Divergence", "MemberRecord", "FamilyManifest", "Role", "MANIFEST_NAME", "MEMBER_MARKER", "family_dir",
-           "load_family"]
+           "load_family", "EXTERNAL_KINDS"]
 
 MANIFEST_NAME = "family.json"
 MEMBER_MARKER = "member.json"
+EXTERNAL_KINDS = ("hub", "folder")
+"""``made_by["kind"]`` of a member of a family of one's own (`orchestra family init`): it lives outside the
+home (a folder, or a snapshot in the Hugging Face cache) and nothing of it is copied there."""
 # One role per bundled member: pipelines, the cache and the server address members by role, so two
 # members never share one ("quantized" is the 4-bit member, "int8" the int8 per-channel one).
 Role = Literal["root", "finetuned", "quantized", "int8", "distilled", "external"]
@@ -162,9 +165,25 @@ def load_family(home: str | os.PathLike[str] | None = None) -> FamilyManifest:
         raise FamilyHomeError(f"cannot read {manifest_path}: {exc.strerror or exc}; check the family home's "
                               "permissions or pass --home") from exc
     for record in manifest.members.values():
+        if record.made_by.get("kind") in EXTERNAL_KINDS:
+            problem = _external_problem(Path(record.path), record.bytes)
+            if problem is not None:
+                raise FamilyError(f"family member {record.name}: {problem}; run `orchestra family init "
+                                  f"{manifest.family} ... --force --home {home_path}` again")
+            continue
         if _read_valid_record(Path(record.path)) is None:
             raise FamilyError(
                 f"family member {record.name} at {record.path} is missing or incomplete; "
                 f"run `orchestra family build --home {home_path}`"
             )
     return manifest
+
+
+def _external_problem(path: Path, recorded_bytes: int) -> str | None:
+    """Why a member living outside the home no longer matches its record (None: it does)."""
+    if not (path / "config.json").is_file():
+        return f"{path} is gone or has no config.json"
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    if size != recorded_bytes:
+        return f"its weights at {path} changed ({size} bytes, {recorded_bytes} recorded)"
+    return None

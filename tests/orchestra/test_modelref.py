@@ -30,6 +30,8 @@ from orchestra.errors import HubModelError, ModelFolderError, ModelNotCachedErro
 from orchestra.fpcache import CACHE_NAME, WRITE_STEP, folder_weights_digest
 from orchestra.modelref import ModelRef
 from orchestra.registry import ModelRegistry
+from tests.hubcache import set_ref as _ref
+from tests.hubcache import snapshot as _snapshot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT_A = hashlib.sha1(b"revision A").hexdigest()  # the parent's weights, tagged v1
@@ -41,30 +43,6 @@ COMMIT_C = hashlib.sha1(b"revision C").hexdigest()  # the parent again, copied i
 class HubCache:
     root: Path
     repo: Path  # models--tiny--llama
-
-
-def _snapshot(repo: Path, commit: str, folder: Path, *, link: bool = True) -> Path:
-    """``repo/snapshots/<commit>`` holding `folder`'s files, each a link to ``blobs/<sha256>`` (or a copy)."""
-    snap = repo / "snapshots" / commit
-    snap.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for f in sorted(folder.iterdir()):
-        if not f.is_file() or f.name.startswith("."):
-            continue
-        data = f.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        if not (repo / "blobs" / digest).exists():
-            (repo / "blobs" / digest).write_bytes(data)
-        if link:  # relative, as huggingface_hub makes them
-            (snap / f.name).symlink_to(Path("..", "..", "blobs", digest))
-        else:
-            (snap / f.name).write_bytes(data)
-    return snap
-
-
-def _ref(repo: Path, name: str, commit: str) -> None:
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / name).write_text(commit)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,140 @@
+"""A family of the user's own models: `orchestra family init NAME MODEL...` writes its manifest into a home.
+
+Each model is a folder or a Hugging Face Hub id (``org/name[@revision]``, `orchestra.modelref`),
+optionally named (``instruct=Qwen/Qwen2.5-0.5B-Instruct``). The source (``--source``, else the
+first model) becomes the member with role ``root``: the one whose cache is mapped into the others,
+what ``orchestra family calibrate`` calibrates from. Nothing is copied: a member record points at
+the folder or the Hub-cache snapshot, with the fingerprint computed once here (so later runs never
+hash weights), its layer and parameter counts read from the files' headers, and how it was named
+(``made_by``), so that `load_family` can check the files are still the ones recorded and say how to
+re-initialise when they are not. Members must give the same token ids (vocabulary, merges,
+normalisation, added tokens: `mappings.tokenizer_compat`); special-token roles and chat templates
+may differ, as between a base checkpoint and its instruct sibling.
+
+`orchestra run`, `serve`, `bench` and `Pipeline(family=)` then take this home as they take the
+bundled family's (`--home` or ``$ORCHESTRA_HOME``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from orchestra.errors import CrossFamilyError, FamilyError
+
+if TYPE_CHECKING:
+    from orchestra.family.manifest import FamilyManifest
+
+__all__ = ["MemberArg", "parse_member_arg", "init_family"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class MemberArg:
+    """One MODEL argument of `family init`: a member name (None: derived) and a model reference."""
+
+    name: str | None
+    reference: str
+
+
+def parse_member_arg(text: str) -> MemberArg:
+    """``name=reference`` or a bare reference (a Hub id or a folder never starts with ``word=``)."""
+    head, sep, tail = text.partition("=")
+    if sep and _NAME.match(head) and tail:
+        return MemberArg(head, tail)
+    return MemberArg(None, text)
+
+
+def _default_name(reference: str, path: Path, repo_id: str | None) -> str:
+    base = repo_id.split("/")[-1] if repo_id is not None else path.name
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", base).strip("-.").lower()
+    return name or "model"
+
+
+def _weights_header(path: Path) -> tuple[int, int]:
+    """(parameter count, bytes of the ``*.safetensors`` files) from the files' headers, no tensor read."""
+    from safetensors import safe_open
+
+    params, size = 0, 0
+    for f in sorted(path.glob("*.safetensors")):
+        size += f.stat().st_size
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                count = 1
+                for dim in sf.get_slice(key).get_shape():
+                    count *= int(dim)
+                params += count
+    return params, size
+
+
+def _num_layers(path: Path) -> int:
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config", config)
+    return int(text.get("num_hidden_layers", 0))
+
+
+def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str] | None = None,
+                source: str | None = None, force: bool = False) -> FamilyManifest:
+    """Write ``<home>/family/family.json`` for `models`; returns the `FamilyManifest` (as `load_family` reads it).
+
+    Refused (typed, one line) when a family is already there (unless `force`), when two members share a
+    name, when `source` names none of them, or when a member's token ids differ from the source's.
+    """
+    from transformers import AutoTokenizer
+
+    from mappings.fingerprint import token_ids_digest
+    from mappings.tokenizer_compat import compare_tokenizers
+    from orchestra.family.manifest import MANIFEST_NAME, FamilyManifest, MemberRecord, family_dir
+    from orchestra.modelref import ModelRef
+    from orchestra.paths import resolve_home
+
+    if not _NAME.match(name):
+        raise FamilyError(f"family name {name!r} must be letters, digits, '.', '_' or '-': pick another")
+    if not models:
+        raise FamilyError("give at least one model: `orchestra family init NAME MODEL...`")
+    home_path = resolve_home(home)
+    target = family_dir(home_path) / MANIFEST_NAME
+    if target.exists() and not force:
+        raise FamilyError(f"a family is already at {target.parent}: pass --force to replace its manifest, or "
+                          "--home for another home")
+    args = [parse_member_arg(m) for m in models]
+    resolved = [ModelRef.parse(a.reference).resolve() for a in args]
+    names = [a.name or _default_name(a.reference, r.path, r.ref.repo_id) for a, r in zip(args, resolved, strict=True)]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise FamilyError(f"two models would both be named {duplicates[0]!r}: name them, e.g. "
+                          f"`{duplicates[0]}-a=<model>`")
+    src = names.index(source) if source is not None and source in names else 0
+    if source is not None and source not in names:
+        raise FamilyError(f"--source {source!r} is none of the members ({', '.join(names)}): give one of them")
+
+    tokenizers = [AutoTokenizer.from_pretrained(str(r.path)) for r in resolved]
+    root_ids = token_ids_digest(tokenizers[src])
+    for i, tok in enumerate(tokenizers):
+        if i != src and token_ids_digest(tok) != root_ids:
+            diff = compare_tokenizers(tok, tokenizers[src], names=(f"member {names[i]}", f"the source {names[src]}"))
+            raise CrossFamilyError(diff.refusal(f"member {names[i]}", names[src])
+                                   + f": leave {names[i]!r} out of this family")
+
+    records: dict[str, MemberRecord] = {}
+    for i, (arg, res, tok) in enumerate(zip(args, resolved, tokenizers, strict=True)):
+        params, size = _weights_header(res.path)
+        made_by: dict[str, object] = {"kind": "hub" if res.ref.is_hub else "folder", "reference": arg.reference}
+        if res.commit is not None:
+            made_by["commit"] = res.commit
+        records[names[i]] = MemberRecord(
+            name=names[i], role="root" if i == src else "external", path=str(res.path),
+            parent=None if i == src else names[src], made_by=made_by,
+            fingerprint=res.fingerprint(tok).as_dict(), num_layers=_num_layers(res.path), num_parameters=params,
+            bytes=size,
+        )
+    manifest = FamilyManifest(family=name, home=str(home_path), members=records)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    manifest.save(target)
+    return FamilyManifest.load(target)
