@@ -25,21 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _revs import ROOT, remove_tree, run
+from _revs import tree as checkout
+
 RESULTS = ROOT / "benchmarks" / "results"
 HEAVY = ("torch", "transformers", "xgrammar", "peft", "gguf", "matplotlib", "fastapi", "ray")
-
-
-def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, check=True, text=True, capture_output=True, **kwargs)  # type: ignore[call-overload]
-
-
-def _tree(rev: str, scratch: Path) -> Path:
-    if rev == "WORKTREE":
-        return ROOT
-    where = scratch / f"tree-{rev}"
-    _run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev])
-    return where
 
 
 def _size(path: Path) -> int:
@@ -50,33 +40,33 @@ def _fastest(cmd: list[str], repeats: int, env: dict[str, str]) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        _run(cmd, env=env)
+        run(cmd, env=env)
         best = min(best, time.perf_counter() - start)
     return best
 
 
 def measure(rev: str, extras: str, repeats: int, scratch: Path) -> dict[str, object]:
     """Install `rev` into a fresh venv the way the README does and measure it."""
-    tree = _tree(rev, scratch)
+    tree = checkout(rev, scratch)
     venv = scratch / f"venv-{rev}"
-    _run([sys.executable, "-m", "venv", str(venv)])
+    run([sys.executable, "-m", "venv", str(venv)])
     py = str(venv / "bin" / "python")
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "HOME": str(scratch / "home")}
     start = time.perf_counter()
-    _run([py, "-m", "pip", "install", "-q", "torch==2.13.0"], env=env)
+    run([py, "-m", "pip", "install", "-q", "torch==2.13.0"], env=env)
     torch_s = time.perf_counter() - start
     start = time.perf_counter()
-    _run([py, "-m", "pip", "install", "-q", f"{tree}{extras}"], env=env)
+    run([py, "-m", "pip", "install", "-q", f"{tree}{extras}"], env=env)
     install_s = time.perf_counter() - start
-    site = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
-    dists = json.loads(_run([py, "-m", "pip", "list", "--format", "json"], env=env).stdout)
+    site = Path(run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    dists = json.loads(run([py, "-m", "pip", "list", "--format", "json"], env=env).stdout)
     torch_dirs = [site / name for name in ("torch", "functorch", "torchgen", "triton")]
     total = _size(site)
     torch_bytes = sum(_size(d) for d in torch_dirs if d.exists())
     nvidia = site / "nvidia"
     if nvidia.exists():
         torch_bytes += _size(nvidia)
-    loaded = json.loads(_run([py, "-c", "import json, sys, orchestra, agents, mappings; "
+    loaded = json.loads(run([py, "-c", "import json, sys, orchestra, agents, mappings; "
                                         f"print(json.dumps(sorted(m for m in {list(HEAVY)!r} if m in sys.modules)))"],
                              env=env, cwd=scratch).stdout)
     exe = str(venv / "bin" / "orchestra")
@@ -94,7 +84,7 @@ def measure(rev: str, extras: str, repeats: int, scratch: Path) -> dict[str, obj
         "packages": sorted(d["name"].lower() for d in dists),
     }
     if tree != ROOT:
-        _run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
+        remove_tree(tree)
     return row
 
 

@@ -23,12 +23,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _revs import ROOT, remove_tree, run
+from _revs import tree as checkout
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 _PROBE = r"""
@@ -41,18 +42,6 @@ info = ModelRegistry({"m": sys.argv[1]}).info("m")
 t2 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "info_s": t2 - t1, "fingerprint": info.fingerprint}))
 """
-
-
-def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, check=True, text=True, capture_output=True, **kwargs)  # type: ignore[call-overload]
-
-
-def _tree(rev: str, scratch: Path) -> Path:
-    if rev == "WORKTREE":
-        return ROOT
-    where = scratch / f"tree-{rev}"
-    _run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev])
-    return where
 
 
 def _linked_copy(member: Path, where: Path) -> Path:
@@ -86,7 +75,7 @@ def _hub_snapshot(member: Path, cache: Path, repo: str = "bench/startup") -> Pat
 
 
 def _probe(tree: Path, target: str, env: dict[str, str]) -> dict[str, float | str]:
-    out = _run([sys.executable, "-c", _PROBE, target], env={**env, "PYTHONPATH": str(tree)}, cwd=str(tree))
+    out = run([sys.executable, "-c", _PROBE, target], env={**env, "PYTHONPATH": str(tree)}, cwd=str(tree))
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -118,7 +107,7 @@ def main() -> None:
         env = {**os.environ, "HOME": str(scratch / "home"), "ORCHESTRA_HOME": str(scratch / "orchestra-home"),
                "HF_HUB_CACHE": str(scratch / "hub"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         for rev in revs:
-            tree = _tree(rev, scratch)
+            tree = checkout(rev, scratch)
             folder = _linked_copy(member, scratch / f"folder-{rev}")
             first = _probe(tree, str(folder), env)
             warm = [_probe(tree, str(folder), env) for _ in range(args.repeats)]
@@ -131,7 +120,7 @@ def main() -> None:
         rows.append(_row("WORKTREE: the same snapshot by path", by_path))
         for rev in revs:
             if rev != "WORKTREE":
-                _run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(scratch / f"tree-{rev}")])
+                remove_tree(scratch / f"tree-{rev}")
 
     import time
 

@@ -16,16 +16,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from mappings import cache_layers
 from mappings.store import read_manifest
-from orchestra.cli import app
 from orchestra.errors import AdapterBaseError, AdapterError, ModelReferenceError, PipelineValidationError
 from orchestra.family.corpus import data_text
 from orchestra.modelref import AdapterSpec
 from orchestra.pipeline import PipelineSpec
 from orchestra.registry import ModelRegistry, shared_layers
+from tests.cli_run import run_pipeline_text
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DOC = data_text("gpl-3.txt")[:320]
@@ -266,18 +265,12 @@ def test_an_adapter_over_an_undeclared_base_is_refused_in_one_line(fam, lora):
 
 
 def test_orchestra_run_refuses_an_undeclared_base_with_exit_2_and_one_line(fam, lora, tmp_path):
-    pipeline = tmp_path / "p.yaml"
-    pipeline.write_text(
-        f"models: {{base: '{fam.parent}', tuned: {{adapter: '{lora.all}', base: nobase}}}}\nsource: base\n"
-        "default_device: cpu\nagents:\n  - {name: a, model: tuned, spec: {task: Summarise.}}\n")
-    document = tmp_path / "doc.txt"
-    document.write_text(DOC)
-    result = CliRunner().invoke(app, ["run", str(pipeline), "--document", str(document),
-                                      "--home", str(tmp_path / "nohome")])
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
+    code, lines, output = run_pipeline_text(
+        tmp_path, f"models: {{base: '{fam.parent}', tuned: {{adapter: '{lora.all}', base: nobase}}}}\nsource: base\n"
+        "default_device: cpu\nagents:\n  - {name: a, model: tuned, spec: {task: Summarise.}}\n", DOC)
+    assert code == 2, output
     assert len(lines) == 1 and "AdapterBaseError" in lines[0] and "'nobase' is not a declared model" in lines[0]
-    assert "Traceback" not in result.output
+    assert "Traceback" not in output
 
 
 def test_an_adapter_the_runtime_cannot_apply_is_refused(fam, lora, tmp_path):

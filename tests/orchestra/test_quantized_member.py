@@ -14,11 +14,9 @@ import shutil
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from mappings import cache_layers
 from mappings.store import read_manifest
-from orchestra.cli import app
 from orchestra.errors import (
     AdapterBaseError,
     ModelReferenceError,
@@ -31,6 +29,7 @@ from orchestra.modelref import AdapterSpec, QuantizeSpec
 from orchestra.pipeline import PipelineSpec
 from orchestra.quantize import quantized_linears, resident_bytes
 from orchestra.registry import ModelRegistry, shared_layers
+from tests.cli_run import run_pipeline_text
 
 pytest.importorskip("torchao")
 
@@ -222,17 +221,12 @@ def test_a_bad_scheme_or_base_is_a_typed_one_line_error(fam):
     ("{base: base, quantize: int4}", "QuantizeError", "model 'q': quantize int4 runs on CUDA only"),
 ])
 def test_orchestra_run_refuses_a_bad_view_with_exit_2_and_one_line(fam, tmp_path, entry, kind, expected):
-    pipeline = tmp_path / "p.yaml"
-    pipeline.write_text(f"models: {{base: '{fam.parent}', q: {entry}}}\nsource: base\ndefault_device: cpu\n"
-                        "agents:\n  - {name: a, model: q, spec: {task: Summarise.}}\n")
-    document = tmp_path / "doc.txt"
-    document.write_text(DOC)
-    result = CliRunner().invoke(app, ["run", str(pipeline), "--document", str(document),
-                                      "--home", str(tmp_path / "nohome")])
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"error: {kind}: ") and expected in lines[0], result.output
-    assert "Traceback" not in result.output
+    code, lines, output = run_pipeline_text(
+        tmp_path, f"models: {{base: '{fam.parent}', q: {entry}}}\nsource: base\ndefault_device: cpu\n"
+        "agents:\n  - {name: a, model: q, spec: {task: Summarise.}}\n", DOC)
+    assert code == 2, output
+    assert len(lines) == 1 and lines[0].startswith(f"error: {kind}: ") and expected in lines[0], output
+    assert "Traceback" not in output
 
 
 def test_without_torchao_a_view_is_refused_with_the_install_command(fam, monkeypatch):
