@@ -57,7 +57,7 @@ class Pipeline:
     """A pipeline under construction, and the way to run it.
 
     ``Pipeline(name, source="root", *, family=None, home=None, models=None, gate=None, mapping=None,
-    devices=None, default_device="auto", dtype="float32", store_budget_mb=4096,
+    devices=None, default_device="auto", dtype="auto", store_budget_mb=4096,
     max_concurrency_per_device=1, executor=None)``:
 
     - ``family``: a loaded `FamilyManifest`; default: the family under ``home`` (else
@@ -95,7 +95,7 @@ class Pipeline:
         mapping: MappingPolicy | Mapping[str, object] | None = None,
         devices: Mapping[str, str] | None = None,
         default_device: str = "auto",
-        dtype: str = "float32",
+        dtype: str = "auto",
         store_budget_mb: int = 4096,
         max_concurrency_per_device: int = 1,
         executor: ExecutorSpec | Mapping[str, object] | str | None = None,

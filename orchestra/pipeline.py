@@ -357,7 +357,9 @@ class PipelineSettings(_Validated):
     source: str | None = Field(None, description="Alias of the model that prefills the document (default: the most used).")
     devices: dict[str, str] = Field(default_factory=dict, description="Alias -> 'cpu', 'cuda:N' or 'auto'.")
     default_device: str = Field("auto", description="Device for models not listed in `devices`.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Runtime dtype of every model.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Runtime dtype of every model; auto: bfloat16 on CUDA that supports it, float32 on CPU "
+                            "(maps are always fitted in float32 and applied in the member's dtype).")
     gate: GatePolicy = Field(default_factory=GatePolicy, description="Default gate policy for agents on mapped caches.")
     mapping: MappingPolicy = Field(default_factory=MappingPolicy, description="Mapping store and on-demand calibration.")
     store_budget_mb: int = Field(4096, ge=1, description="Byte budget of the document KV store, MiB.")

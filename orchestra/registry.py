@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from orchestra.lora import LoraLayout
     from orchestra.modelref import AdapterSpec, QuantizeSpec, ResolvedAdapter, ResolvedModel
 
-__all__ = ["ModelInfo", "LoadedModel", "ModelRegistry", "rope_key", "pick_device", "AdapterLineage", "shared_layers",
-           "QuantizedLineage"]
+__all__ = ["ModelInfo", "LoadedModel", "ModelRegistry", "rope_key", "pick_device", "resolve_dtype", "parameter_count",
+           "AdapterLineage", "shared_layers", "QuantizedLineage"]
 
 
 def rope_key(config_dict: Mapping[str, object]) -> str:
@@ -192,6 +192,37 @@ def _free_bytes(device: str) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def resolve_dtype(dtype: str, requested_device: str) -> str:
+    """The dtype a member computes in: ``auto`` is bfloat16 on CUDA that supports it (float16 on older CUDA)
+    and float32 on CPU; any other dtype as given.
+
+    Decided by the *requested* device (``auto`` counts as CUDA when CUDA is available), not by where the model
+    lands, so a member's cache keys (which hold its dtype) are known before it loads and never change with it.
+    """
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    if not torch.cuda.is_available() or not (requested_device == "auto" or requested_device.startswith("cuda")):
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
+def parameter_count(path: Path) -> int:
+    """Parameters in a folder's ``*.safetensors`` files, from their headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    count = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                size = 1
+                for dim in sf.get_slice(key).get_shape():
+                    size *= int(dim)
+                count += size
+    return count
+
+
 def pick_device(requested: str, need_bytes: int, reserved: dict[str, int]) -> str:
     """Resolve ``auto`` (the CUDA device with most free memory that fits, else CPU) and check the fit."""
     import torch
@@ -241,7 +272,7 @@ class ModelRegistry:
         family: FamilyIndex | None = None,
         devices: dict[str, str] | None = None,
         default_device: str = "auto",
-        dtype: str = "float32",
+        dtype: str = "auto",
     ) -> None:
         self.aliases: dict[str, str | AdapterSpec | QuantizeSpec] = dict(aliases)
         self.family = family
@@ -501,7 +532,7 @@ class ModelRegistry:
         payload = f"quantized-view-v1\n{parts.get('weights', base.fingerprint)}\n{spec.canonical()}\ntorchao {version}"
         fp = Fingerprint(config=parts.get("config", base.fingerprint),
                          weights=hashlib.sha256(payload.encode()).hexdigest(), tokenizer=parts.get("tokenizer", ""))
-        dtype = scheme.compute_dtype or self.dtype
+        dtype = scheme.compute_dtype or self.dtype_of(alias)
         size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
         lineage = QuantizedLineage(base_alias=spec.base, base_fingerprint=base.fingerprint, scheme=scheme.name,
                                    torchao_version=version, dtype=dtype,
@@ -543,6 +574,18 @@ class ModelRegistry:
         with self._lock:
             return self._load(alias)
 
+    def dtype_of(self, alias: str) -> str:
+        """The dtype `alias` computes in (`resolve_dtype` of the registry's dtype on its requested device)."""
+        return resolve_dtype(self.dtype, self.devices.get(alias, self.default_device))
+
+    def load_estimate(self, alias: str) -> int:
+        """Bytes a plain member takes once loaded: its parameters (from the files' headers) at the dtype it
+        computes in, plus 10% — not its file size, which a bf16 checkpoint loaded in float32 doubles."""
+        import torch
+
+        element = torch.tensor([], dtype=getattr(torch, self.dtype_of(alias))).element_size()
+        return int(parameter_count(self.info(alias).path) * element * 1.1)
+
     def _load(self, alias: str) -> LoadedModel:
         """`load` with the registry's lock held (an adapter loads its base first, under the same hold)."""
         if alias in self._loaded:
@@ -556,14 +599,15 @@ class ModelRegistry:
         elif info.quantized is not None:
             loaded = self._load_quantized(alias, info, info.quantized)
         else:
-            torch_dtype = getattr(torch, self.dtype)
-            need = int(info.weight_bytes * torch.tensor([], dtype=torch_dtype).element_size() / 4 * 1.1)
+            dtype = self.dtype_of(alias)
+            need = self.load_estimate(alias)
             device = pick_device(self.devices.get(alias, self.default_device), need, self._reserved)
-            model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=torch_dtype, use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=getattr(torch, dtype),
+                                                         use_safetensors=True)
             model.to(device).eval()  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides the bound self
             tokenizer = AutoTokenizer.from_pretrained(str(info.path))
             self._reserved[device] = self._reserved.get(device, 0) + need
-            loaded = LoadedModel(info=info, model=model, tokenizer=tokenizer, device=device, dtype=self.dtype)
+            loaded = LoadedModel(info=info, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
         self._loaded[alias] = loaded
         return loaded
 
@@ -589,7 +633,7 @@ class ModelRegistry:
             model = attach_lora(base.model, adapter.layout)
         tokenizer = AutoTokenizer.from_pretrained(str(lineage.tokenizer_path))
         self._reserved[base.device] = self._reserved.get(base.device, 0) + need
-        return LoadedModel(info=info, model=model, tokenizer=tokenizer, device=base.device, dtype=self.dtype,
+        return LoadedModel(info=info, model=model, tokenizer=tokenizer, device=base.device, dtype=base.dtype,
                            lock=base.lock)
 
     def _load_quantized(self, alias: str, info: ModelInfo, lineage: QuantizedLineage) -> LoadedModel:

@@ -12,7 +12,10 @@ log kept under --out:
 2. the demo pipeline (examples/long_document_analysis) with one device per member (``devices:``
    round-robin over the N devices): demo_local.json;
 3. unless --no-ray or Ray is missing, the same pipeline with ``executor: ray``, each member's actor
-   reserving 1 GPU (or an equal share when there are fewer GPUs than members): demo_ray.json.
+   reserving 1 GPU (or an equal share when there are fewer GPUs than members): demo_ray.json;
+4. unless --no-own-family, a family of one's own on cuda:0 with ``dtype: auto`` (bfloat16): the root, the
+   shipped fine-tune delta and an upper-half LoRA adapter as adapter members, and torchao ``int8`` and
+   ``int4`` views of the root; one agent per member: own_family.json (each agent's cache path).
 
 Writes gpu_check.json and gpu_check.md: devices, seconds per step, the evaluate summary (KL, top-1
 per member and method), each agent's cache path and output, and whether the ray run's outputs and
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check")
     parser.add_argument("--no-ray", action="store_true", help="skip the ray executor run")
+    parser.add_argument("--no-own-family", action="store_true", help="skip the adapters / quantized views run")
     parser.add_argument("--prefix-tokens", type=int, default=3584)
     parser.add_argument("--budget-s", type=float, default=300.0, help="time limit of the checks (steps 1-3)")
     args = parser.parse_args(argv)
@@ -128,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
                              "--report", str(args.out / "demo_ray.json")]):
             runs["ray"] = json.loads((args.out / "demo_ray.json").read_text())
 
+    if not args.no_own_family:
+        own = _own_family_pipeline(args.out, Path(family.member_path("root")))
+        if step("own_family", ["orchestra", "run", str(own), "--document", str(DEMO / "document.txt"),
+                               "--report", str(args.out / "own_family.json")]):
+            runs["own_family"] = json.loads((args.out / "own_family.json").read_text())
+
     agree = None
     if "local" in runs and "ray" in runs:
         agree = ([(a["output"], a["cache_path"]) for a in runs["local"]["agents"]]
@@ -145,6 +155,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out / 'gpu_check.md'}")
     ok = all(s["rc"] == 0 for s in steps) and agree is not False
     return 0 if ok else 1
+
+
+def _own_family_pipeline(out: Path, root: Path) -> Path:
+    """The pipeline of step 4 (an upper-half LoRA adapter over the root is made here with peft)."""
+    import torch
+    import yaml
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    upper = out / "lora_upper"
+    if not (upper / "adapter_model.safetensors").is_file():
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(root),
+                               LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                          layers_to_transform=list(range(15, 30))))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.01)
+        model.save_pretrained(upper)
+    models = {"root": "root", "tuned": {"adapter": str(ROOT / "orchestra/family/deltas/finetuned"), "base": "root"},
+              "upper": {"adapter": str(upper), "base": "root"}, "int8": {"base": "root", "quantize": "int8"},
+              "int4": {"base": "root", "quantize": "int4"}}
+    spec = {"name": "own-family-gpu", "models": models, "source": "root", "default_device": "cuda:0", "dtype": "auto",
+            "agents": [{"name": f"on_{m}", "model": m, "builtin": "summarizer"} for m in models]}
+    path = out / "pipeline_own_family.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
 
 
 def _markdown(s: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (the checks take under 5 minutes on one modern GPU, once the family is built): the `orchestra evaluate` table and the demo pipeline on CUDA,
+# GPU check (the checks take under 5 minutes on one modern GPU, once the family is built): the `orchestra evaluate` table, the demo pipeline on CUDA and a family of adapters and torchao views in bfloat16,
 # one device per member when several are present, and the same pipeline on the ray executor with each member's
 # actor holding a (share of a) GPU when Ray is installed. Results go to $OUT (default benchmarks/results/gpu_check).
 #

@@ -16,7 +16,8 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on.")] = 8000,
     device: Annotated[str, typer.Option("--device", help="'cpu', 'cuda:N' or 'auto' for every member.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")] = "float32",
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA that supports it, float32 on CPU), "
+                                       "float32, bfloat16 or float16.")] = "auto",
     source: Annotated[str, typer.Option("--source", help="Member whose mappings to the others are tried first.")] = "root",
     api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="Environment variable holding the Bearer key (unset: no auth).")] = None,
     cache_mb: Annotated[int, typer.Option("--cache-mb", min=1, help="Byte budget of the family-wide prefix cache, MiB.")] = 2048,

@@ -57,22 +57,6 @@ def _default_name(reference: str, path: Path, repo_id: str | None) -> str:
     return name or "model"
 
 
-def _weights_header(path: Path) -> tuple[int, int]:
-    """(parameter count, bytes of the ``*.safetensors`` files) from the files' headers, no tensor read."""
-    from safetensors import safe_open
-
-    params, size = 0, 0
-    for f in sorted(path.glob("*.safetensors")):
-        size += f.stat().st_size
-        with safe_open(str(f), framework="pt") as sf:
-            for key in sf.keys():
-                count = 1
-                for dim in sf.get_slice(key).get_shape():
-                    count *= int(dim)
-                params += count
-    return params, size
-
-
 def _num_layers(path: Path) -> int:
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     text = config.get("text_config", config)
@@ -93,6 +77,7 @@ def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str
     from orchestra.family.manifest import MANIFEST_NAME, FamilyManifest, MemberRecord, family_dir
     from orchestra.modelref import ModelRef
     from orchestra.paths import resolve_home
+    from orchestra.registry import parameter_count
 
     if not _NAME.match(name):
         raise FamilyError(f"family name {name!r} must be letters, digits, '.', '_' or '-': pick another")
@@ -124,7 +109,8 @@ def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str
 
     records: dict[str, MemberRecord] = {}
     for i, (arg, res, tok) in enumerate(zip(args, resolved, tokenizers, strict=True)):
-        params, size = _weights_header(res.path)
+        params = parameter_count(res.path)
+        size = sum(f.stat().st_size for f in res.path.glob("*.safetensors"))
         made_by: dict[str, object] = {"kind": "hub" if res.ref.is_hub else "folder", "reference": arg.reference}
         if res.commit is not None:
             made_by["commit"] = res.commit

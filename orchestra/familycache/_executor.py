@@ -241,7 +241,7 @@ class LocalExecutor(Executor):
         return self._registry.load(member).tokenizer
 
     def dtype(self, member: str) -> str:
-        return self._registry.dtype
+        return self._registry.dtype_of(member)
 
     async def generate(self, member: str, spec: AgentSpec, *, prefix_ids: Sequence[int],
                        prefix_cache: CacheRef | None, upstream: Mapping[str, object],

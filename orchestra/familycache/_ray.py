@@ -568,7 +568,7 @@ class RayExecutor(Executor):
         return self.registry.info(member)
 
     def dtype(self, member: str) -> str:
-        return self.registry.dtype
+        return self.registry.dtype_of(member)
 
     def tokenizer(self, member: str) -> Tokenizer:
         path = str(self.info(member).path)

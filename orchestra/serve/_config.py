@@ -26,8 +26,8 @@ class ServeConfig(BaseModel):
     """Member (role or name) whose mappings to the others are used first."""
     device: str = "auto"
     """'cpu', 'cuda:N' or 'auto' for every member."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Runtime dtype of every member."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Runtime dtype of every member; auto: bfloat16 on CUDA that supports it, float32 on CPU."""
     api_key_env: str | None = None
     """Name of the environment variable holding the Bearer key; unset: no authentication."""
     cache_mb: int = Field(2048, ge=1)
