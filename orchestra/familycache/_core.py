@@ -338,7 +338,13 @@ class FamilyCache:
                 return route, flight
             t0 = time.perf_counter()
             waited: _Flight = route.flight
-            waited.done.wait()
+            with self._flight_lock:
+                self.pool.stats.waiting += 1
+            try:
+                waited.done.wait()
+            finally:
+                with self._flight_lock:
+                    self.pool.stats.waiting -= 1
             whole = waited.ids == req.ids and waited.member_ns == self._exact_ns(req.info)
             if waited.entry is not None and whole:
                 req.joined.add(waited.entry.id)

@@ -93,6 +93,8 @@ class PoolStats:
     """Requests that had to compute or map something, or waited for an identical build."""
     joins: int = 0
     """Requests that waited for a build in flight (of their tokens, or of a longer prefix to extend or map)."""
+    waiting: int = 0
+    """Requests waiting for a build in flight right now (a gauge, not a counter)."""
     evictions: int = 0
     evicted_bytes: int = 0
     rejected: int = 0

@@ -347,25 +347,40 @@ def test_a_cold_burst_over_one_document_prefills_it_once_and_maps_it_once(regist
     cache = _family_cache(registry, mapstore)
     cache._mapping("base", "child")  # loaded (or calibrated) before the burst: this test times the routing
     doc = _ids(registry, data_text("gpl-3.txt")[:300])
-    started = threading.Event()
-    counter = TokenCounter(registry.load("base").model, delay=0.3)  # the prefill is still running when the rest ask
-    hook = registry.load("base").model.register_forward_pre_hook(lambda *a: started.set())
+    started, release = threading.Event(), threading.Event()
+
+    def hold(*_args):  # the prefill waits until every other request has joined it: no race against a sleep
+        started.set()
+        release.wait(60)
+
+    hook = registry.load("base").model.register_forward_pre_hook(hold)
     first: dict[str, object] = {}
+    burst: dict[str, list] = {}
     try:
         opener = threading.Thread(target=lambda: first.setdefault("lease", cache.acquire_sync("base", doc)))
         opener.start()
-        started.wait(30)
-        rest = _burst(cache, [("base", doc)] * 2 + [("child", doc)] * 3)
+        assert started.wait(30)
+        rest_thread = threading.Thread(
+            target=lambda: burst.setdefault("leases", _burst(cache, [("base", doc)] * 2 + [("child", doc)] * 3)))
+        rest_thread.start()
+        deadline = time.monotonic() + 60
+        while cache.stats.waiting < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        joined_while_building = cache.stats.waiting
+        release.set()
+        rest_thread.join()
         opener.join()
     finally:
+        release.set()
         hook.remove()
-        counter.remove()
+    rest = burst["leases"]
+    assert joined_while_building == 5  # two source requests and three child requests waited on the one prefill
     leases = [first["lease"], *rest]
     assert _builds(leases) == [("prefill", "base"), ("map", "child")]
     assert [lease.path for lease in leases] == ["exact"] * 3 + ["mapped"] * 3
     assert len({lease.entry_id for lease in leases[3:]}) == 1  # the three child leases share one mapped entry
     assert all(any(s.step == "join" for s in lease.steps) for lease in leases[1:])
-    assert cache.stats.joins == 5 and cache.stats.hits == 0
+    assert cache.stats.joins == 5 and cache.stats.hits == 0 and cache.stats.waiting == 0
     for lease in leases:
         lease.release()
 
