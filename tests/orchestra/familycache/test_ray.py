@@ -297,7 +297,7 @@ def test_ctrl_c_on_the_cli_leaves_no_actors(ray_cluster, fam, maps, tmp_path):
         assert marker.exists(), proc.stdout.read1().decode()[-2000:] if proc.poll() is not None else "no token in 180 s"
         assert proc.poll() is None and len(_ours()) == 2
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=180)  # a hang guard: a loaded 2-core CI machine took over 60 s
     finally:
         if proc.poll() is None:
             proc.kill()
