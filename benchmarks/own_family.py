@@ -30,32 +30,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _make_adapter(base: Path, out: Path, layers: list[int] | None, targets: list[str], seed: int) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, layers_to_transform=layers)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.01)
-    model.save_pretrained(out)
-    return out
-
-
-def _distinct_bytes(*models: object) -> int:
-    seen: dict[int, int] = {}
-    for model in models:
-        for t in [*model.parameters(), *model.buffers()]:  # type: ignore[attr-defined]
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def _rss() -> int:
@@ -77,7 +51,7 @@ def main() -> None:
     import warnings
 
     from mappings.evaluate import evaluate
-    from orchestra.bench import machine_info
+    from orchestra.bench import distinct_bytes, machine_info, make_lora_adapter
     from orchestra.family import load_family
     from orchestra.family.corpus import data_text
     from orchestra.mapstore import MappingStore
@@ -95,9 +69,10 @@ def main() -> None:
         scratch = Path(tmp)
         adapters = {
             "tuned": ROOT / "orchestra" / "family" / "deltas" / "finetuned",
-            "all": _make_adapter(root_dir, scratch / "all", None, TARGETS, 1),
-            "upper": _make_adapter(root_dir, scratch / "upper", list(range(15, 30)), TARGETS, 2),
-            "top": _make_adapter(root_dir, scratch / "top", list(range(24, 30)), ["q_proj", "v_proj"], 3),
+            "all": make_lora_adapter(root_dir, scratch / "all", seed=1),
+            "upper": make_lora_adapter(root_dir, scratch / "upper", layers=range(15, 30), seed=2),
+            "top": make_lora_adapter(root_dir, scratch / "top", layers=range(24, 30), targets=["q_proj", "v_proj"],
+                                     seed=3),
         }
         aliases: dict[str, str | AdapterSpec] = {"root": "root"}
         aliases |= {name: AdapterSpec(str(path), "root") for name, path in adapters.items()}
@@ -109,8 +84,8 @@ def main() -> None:
         rss_root = _rss()
         members = {name: registry.load(name) for name in adapters}
         rss_all = _rss()
-        one = _distinct_bytes(root.model)
-        together = _distinct_bytes(root.model, *(m.model for m in members.values()))
+        one = distinct_bytes(root.model)
+        together = distinct_bytes(root.model, *(m.model for m in members.values()))
         result["memory"] = {
             "root_bytes": one, "root_plus_adapters_bytes": together, "ratio_to_one_model": together / one,
             "merged_copies_bytes": one * (1 + len(adapters)),

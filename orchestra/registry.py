@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from orchestra.modelref import AdapterSpec, QuantizeSpec, ResolvedAdapter, ResolvedModel
 
 __all__ = ["ModelInfo", "LoadedModel", "ModelRegistry", "rope_key", "pick_device", "resolve_dtype", "parameter_count",
+           "read_model_config",
            "AdapterLineage", "shared_layers", "QuantizedLineage"]
 
 
@@ -107,6 +108,8 @@ class ModelInfo:
     adapter: AdapterLineage | None = None
     # a quantized view: its base, scheme and torchao (None: not a view)
     quantized: QuantizedLineage | None = None
+    # parameters in the model's own files, from their headers (an adapter's or view's: its base's)
+    num_parameters: int = field(default=0, compare=False)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -206,6 +209,12 @@ def resolve_dtype(dtype: str, requested_device: str) -> str:
     if not torch.cuda.is_available() or not (requested_device == "auto" or requested_device.startswith("cuda")):
         return "float32"
     return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
+def read_model_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A model folder's config.json and its text part (``text_config`` of a multimodal config, else the whole)."""
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    return config, config.get("text_config", config)
 
 
 def parameter_count(path: Path) -> int:
@@ -444,7 +453,7 @@ class ModelRegistry:
         from mappings.fingerprint import token_ids_digest
 
         name, path, fp, resolved = self._path_for(alias)
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        config, text = read_model_config(path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:
@@ -458,12 +467,12 @@ class ModelRegistry:
         # Sharing a cache needs the same token ids, not the fingerprint's tokenizer part (the model's
         # identity, eos/pad roles included): a base checkpoint and its instruct sibling agree here.
         tok_digest = token_ids_digest(tokenizer)
-        text = config.get("text_config", config)
         weight_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
         return ModelInfo(
             alias=alias, name=name, path=path, fingerprint=parts["combined"], tokenizer_digest=tok_digest,
             num_layers=int(text.get("num_hidden_layers", 0)), max_positions=int(text.get("max_position_embeddings", 0)),
             weight_bytes=weight_bytes, rope=rope_key(text), config=config, fingerprint_parts=parts,
+            num_parameters=parameter_count(path),
         )
 
     def _adapter_info(self, alias: str, adapter: _Adapter) -> ModelInfo:
@@ -498,7 +507,7 @@ class ModelRegistry:
             tokenizer_digest=token_ids_digest(tokenizer), num_layers=base.num_layers, max_positions=base.max_positions,
             # what a forward pass reads (prefill estimates scale by it); the memory it adds is adapter_bytes
             weight_bytes=base.weight_bytes + file_bytes, rope=base.rope, config=base.config,
-            fingerprint_parts=fp.as_dict(), adapter=lineage,
+            fingerprint_parts=fp.as_dict(), adapter=lineage, num_parameters=base.num_parameters,
         )
 
     def _quantized_info(self, alias: str, spec: QuantizeSpec) -> ModelInfo:
@@ -543,7 +552,7 @@ class ModelRegistry:
             # prefill estimates scale by it: a view does its base's arithmetic (weight-only schemes dequantize as
             # they go), so it is the base's; the memory it holds is `quantized.estimated_bytes`
             weight_bytes=base.weight_bytes, rope=base.rope, config=base.config, fingerprint_parts=fp.as_dict(),
-            quantized=lineage,
+            quantized=lineage, num_parameters=base.num_parameters,
         )
 
     def check_family(self, source_alias: str) -> None:
@@ -584,7 +593,7 @@ class ModelRegistry:
         import torch
 
         element = torch.tensor([], dtype=getattr(torch, self.dtype_of(alias))).element_size()
-        return int(parameter_count(self.info(alias).path) * element * 1.1)
+        return int(self.info(alias).num_parameters * element * 1.1)
 
     def _load(self, alias: str) -> LoadedModel:
         """`load` with the registry's lock held (an adapter loads its base first, under the same hold)."""

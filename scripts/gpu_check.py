@@ -159,21 +159,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _own_family_pipeline(out: Path, root: Path) -> Path:
     """The pipeline of step 4 (an upper-half LoRA adapter over the root is made here with peft)."""
-    import torch
     import yaml
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    upper = out / "lora_upper"
-    if not (upper / "adapter_model.safetensors").is_file():
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(root),
-                               LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                          layers_to_transform=list(range(15, 30))))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, 0.01)
-        model.save_pretrained(upper)
+    from orchestra.bench import make_lora_adapter
+
+    upper = make_lora_adapter(root, out / "lora_upper", layers=range(15, 30),
+                              targets=["q_proj", "k_proj", "v_proj", "o_proj"])
     models = {"root": "root", "tuned": {"adapter": str(ROOT / "orchestra/family/deltas/finetuned"), "base": "root"},
               "upper": {"adapter": str(upper), "base": "root"}, "int8": {"base": "root", "quantize": "int8"},
               "int4": {"base": "root", "quantize": "int4"}}

@@ -17,7 +17,6 @@ bundled family's (`--home` or ``$ORCHESTRA_HOME``).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -57,12 +56,6 @@ def _default_name(reference: str, path: Path, repo_id: str | None) -> str:
     return name or "model"
 
 
-def _num_layers(path: Path) -> int:
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    text = config.get("text_config", config)
-    return int(text.get("num_hidden_layers", 0))
-
-
 def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str] | None = None,
                 source: str | None = None, force: bool = False) -> FamilyManifest:
     """Write ``<home>/family/family.json`` for `models`; returns the `FamilyManifest` (as `load_family` reads it).
@@ -77,7 +70,7 @@ def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str
     from orchestra.family.manifest import MANIFEST_NAME, FamilyManifest, MemberRecord, family_dir
     from orchestra.modelref import ModelRef
     from orchestra.paths import resolve_home
-    from orchestra.registry import parameter_count
+    from orchestra.registry import parameter_count, read_model_config
 
     if not _NAME.match(name):
         raise FamilyError(f"family name {name!r} must be letters, digits, '.', '_' or '-': pick another")
@@ -117,7 +110,7 @@ def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str
         records[names[i]] = MemberRecord(
             name=names[i], role="root" if i == src else "external", path=str(res.path),
             parent=None if i == src else names[src], made_by=made_by,
-            fingerprint=res.fingerprint(tok).as_dict(), num_layers=_num_layers(res.path), num_parameters=params,
+            fingerprint=res.fingerprint(tok).as_dict(), num_layers=int(read_model_config(res.path)[1].get("num_hidden_layers", 0)), num_parameters=params,
             bytes=size,
         )
     manifest = FamilyManifest(family=name, home=str(home_path), members=records)

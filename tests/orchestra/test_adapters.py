@@ -19,6 +19,7 @@ import torch
 
 from mappings import cache_layers
 from mappings.store import read_manifest
+from orchestra.bench import make_lora_adapter
 from orchestra.errors import AdapterBaseError, AdapterError, ModelReferenceError, PipelineValidationError
 from orchestra.family.corpus import data_text
 from orchestra.modelref import AdapterSpec
@@ -26,26 +27,15 @@ from orchestra.pipeline import PipelineSpec
 from orchestra.registry import ModelRegistry, shared_layers
 from tests.cli_run import run_pipeline_text
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DOC = data_text("gpl-3.txt")[:320]
 IDS = torch.tensor([list(range(3, 90))])
 
 
 def make_adapter(parent: Path, out: Path, layers: list[int] | None, seed: int, rank: int = 4) -> Path:
-    """A peft LoRA adapter over `parent` on `layers` (None: all), with random B factors, saved to `out`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, layers_to_transform=layers)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(parent), config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-    model.save_pretrained(out)
-    assert (out / "adapter_model.safetensors").is_file()
-    return out
+    """A peft LoRA adapter over `parent` on `layers` (None: all), B factors large enough to move the logits."""
+    made = make_lora_adapter(parent, out, layers=layers, rank=rank, scale=0.05, seed=seed)
+    assert (made / "adapter_model.safetensors").is_file()
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +213,8 @@ def test_a_plain_adapter_folder_finds_its_declared_base(fam, lora):
 
 
 def test_a_hub_adapter_is_read_from_the_hub_cache_offline(fam, lora, tmp_path, monkeypatch):
+    from orchestra.bench.hubcache import hub_repo
     from orchestra.errors import ModelNotCachedError
-    from tests.hubcache import hub_repo
 
     snap = hub_repo(tmp_path / "hub", "tiny/lora-upper", lora.upper)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

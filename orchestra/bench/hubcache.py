@@ -1,4 +1,4 @@
-"""A Hugging Face hub cache laid out as huggingface_hub lays it out, for tests that read it offline.
+"""A Hugging Face hub cache laid out as huggingface_hub lays it out, for tests and benchmarks that read it offline.
 
 ``models--org--name/{blobs,refs,snapshots}``: snapshot files are relative links to ``blobs/<sha256>``,
 refs name commits; the real huggingface_hub resolves ids and revisions against it with HF_HUB_OFFLINE=1.
@@ -32,6 +32,7 @@ def snapshot(repo: Path, commit: str, folder: Path, *, link: bool = True) -> Pat
 
 
 def set_ref(repo: Path, name: str, commit: str) -> None:
+    """``repo/refs/<name>`` names `commit` (a branch or tag, as the Hub cache records them)."""
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / name).write_text(commit)
 
