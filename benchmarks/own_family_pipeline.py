@@ -125,8 +125,7 @@ def main() -> None:
 
     import yaml
 
-    from orchestra.bench import machine_info, make_lora_adapter
-    from orchestra.bench.hubcache import hub_repo
+    from orchestra.bench import hub_repo, machine_info, make_lora_adapter
     from orchestra.family import load_family
     from orchestra.paths import default_home
 

@@ -24,6 +24,7 @@ from orchestra.bench._run import SECTIONS, BenchConfig, run_bench
 from orchestra.bench.adapters import ALL_PROJECTIONS, distinct_bytes, make_lora_adapter
 from orchestra.bench.calibration import CalibrationBenchConfig, CalibrationSection, run_calibration
 from orchestra.bench.crossfamily import CrossFamilyConfig, CrossFamilySection, run_crossfamily
+from orchestra.bench.hubcache import hub_repo
 from orchestra.bench.pipeline import (
     PipelineComparison,
     PipelineConfig,
@@ -41,7 +42,7 @@ from orchestra.bench.timing import TimingConfig, TimingSection, run_timing
 __all__ = [
     "BenchConfig", "BenchFamily", "BenchResults", "Pair", "SECTIONS", "parse_pairs", "run_bench",
     "MachineInfo", "machine_info",
-    "ALL_PROJECTIONS", "make_lora_adapter", "distinct_bytes",
+    "ALL_PROJECTIONS", "make_lora_adapter", "distinct_bytes", "hub_repo",
     "QualityConfig", "QualitySection", "run_quality",
     "TimingConfig", "TimingSection", "run_timing",
     "TaskConfig", "TaskSection", "run_tasks", "rouge_l", "QASet", "load_qa", "normalize", "is_correct",

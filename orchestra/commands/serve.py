@@ -32,6 +32,9 @@ def serve(
                              "instead of re-prefilling (docs/repair.md); unset: pure maps.")] = None,
     batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Decode the requests on one member together (step-level batching).")] = True,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Rows in one member's decoding batch.")] = 8,
+    inline_tail: Annotated[int, typer.Option("--inline-tail", min=0, help="A prompt whose uncached rest is at most "
+                           "this many tokens leases the cached part and computes the rest while decoding (stores "
+                           "nothing of its own); 0: cache every prompt whole.")] = 256,
     on_missing_mapping: Annotated[str, typer.Option("--on-missing-mapping", help="refuse (re-prefill) or calibrate (minutes, inside the request).")] = "refuse",
     log_format: Annotated[str, typer.Option("--log-format", help="json (one object per line) or console.")] = "json",
     graceful_s: Annotated[float, typer.Option("--graceful-shutdown", min=0.0, help="Seconds in-flight requests get on shutdown.")] = 30.0,
@@ -57,7 +60,8 @@ def serve(
                              cache_mb=cache_mb, max_concurrent=max_concurrent, max_queue=max_queue,
                              max_body_bytes=int(max_body_mb * (1 << 20)), request_timeout_s=request_timeout,
                              max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens,
-                             batch_decode=batch, max_batch=max_batch, on_missing_mapping=on_missing_mapping,
+                             batch_decode=batch, max_batch=max_batch, inline_tail_tokens=inline_tail,
+                             on_missing_mapping=on_missing_mapping,
                              executor=_executor_spec(executor, ray_address), repair=_ladder(repair_ladder))
         config.api_key()  # a missing key is a start-up mistake, said before anything loads
         engine = ServeEngine(config)  # a missing family is refused here, not in the first request

@@ -35,7 +35,7 @@ from orchestra.familycache._events import CacheStep
 from orchestra.familycache._executor import Executor, LocalExecutor
 from orchestra.familycache._ops import compute_tokens, pass_costs, source_importance, tail_logits
 from orchestra.familycache._policy import CachePolicy
-from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats
+from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats, common_prefix
 from orchestra.familycache._records import MappedFrom, ProbeReading
 from orchestra.familycache._route import (
     Exact,
@@ -169,6 +169,8 @@ class _Request:
     decisions: list[GateDecision] = field(default_factory=list)
     joined: set[int] = field(default_factory=set)
     """Entries built by a flight of exactly these tokens this request waited for (served from them: not a hit)."""
+    inline_tail: int = 0
+    """The caller computes up to this many trailing tokens itself: the request may shrink to a shared prefix."""
 
     def step(self, step: CacheStep) -> None:
         self.steps.append(step)
@@ -236,7 +238,7 @@ class FamilyCache:
 
     async def acquire(self, member: str, token_ids: Sequence[int], *, gate: GatePolicy | None = None,
                       repair: RepairPolicy | None = None, tail_tokens: int | None = None, allow_mapped: bool = True,
-                      reuse: bool = True, on_step: StepSink | None = None) -> CacheLease:
+                      reuse: bool = True, on_step: StepSink | None = None, inline_tail: int = 0) -> CacheLease:
         """`acquire_sync` in a worker thread; `on_step` is called from that thread.
 
         Cancelling the caller (Ctrl-C, a timeout) tells the worker to stop: an on-demand calibration ends at
@@ -244,7 +246,8 @@ class FamilyCache:
         """
         def work(cancel: threading.Event) -> CacheLease:
             return self.acquire_sync(member, token_ids, gate=gate, repair=repair, tail_tokens=tail_tokens,
-                                     allow_mapped=allow_mapped, reuse=reuse, on_step=on_step, cancel=cancel)
+                                     allow_mapped=allow_mapped, reuse=reuse, on_step=on_step, cancel=cancel,
+                                     inline_tail=inline_tail)
 
         # cancelled: `cancel` is set and the worker waited for (a calibration checks it every forward pass; a job
         # still queued for a thread never starts); a lease it made meanwhile is released, nobody will get it
@@ -253,14 +256,17 @@ class FamilyCache:
     def acquire_sync(self, member: str, token_ids: Sequence[int], *, gate: GatePolicy | None = None,
                      repair: RepairPolicy | None = None, tail_tokens: int | None = None, allow_mapped: bool = True,
                      reuse: bool = True, on_step: StepSink | None = None,
-                     cancel: threading.Event | None = None) -> CacheLease:
+                     cancel: threading.Event | None = None, inline_tail: int = 0) -> CacheLease:
         """A lease on a cache holding exactly `token_ids` on `member` (blocking; thread-safe).
 
         `gate` guards a mapped cache (default: the policy's); `repair` overrides the policy's repair;
         `tail_tokens` (default: the policy's, and at least the probe's tokens) are recomputed on the
         target after a map. `allow_mapped=False` never maps; `reuse=False` computes everything
         from scratch and keeps nothing (the no-sharing baseline). Setting `cancel` (from another thread)
-        stops an on-demand calibration this request started; the request then raises.
+        stops an on-demand calibration this request started; the request then raises. `inline_tail` > 0: when
+        all but at most that many trailing tokens are cached or being built (the shared document of concurrent
+        conversations), the lease holds just that prefix (`lease.tokens` says how many; a prefix of an entry is
+        views of it) and the caller computes the rest, so no entry of these tokens alone is stored.
         """
         info = self.executor.info(member)
         ids = tuple(int(t) for t in token_ids)
@@ -272,7 +278,7 @@ class FamilyCache:
         gate = gate or self.policy.gate
         tail = max(tail_tokens or self.policy.tail_tokens, gate.probe.tokens if gate.probe else 2, 2)
         req = _Request(member, info, ids, gate, repair if repair is not None else self.policy.repair, tail,
-                       on_step or (lambda step: None), cancel=cancel)
+                       on_step or (lambda step: None), cancel=cancel, inline_tail=inline_tail)
         started = time.perf_counter()
         try:
             lease = self._serve(req, allow_mapped, reuse)
@@ -362,11 +368,13 @@ class FamilyCache:
         route reuses are pinned before the lock is let go.
         """
         ns = self._exact_ns(req.info)
-        sources = self._sources_for(req) if mapped_ok and len(req.ids) >= 3 else []
+        sources = self._sources_for(req.member, req.info) if mapped_ok and len(req.ids) >= 3 else []
         spaces = {self._exact_ns(self.executor.info(m)): m for m in sources}
         variant = self._variant(req)
         seed = self._seed_for(req, sources) if seed_ok else None
         with self._flight_lock, self.pool.held_still():
+            if req.inline_tail:
+                self._shrink_to_shared(req, {ns} | set(spaces))
             held = self._held(req, ns, sources, variant if mapped_ok else None)
             flights = []
             for f in self._flights:
@@ -391,6 +399,20 @@ class FamilyCache:
             flight = _Flight(ns, req.ids, variant if mapped else None)
             self._flights.add(flight)
             return route, flight
+
+    def _shrink_to_shared(self, req: _Request, spaces: set[Namespace]) -> None:
+        """Cut the request to the longest prefix cached or in flight in `spaces` (or the member's mapped
+        namespaces) when at most `inline_tail` tokens are left over; once, with the flight lock held, so of a
+        cold burst only the first request builds its whole prompt and the others wait for its shared prefix."""
+        limit, req.inline_tail = req.inline_tail, 0
+        shared = 0
+        for space in spaces | {s for s in self.pool.namespaces_for(req.info.fingerprint) if s.kind == "mapped"}:
+            shared = max(shared, self.pool.longest_prefix(space, req.ids)[1])
+        for flight in self._flights:
+            if flight.member_ns in spaces:
+                shared = max(shared, common_prefix(flight.ids, req.ids))
+        if 0 < shared < len(req.ids) and len(req.ids) - shared <= limit:
+            req.ids = req.ids[:shared]
 
     def _held(self, req: _Request, ns: Namespace, sources: list[str], variant: str | None) -> list[Held]:
         """What the pool holds for the request: its member's exact prefix, its usable mapped entries (when
@@ -440,19 +462,19 @@ class FamilyCache:
             req.pinned.extend(seed.pinned)  # kept until the request ends: the next plan maps this build
             req.prefill_s += seed.prefill_s
 
-    def _sources_for(self, req: _Request) -> list[str]:
-        """Members whose exact caches may be mapped into the request's member."""
+    def _sources_for(self, target: str, target_info: ModelInfo) -> list[str]:
+        """Members whose exact caches may be mapped into `target`."""
         out = []
         for member in [self.source] + [m for m in self.executor.members if m != self.source]:
-            if member == req.member:
+            if member == target:
                 continue
             try:
                 info = self.executor.info(member)
             except OrchestraError:
                 continue
-            if info.fingerprint == req.info.fingerprint or info.tokenizer_digest != req.info.tokenizer_digest:
+            if info.fingerprint == target_info.fingerprint or info.tokenizer_digest != target_info.tokenizer_digest:
                 continue
-            if member != self.source and not self.mappings.has(info, req.info):
+            if member != self.source and not self.mappings.has(info, target_info):
                 continue
             out.append(member)
         return out

@@ -99,6 +99,10 @@ class PoolStats:
     evicted_bytes: int = 0
     rejected: int = 0
     """Builds not kept because pinned entries left no room in the budget."""
+    reserved_bytes: int = 0
+    """Budget held right now for working memory (decoding batches' K/V), not for entries (a gauge)."""
+    reservations_refused: int = 0
+    """Reservations refused because pinned entries and other reservations left no room."""
 
     @property
     def hit_rate(self) -> float:
@@ -125,12 +129,18 @@ class EntryPool:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._used = 0
+        self._reserved = 0
         self.stats = PoolStats()
 
     # -- queries ----------------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Budget held for working memory (`reserve`), besides the entries' `used_bytes`."""
+        return self._reserved
 
     @property
     def pinned_bytes(self) -> int:
@@ -204,23 +214,49 @@ class EntryPool:
             if pin:
                 entry.pins += 1
             evicted: list[Entry] = []
-            room = self.budget_bytes - (self._used - sum(e.nbytes for e in self._entries.values() if not e.pins))
-            if entry.nbytes > room:
+            if not self._make_room(entry.nbytes, evicted):
                 self.stats.rejected += 1
                 return evicted
-            for victim in [e for e in self._entries.values() if not e.pins]:
-                if self._used + entry.nbytes <= self.budget_bytes:
-                    break
-                self._remove(victim)
-                evicted.append(victim)
-                self.stats.evictions += 1
-                self.stats.evicted_bytes += victim.nbytes
             self._entries[entry.id] = entry
             self._used += entry.nbytes
             for h in self._chain(entry.tokens):
                 self._blocks.setdefault((entry.namespace, h), set()).add(entry.id)
             entry.stored = True
             return evicted
+
+    def _make_room(self, nbytes: int, evicted: list[Entry]) -> bool:
+        """Evict LRU unpinned entries until `nbytes` more fit beside the entries and reservations; False (nothing
+        evicted) when even evicting every unpinned entry would not make room."""
+        evictable = sum(e.nbytes for e in self._entries.values() if not e.pins)
+        if self._used - evictable + self._reserved + nbytes > self.budget_bytes:
+            return False
+        for victim in [e for e in self._entries.values() if not e.pins]:
+            if self._used + self._reserved + nbytes <= self.budget_bytes:
+                break
+            self._remove(victim)
+            evicted.append(victim)
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += victim.nbytes
+        return True
+
+    def reserve(self, nbytes: int) -> bool:
+        """Hold `nbytes` of the budget for working memory (a decoding row's K/V), evicting LRU unpinned entries
+        to make room; False (nothing held) when pinned entries and other reservations leave too little."""
+        with self._lock:
+            if nbytes <= 0:
+                return True
+            if not self._make_room(nbytes, []):
+                self.stats.reservations_refused += 1
+                return False
+            self._reserved += nbytes
+            self.stats.reserved_bytes = self._reserved
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back `nbytes` held by `reserve`."""
+        with self._lock:
+            self._reserved = max(0, self._reserved - nbytes)
+            self.stats.reserved_bytes = self._reserved
 
     def pin(self, entry: Entry) -> None:
         with self._lock:
@@ -231,9 +267,9 @@ class EntryPool:
         with self._lock:
             entry.pins = max(0, entry.pins - 1)
             evicted: list[Entry] = []
-            if self._used > self.budget_bytes:
+            if self._used + self._reserved > self.budget_bytes:
                 for victim in [e for e in self._entries.values() if not e.pins]:
-                    if self._used <= self.budget_bytes:
+                    if self._used + self._reserved <= self.budget_bytes:
                         break
                     self._remove(victim)
                     evicted.append(victim)

@@ -3,7 +3,9 @@
 A request joins by running its own prompt tail over a private copy of its prefix cache (so its first
 token comes as soon as that pass ends), then its K/V rows are merged into the member's batch:
 caches of different lengths are left-padded to a common length and masked, each row keeps its own
-positions, so every row sees exactly what it would alone. Each step feeds every row's last token
+positions, so every row sees exactly what it would alone. Memory: the prefix is copied once, into a
+buffer with room for the tail (`RoomLayer`), and once more into the batch's buffers, which have room
+for the decoded tokens; nothing is concatenated per step. Each step feeds every row's last token
 in one pass; finished or cancelled rows leave at once and a waiting request joins at the next step.
 Token choice, stop strings, constraints and streaming text are each row's own `TokenStream`.
 """
@@ -13,16 +15,27 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 if TYPE_CHECKING:
     import torch
+    from transformers.cache_utils import DynamicCache
 
     from agents.continuation import Continuation, TokenStream
     from mappings.types import KVCache
     from orchestra.registry import LoadedModel
 
-__all__ = ["BatchDecoder", "batchable"]
+__all__ = ["BatchDecoder", "WorkingMemory", "batchable"]
+
+
+class WorkingMemory(Protocol):
+    """A byte budget the decoder's rows are held against (the FamilyCache's pool: rows and entries share it)."""
+
+    def reserve(self, nbytes: int) -> bool:
+        """Hold `nbytes`, making room if the budget can; False (nothing held) when it cannot."""
+
+    def release(self, nbytes: int) -> None:
+        """Give back `nbytes` held by `reserve`."""
 
 
 def batchable(cache: object) -> bool:
@@ -52,22 +65,27 @@ class _Job:
     started: float = 0.0
     prompt_s: float = 0.0
     decode_started: float = 0.0
+    reserved: int = 0
+    """Bytes of the working-memory budget this row holds until it leaves the batch."""
 
 
 class BatchDecoder:
     """One member's decoding loop, in a thread of its own; `decode` blocks the caller until its reply is done."""
 
-    def __init__(self, model: LoadedModel, lock: threading.Lock, *, max_batch: int = 8) -> None:
+    def __init__(self, model: LoadedModel, lock: threading.Lock, *, max_batch: int = 8,
+                 memory: WorkingMemory | None = None) -> None:
         self.model = model
         self.lock = lock
         self.max_batch = max_batch
+        self.memory = memory
+        """Rows join only while their K/V fit this budget (one row always may, so replies never stall)."""
+        self.over_budget_rows = 0
+        """Rows admitted alone although the budget had no room for them (nothing else was decoding)."""
         self._waiting: list[_Job] = []
         self._rows: list[_Job] = []
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
         self._mask: torch.Tensor | None = None
-        self._cache: KVCache | None = None
-        """The batch's cache while its rows stay the same (its layers have room: a step writes in place)."""
+        self._cache: DynamicCache | None = None
+        """The batch's cache: `RoomLayer`s with a row per job (a step writes its token in place)."""
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -108,8 +126,7 @@ class BatchDecoder:
                     self._cv.wait()
                 if self._closed and not self._waiting and not self._rows:
                     return
-                room = max(0, self.max_batch - len(self._rows))
-                joining, self._waiting = self._waiting[:room], self._waiting[room:]
+                joining = self._admit()
             try:
                 with torch.no_grad():
                     for job in joining:
@@ -119,30 +136,74 @@ class BatchDecoder:
             except BaseException as exc:  # a model error ends every row in this batch, never the server
                 for job in [*joining, *self._rows]:
                     if not job.done.is_set():
-                        job.error = exc
-                        job.done.set()
+                        self._fail(job, exc)
                 self._reset()
 
+    def _admit(self) -> list[_Job]:
+        """The waiting jobs that join now (called with `_cv` held): as many as the batch has rows for and, in
+        arrival order, the memory budget has room for; when nothing decodes, the first joins regardless."""
+        room = max(0, self.max_batch - len(self._rows))
+        joining: list[_Job] = []
+        for job in self._waiting[:room]:
+            need = self._row_bytes(job)
+            if self.memory is None or self.memory.reserve(need):
+                job.reserved = need if self.memory is not None else 0
+            elif self._rows or joining:
+                break  # it waits for a row to leave and give its bytes back
+            else:
+                self.over_budget_rows += 1
+            joining.append(job)
+        self._waiting = self._waiting[len(joining):]
+        return joining
+
+    def _row_bytes(self, job: _Job) -> int:
+        """A row's K/V once decoding: its prompt and a chunk of reply, at least as wide as the batch's rows."""
+        from orchestra.serve._room import ROOM_CHUNK
+
+        config = self.model.model.config
+        text = getattr(config, "text_config", None) or config
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        from mappings.cache_io import model_dtype
+
+        element = model_dtype(self.model.model).itemsize  # the K/V's dtype, not a quantized weight's
+        width = max(job.prefix_len + len(job.new_ids), self._mask.shape[1] if self._mask is not None else 0)
+        return int(text.num_hidden_layers * 2 * heads * head_dim * element * (width + ROOM_CHUNK))
+
+    def _give_back(self, job: _Job) -> None:
+        if job.reserved and self.memory is not None:
+            self.memory.release(job.reserved)
+        job.reserved = 0
+
     def _finish(self, job: _Job, *, cancelled: bool = False) -> None:
+        self._give_back(job)
         now = time.perf_counter()
         job.result = job.stream.result(len(job.new_ids), job.prompt_s, now - job.decode_started, cancelled=cancelled)
         job.done.set()
 
     def _fail(self, job: _Job, exc: BaseException) -> None:
+        self._give_back(job)
         job.error = exc
         job.done.set()
 
     def _join(self, job: _Job) -> None:
         """The job's prompt tail over its own copy of the prefix, its first token, then its rows into the batch."""
         from agents.kv import forward_tokens
-        from mappings.cache_io import cache_layers, copy_cache, new_cache, sync_device
+        from mappings.cache_io import cache_layers, model_device, model_dtype, new_cache, sync_device
+        from orchestra.serve._room import ROOM_CHUNK, room_cache
 
         if job.cancel.is_set():
             return self._finish(job, cancelled=True)
         model = self.model.model
         t0 = time.perf_counter()
         try:  # everything up to here is this request's alone: its failure is its own, never the batch's
-            cache = copy_cache(job.prefix_cache, model) if job.prefix_cache is not None else new_cache(model)
+            cache: DynamicCache
+            if job.prefix_cache is not None and job.prefix_len:
+                # one copy of the prefix, with room for the tail: the tail's pass writes in place
+                cache = room_cache(cache_layers(job.prefix_cache), len(job.new_ids) + ROOM_CHUNK,
+                                   dtype=model_dtype(model), device=model_device(model))
+            else:
+                cache = cast("DynamicCache", new_cache(model))
             with self.lock:
                 logits = forward_tokens(model, job.new_ids, cache, job.prefix_len)
                 sync_device(self.model.device)
@@ -154,53 +215,37 @@ class BatchDecoder:
         job.length = job.prefix_len + len(job.new_ids)
         if job.stream.finish is not None:
             return self._finish(job)
-        self._merge(job, cache_layers(cache))
+        self._merge(job, cache)
 
-    def _merge(self, job: _Job, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _merge(self, job: _Job, cache: DynamicCache) -> None:
         import torch
 
+        from mappings.cache_io import cache_layers
+        from orchestra.serve._room import RoomLayer, add_row
+
         length = job.length
-        ones = torch.ones(1, length, dtype=torch.long, device=layers[0][0].device)
-        if not self._rows:
-            self._keys, self._values = [k for k, _ in layers], [v for _, v in layers]
-            self._cache = None
-            self._mask = ones
-            self._rows = [job]
+        ones = torch.ones(1, length, dtype=torch.long, device=self.model.device)
+        if not self._rows:  # the first row: its own cache is the batch's (no copy when it already has room)
+            if not all(isinstance(layer, RoomLayer) for layer in cache.layers):
+                cache = add_row(None, cache_layers(cache))
+            self._cache, self._mask, self._rows = cache, ones, [job]
             return
         assert self._mask is not None
         width = max(self._mask.shape[1], length)
-        self._pad_to(width)
-
-        def left(t: torch.Tensor, n: int) -> torch.Tensor:
-            if n == 0:
-                return t
-            return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2)
-
-        pad = width - length
-        self._cache = None
-        self._keys = [torch.cat([k, left(nk, pad)], 0) for k, (nk, _) in zip(self._keys, layers, strict=True)]
-        self._values = [torch.cat([v, left(nv, pad)], 0) for v, (_, nv) in zip(self._values, layers, strict=True)]
-        row_mask = torch.cat([ones.new_zeros(1, pad), ones], 1)
-        self._mask = torch.cat([self._mask, row_mask], 0)
+        self._cache = add_row(self._cache, cache_layers(cache))
+        del cache
+        old = self._mask.new_zeros(self._mask.shape[0], width)
+        old[:, width - self._mask.shape[1]:] = self._mask
+        row = ones.new_zeros(1, width)
+        row[:, width - length:] = 1
+        self._mask = torch.cat([old, row], 0)
         self._rows.append(job)
-
-    def _pad_to(self, width: int) -> None:
-        import torch
-
-        assert self._mask is not None
-        extra = width - self._mask.shape[1]
-        if extra <= 0:
-            return
-        self._cache = None
-        self._keys = [torch.cat([k.new_zeros(*k.shape[:2], extra, k.shape[3]), k], 2) for k in self._keys]
-        self._values = [torch.cat([v.new_zeros(*v.shape[:2], extra, v.shape[3]), v], 2) for v in self._values]
-        self._mask = torch.cat([self._mask.new_zeros(self._mask.shape[0], extra), self._mask], 1)
 
     def _step(self) -> None:
         """One forward pass for every row; rows that finish (or were cancelled) leave the batch."""
         import torch
 
-        from mappings.cache_io import cache_layers, forward_with_cache, sync_device
+        from mappings.cache_io import forward_with_cache, sync_device
 
         live = [i for i, job in enumerate(self._rows) if not job.cancel.is_set()]
         if len(live) < len(self._rows):
@@ -210,25 +255,18 @@ class BatchDecoder:
             self._keep(live)
             if not self._rows:
                 return
-        assert self._mask is not None
+        assert self._mask is not None and self._cache is not None
         device = self._mask.device
         tokens = torch.tensor([[job.token] for job in self._rows], dtype=torch.long, device=device)
         positions = torch.tensor([[job.length] for job in self._rows], dtype=torch.long, device=device)
         mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], 1)
-        if self._cache is None:  # rows changed since the last step: one copy into layers with room
-            from orchestra.serve._room import room_cache
-
-            self._cache = room_cache(list(zip(self._keys, self._values, strict=True)))
-            self._keys, self._values = [], []  # the copies with room replace them (set again below)
-        cache = self._cache
         with self.lock:
-            logits, cache, _ = forward_with_cache(self.model.model, tokens, cache, attention_mask=mask,
-                                                  position_ids=positions, logits_to_keep=1)
+            logits, _, _ = forward_with_cache(self.model.model, tokens, self._cache, attention_mask=mask,
+                                              position_ids=positions, logits_to_keep=1)
             sync_device(self.model.device)
         self.steps += 1
         self.rows_stepped += len(self._rows)
-        layers = cache_layers(cache)
-        self._keys, self._values, self._mask = [k for k, _ in layers], [v for _, v in layers], mask
+        self._mask = mask
         keep = []
         for i, job in enumerate(self._rows):
             job.length += 1
@@ -246,22 +284,22 @@ class BatchDecoder:
 
     def _keep(self, rows: list[int]) -> None:
         """Only these rows stay; columns no remaining row uses (left padding) are dropped."""
+        from orchestra.serve._room import RoomLayer
+
         if not rows:
             self._reset()
             return
-        assert self._mask is not None
+        assert self._mask is not None and self._cache is not None
         index = self._mask.new_tensor(rows)
-        self._cache = None
-        self._keys = [k.index_select(0, index) for k in self._keys]
-        self._values = [v.index_select(0, index) for v in self._values]
         self._mask = self._mask.index_select(0, index)
         self._rows = [self._rows[i] for i in rows]
         used = self._mask.any(0).nonzero()
         first = int(used[0]) if used.numel() else 0
-        if first:
-            self._keys = [k[:, :, first:] for k in self._keys]
-            self._values = [v[:, :, first:] for v in self._values]
-            self._mask = self._mask[:, first:]
+        for layer in self._cache.layers:
+            assert isinstance(layer, RoomLayer)
+            layer.batch_select_indices(index)
+            layer.drop_front(first)
+        self._mask = self._mask[:, first:]
 
     def _reset(self) -> None:
-        self._rows, self._keys, self._values, self._mask, self._cache = [], [], [], None, None
+        self._rows, self._mask, self._cache = [], None, None

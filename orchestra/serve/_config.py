@@ -55,6 +55,10 @@ class ServeConfig(BaseModel):
     """Decode the requests running on one member together: one batched forward pass per step."""
     max_batch: int = Field(8, ge=1)
     """Rows in one member's decoding batch; more requests wait for a row to finish."""
+    inline_tail_tokens: int = Field(256, ge=0)
+    """A prompt whose uncached rest (past what is cached or being built, e.g. the shared document) is at most this
+    many tokens leases only the cached part and computes the rest while decoding, storing no entry of its own:
+    concurrent conversations over one document then hold one copy of it. 0: every prompt is cached whole."""
     on_missing_mapping: Literal["refuse", "calibrate"] = "refuse"
     """A pair without a calibrated mapping is re-prefilled (refuse) or calibrated inside the request (minutes)."""
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec)

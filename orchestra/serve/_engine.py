@@ -126,6 +126,8 @@ class Generation:
     prompt_ids: list[int]
     lease: CacheLease
     cache_info: CacheInfo
+    leased_tokens: int
+    """Leading prompt tokens the lease holds; decoding computes the rest of the prompt first."""
     max_tokens: int
     request: ChatCompletionRequest
     engine: ServeEngine
@@ -314,12 +316,14 @@ class ServeEngine:
             # concurrent requests over one document build it once: a request finding a longer prefix of its
             # prompt in flight (on its member, or on one that maps into it) waits for it, then extends or maps it
             with anyio.fail_after(self.config.request_timeout_s):
-                lease = await self.cache.acquire(member, ids[:-1], on_step=self.metrics.on_step)
+                lease = await self.cache.acquire(member, ids[:-1], on_step=self.metrics.on_step,
+                                                 inline_tail=self.config.inline_tail_tokens)
             info = _cache_info(lease)
             self.metrics.on_cache(member, info.path, info.cached_tokens,
                                   self.cache.prefill_estimate(member, info.cached_tokens))
             gen = Generation(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=req.model,
-                             member=member, prompt_ids=ids, lease=lease, cache_info=info, max_tokens=max_tokens,
+                             member=member, prompt_ids=ids, lease=lease, cache_info=info, leased_tokens=lease.tokens,
+                             max_tokens=max_tokens,
                              request=req, engine=self, started=started, constraint=constraint)
             try:
                 yield gen
@@ -352,7 +356,7 @@ class ServeEngine:
         req = gen.request
         settings = {"max_new_tokens": gen.max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
                     "top_p": req.top_p or 1.0, "seed": req.seed, "stop": req.stop_list()}
-        prefix_len, new = len(gen.prompt_ids) - 1, gen.prompt_ids[-1:]
+        prefix_len, new = gen.leased_tokens, gen.prompt_ids[gen.leased_tokens:]
         if self.remote:
             return self._decode_remote(gen, on_token, prefix_len, new, settings)
         loaded = self.cache.executor.model(gen.member)
@@ -364,7 +368,9 @@ class ServeEngine:
             with self._batch_lock:
                 found = self._batchers.get(gen.member)
                 if found is None:
-                    found = self._batchers[gen.member] = BatchDecoder(loaded, lock, max_batch=self.config.max_batch)
+                    # rows and cached entries share the cache budget: a burst cannot hold more K/V than it
+                    found = self._batchers[gen.member] = BatchDecoder(loaded, lock, max_batch=self.config.max_batch,
+                                                                      memory=self.cache.pool)
                 return found
 
         return decode(loaded, lock, gen.lease.local_cache(), prefix_len, new, settings, gen.cancel, on_token=on_token,

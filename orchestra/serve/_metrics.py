@@ -51,10 +51,13 @@ class ServeMetrics:
                                 registry=r)
         self.cache_bytes = Gauge("orchestra_cache_bytes", "Bytes held by the family-wide cache", registry=r)
         self.cache_budget = Gauge("orchestra_cache_budget_bytes", "Byte budget of the family-wide cache", registry=r)
+        self.decode_bytes = Gauge("orchestra_decode_reserved_bytes",
+                                  "Bytes of the cache budget held by decoding rows (their K/V)", registry=r)
 
     def bind_cache(self, cache: FamilyCache) -> None:
         self.cache_bytes.set_function(lambda: float(cache.used_bytes))
         self.cache_budget.set(cache.pool.budget_bytes)
+        self.decode_bytes.set_function(lambda: float(cache.pool.reserved_bytes))
 
     def on_step(self, step: CacheStep) -> None:
         if step.step in ("gate", "shadow") and step.passed is False:

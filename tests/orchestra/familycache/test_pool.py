@@ -58,3 +58,32 @@ def test_budget_evicts_lru_but_never_pinned():
     pool.add(big, pin=False)
     assert big.stored and pool.used_bytes <= 300
     assert pool.stats.evictions >= 2
+
+
+def test_reservations_share_the_budget_with_entries_evicting_unpinned_ones_first():
+    pool = EntryPool(300, block_tokens=4)
+    pinned, loose = _entry(range(0, 8)), _entry(range(10, 18))
+    pool.add(pinned, pin=True)
+    pool.add(loose, pin=False)
+    assert pool.reserve(150)  # evicts the unpinned entry to make room
+    assert not loose.stored and pinned.stored and pool.reserved_bytes == 150
+    assert not pool.reserve(100) and pool.stats.reservations_refused == 1  # 100 pinned + 150 + 100 > 300
+    late = _entry(range(20, 28))
+    pool.add(late, pin=False)  # entries see the reservation too: 100 + 150 + 100 > 300
+    assert not late.stored
+    pool.release(150)
+    assert pool.reserved_bytes == 0 and pool.reserve(200) and pool.stats.reserved_bytes == 200
+
+
+def test_an_unpin_over_a_budget_shrunk_by_reservations_evicts():
+    pool = EntryPool(300, block_tokens=4)
+    a, b = _entry(range(0, 8)), _entry(range(10, 18))
+    pool.add(a, pin=True)
+    pool.add(b, pin=True)
+    assert pool.reserve(100)
+    assert not pool.reserve(1)
+    pool.unpin(b)
+    assert b.stored  # within the budget: 200 + 100
+    pool.release(100)
+    assert pool.reserve(150)  # evicts b, now unpinned
+    assert not b.stored and a.stored

@@ -108,11 +108,12 @@ async def test_concurrent_questions_about_one_system_document_prefill_it_once(ti
     cached = [len(await engine.prompt_ids("root", r.messages)) - 1 for r in requests]  # each prompt's cache
     counter = TokenCounter(tiny_serve_family.registry.load("root").model)
     reused = [0] * len(requests)
+    leased = [0] * len(requests)
 
     async def one(i: int) -> None:
         async with engine.open(requests[i]) as gen:
             await gen.text()
-        reused[i] = gen.cache_info.cached_tokens
+        reused[i], leased[i] = gen.cache_info.cached_tokens, gen.leased_tokens
 
     try:
         async with anyio.create_task_group() as tg:
@@ -124,10 +125,48 @@ async def test_concurrent_questions_about_one_system_document_prefill_it_once(ti
     prefilled = sum(n for n in counter.tokens if n > 1)  # decoding feeds one token per row
     # One pass read the document; every other request reused at least the document (a later one may reuse
     # more: "Question " of an earlier question's cache, depending on arrival), and each computed exactly
-    # what it did not reuse. So no more than the document once plus each question's own tokens.
+    # what it did not reuse: its lease's rest, then (decoding) the prompt's rest, which for all but the first
+    # is its question, computed inline, so those requests store nothing: the pool holds one entry.
     assert sum(1 for n in counter.tokens if n >= doc_tokens) == 1, counter.tokens
     assert sorted(reused)[0] == 0 and min(sorted(reused)[1:]) >= doc_tokens, reused
-    assert prefilled == sum(c - r for c, r in zip(cached, reused, strict=True)), (prefilled, cached, reused)
+    first = reused.index(0)
+    assert leased[first] == cached[first] and all(leased[i] < cached[i] for i in range(6) if i != first), leased
+    inline = sum(c + 1 - n for c, n in zip(cached, leased, strict=True) if c + 1 - n > 1)
+    assert prefilled == sum(n - r for n, r in zip(leased, reused, strict=True)) + inline, (prefilled, leased, reused)
+    assert len(engine.cache.pool) == 1
     assert prefilled <= doc_tokens + sum(n - doc_tokens for n in cached), (prefilled, doc_tokens, cached)
     assert prefilled < sum(cached) / 2
+    engine.close()
+
+
+async def test_rows_wait_for_room_in_the_cache_budget_and_still_get_their_solo_replies(tiny_serve_family, solo):
+    """Decoding rows hold their K/V against the cache budget: with no room, each row decodes alone, in turn."""
+    engine = tiny_engine(tiny_serve_family, batch_decode=True, max_concurrent=8, max_batch=8)
+    engine.cache.pool.budget_bytes = 1  # no row fits: one at a time, admitted only when nothing else decodes
+    batched = await replies(engine, [request(m, t) for m, t in PROMPTS])
+    assert batched == solo
+    for member in ("root", "finetuned"):
+        decoder = engine._batchers[member]
+        assert decoder.steps > 0 and decoder.rows_stepped == decoder.steps, "two rows decoded over the budget"
+        assert decoder.over_budget_rows == sum(1 for m, _ in PROMPTS if m == member)
+    assert engine.cache.pool.reserved_bytes == 0 and engine.cache.pool.stats.reservations_refused > 0
+    engine.close()
+
+
+async def test_rows_within_the_budget_hold_it_while_decoding_and_give_it_back(tiny_serve_family, solo):
+    engine = tiny_engine(tiny_serve_family, batch_decode=True, max_concurrent=8, max_batch=8)
+    held: list[int] = []
+    pool = engine.cache.pool
+    reserve = pool.reserve
+
+    def watching(nbytes: int) -> bool:
+        ok = reserve(nbytes)
+        held.append(pool.reserved_bytes)
+        return ok
+
+    pool.reserve = watching  # type: ignore[method-assign]
+    batched = await replies(engine, [request(m, t) for m, t in PROMPTS])
+    assert batched == solo
+    assert max(held) > 0 and pool.reserved_bytes == 0
+    assert all(engine._batchers[m].over_budget_rows == 0 for m in ("root", "finetuned"))
     engine.close()

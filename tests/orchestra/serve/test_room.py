@@ -39,3 +39,40 @@ def test_batch_selection_and_crop_keep_the_view_consistent():
     assert torch.equal(layer.keys, k[1:])
     layer.crop(-1)
     assert torch.equal(layer.keys, k[1:, :, :3]) and layer.get_seq_length() == 3
+
+
+def test_adding_a_row_left_pads_every_row_to_the_longest_and_leaves_room():
+    from orchestra.serve._room import add_row
+
+    a = torch.randn(1, 2, 5, 4)
+    b = torch.randn(1, 2, 8, 4)
+    batch = add_row(None, [(a, a + 1)], room=3)
+    assert batch.get_seq_length() == 5 and batch.layers[0].capacity == 8
+    batch = add_row(batch, [(b, b + 1)], room=3)
+    layer = batch.layers[0]
+    keys, values = layer.used()
+    assert keys.shape == (2, 2, 8, 4) and layer.capacity == 11
+    assert torch.equal(keys[0, :, 3:], a[0]) and keys[0, :, :3].abs().sum() == 0
+    assert torch.equal(keys[1], b[0]) and torch.equal(values[1], b[0] + 1)
+    buffer = layer._k.data_ptr()
+    batch.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4), 0)
+    assert layer._k.data_ptr() == buffer and batch.get_seq_length() == 9  # a step writes into the room
+
+
+def test_a_shorter_row_added_later_is_padded_on_the_left_not_the_batch():
+    from orchestra.serve._room import add_row
+
+    long, short = torch.randn(1, 1, 6, 2), torch.randn(1, 1, 2, 2)
+    batch = add_row(add_row(None, [(long, long)]), [(short, short)])
+    keys, _ = batch.layers[0].used()
+    assert torch.equal(keys[0], long[0]) and torch.equal(keys[1, :, 4:], short[0])
+    assert keys[1, :, :4].abs().sum() == 0
+
+
+def test_dropping_leading_padding_is_a_view_of_the_same_buffer():
+    k = torch.arange(12, dtype=torch.float32).reshape(1, 1, 6, 2)
+    layer = RoomLayer(k, k.clone(), room=2)
+    before = layer._k.untyped_storage().data_ptr()
+    layer.drop_front(2)
+    assert layer.get_seq_length() == 4 and torch.equal(layer.keys, k[:, :, 2:])
+    assert layer._k.untyped_storage().data_ptr() == before
