@@ -55,6 +55,13 @@ class Server:
                                         stdout=log.open("w"), stderr=subprocess.STDOUT)
         self.ps = psutil.Process(self.process.pid)
         self.peak_rss = 0
+        self.held = 0
+        """The server's cache bytes + bytes decoding rows hold (its /metrics), sampled every second."""
+        self.peak_held = 0
+        self.held_at_peak = 0
+        """`held` when RSS peaked: what of the peak the cache budget accounts for."""
+        self.idle_rss = 0
+        """RSS once every member is loaded and warm, before any document: the models and the runtime."""
         self._stop = threading.Event()
         deadline = time.monotonic() + 300
         while True:
@@ -73,25 +80,36 @@ class Server:
         self._sampler.start()
 
     def _sample(self) -> None:
+        tick = 0
         while not self._stop.is_set():
+            if tick % 10 == 0:
+                try:
+                    m = self.metrics(timeout=2)
+                    self.held = int(m.get("orchestra_cache_bytes", 0) + m.get("orchestra_decode_reserved_bytes", 0))
+                    self.peak_held = max(self.peak_held, self.held)
+                except Exception:  # busy or gone: keep the last reading
+                    pass
+            tick += 1
             try:
-                self.peak_rss = max(self.peak_rss, self.ps.memory_info().rss)
+                rss = self.ps.memory_info().rss
             except Exception:  # the process is gone
                 return
+            if rss > self.peak_rss:
+                self.peak_rss, self.held_at_peak = rss, self.held
             time.sleep(0.1)
 
     def rss(self) -> int:
         return self.ps.memory_info().rss
 
     def reset_peak(self) -> None:
-        self.peak_rss = self.rss()
+        self.peak_rss, self.peak_held, self.held_at_peak = self.rss(), self.held, self.held
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, timeout: float = 30) -> dict[str, float]:
         """Every Prometheus sample, by its full name with labels."""
         import httpx
 
         out: dict[str, float] = {}
-        for line in httpx.get(f"{self.base_url}/metrics", timeout=30).text.splitlines():
+        for line in httpx.get(f"{self.base_url}/metrics", timeout=timeout).text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 out[name] = float(value)
@@ -295,7 +313,9 @@ async def load(server: Server, document: str, clients: int, models: list[str], m
     out.update({"clients": clients, "turns_per_client": 2, "max_tokens": max_tokens, "models": models,
                 "first_turn": summary(turns[0], wall), "second_turn": summary(turns[1], wall),
                 "by_model": {m: summary([a for a in everything if a.model == m], wall) for m in models},
-                "rss_before_bytes": before, "rss_peak_bytes": server.peak_rss, "rss_after_bytes": server.rss()})
+                "rss_before_bytes": before, "rss_peak_bytes": server.peak_rss, "rss_after_bytes": server.rss(),
+                "cache_and_rows_peak_bytes": server.peak_held, "cache_and_rows_at_rss_peak_bytes": server.held_at_peak,
+                "rss_idle_models_bytes": server.idle_rss})
     for part in ("first_turn", "second_turn", *[f"by_model.{m}" for m in models]):
         target = out[part] if "." not in part else out["by_model"][part.split(".", 1)[1]]
         target.pop("failed", None)
@@ -406,7 +426,12 @@ def markdown(result: dict[str, Any]) -> list[str]:
     lines += ["", f"Wall time {s(ld['wall_s'], 1)} s. Cache paths: "
               + ", ".join(f"{k} {v}" for k, v in sorted(ld["cache_paths"].items()))
               + f". Server RSS: {mb(ld['rss_before_bytes'])} before, peak {mb(ld['rss_peak_bytes'])}, "
-              f"{mb(ld['rss_after_bytes'])} after.", ""]
+              f"{mb(ld['rss_after_bytes'])} after."
+              + (f" At the peak the cache and the decoding rows held {mb(ld['cache_and_rows_at_rss_peak_bytes'])} "
+                 f"(at most {mb(ld['cache_and_rows_peak_bytes'])}; budget {mb(result['cache_mb'] << 20)}); the server "
+                 f"with its models loaded and warm, before any document: {mb(ld['rss_idle_models_bytes'])}, so the "
+                 f"peak is {mb(ld['rss_peak_bytes'] - ld['rss_idle_models_bytes'] - (result['cache_mb'] << 20))} "
+                 "above models + budget." if "rss_idle_models_bytes" in ld else ""), ""]
     lines += ["## Throughput: 1 vs 8 concurrent clients (closed loop, cached document)", "",
               "| decoding | clients | requests | tokens | wall s | tokens/s | TTFT p50 s | latency p50 s |",
               "|---|---|---|---|---|---|---|---|"]
@@ -450,6 +475,8 @@ def main() -> None:
     parser.add_argument("--throughput-tokens", type=int, default=32)
     parser.add_argument("--throughput-requests", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 6 clients, 16 abandoned, 1 repeat")
+    parser.add_argument("--load-only", action="store_true",
+                        help="the headline then the load phase only; prints their JSON (a memory check, no report)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     parser.add_argument("--report-only", type=Path, help="rewrite the Markdown from an existing serve_load.json")
     args = parser.parse_args()
@@ -472,6 +499,7 @@ def main() -> None:
     if args.repair_ladder:
         server_args += ["--repair-ladder", args.repair_ladder]
     result: dict[str, Any] = {"command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
+                              "cache_mb": args.cache_mb,
                               "machine": machine_info("cpu").model_dump(), "server_args": server_args,
                               "throughput": {}, "throughput_gain": {}, "load_average_start": os.getloadavg()}
 
@@ -482,12 +510,16 @@ def main() -> None:
     server = Server(logs / "server.log", *server_args)
     try:
         asyncio.run(warm(server, ["root", "finetuned"]))
+        server.idle_rss = server.rss()
         log(f"server ready, RSS {mb(server.rss())}; headline")
         result["headline"] = asyncio.run(headline(server, long_document, "root", "finetuned", args.repeats))
         log(f"headline ratio {result['headline']['median_ratio']}; load")
         result["load"] = asyncio.run(load(server, document, args.clients, ["root", "finetuned"], args.max_tokens))
         result["load"]["document_tokens"] = len(tok(document, add_special_tokens=False)["input_ids"])
         log(f"load: {result['load']['answered']}/{result['load']['requests']} answered; throughput (batched)")
+        if args.load_only:
+            print(json.dumps({k: result[k] for k in ("headline", "load")}, indent=2, default=str))
+            return
         result["throughput"]["batched"] = [
             asyncio.run(throughput(server, document, "root", c, n, args.throughput_tokens))
             for c, n in ((1, max(2, args.throughput_requests // 4)), (8, args.throughput_requests))]

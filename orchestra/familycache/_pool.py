@@ -81,6 +81,8 @@ class Entry:
     id: int = 0
     pins: int = 0
     stored: bool = False
+    held_outside: bool = False
+    """Not stored (no room) but pinned by a lease: its bytes count against the budget until the last unpin."""
 
 
 @dataclass
@@ -130,12 +132,18 @@ class EntryPool:
         self._ids = itertools.count(1)
         self._used = 0
         self._reserved = 0
+        self._outside = 0
         self.stats = PoolStats()
 
     # -- queries ----------------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    @property
+    def outside_bytes(self) -> int:
+        """Bytes of entries leases hold that the pool could not store (no room): real memory, counted too."""
+        return self._outside
 
     @property
     def reserved_bytes(self) -> int:
@@ -216,6 +224,9 @@ class EntryPool:
             evicted: list[Entry] = []
             if not self._make_room(entry.nbytes, evicted):
                 self.stats.rejected += 1
+                if entry.pins:
+                    entry.held_outside = True
+                    self._outside += entry.nbytes
                 return evicted
             self._entries[entry.id] = entry
             self._used += entry.nbytes
@@ -228,10 +239,10 @@ class EntryPool:
         """Evict LRU unpinned entries until `nbytes` more fit beside the entries and reservations; False (nothing
         evicted) when even evicting every unpinned entry would not make room."""
         evictable = sum(e.nbytes for e in self._entries.values() if not e.pins)
-        if self._used - evictable + self._reserved + nbytes > self.budget_bytes:
+        if self._used - evictable + self._outside + self._reserved + nbytes > self.budget_bytes:
             return False
         for victim in [e for e in self._entries.values() if not e.pins]:
-            if self._used + self._reserved + nbytes <= self.budget_bytes:
+            if self._used + self._outside + self._reserved + nbytes <= self.budget_bytes:
                 break
             self._remove(victim)
             evicted.append(victim)
@@ -266,10 +277,13 @@ class EntryPool:
         """Release one pin; an over-budget pool then evicts what it can. Returns what was evicted."""
         with self._lock:
             entry.pins = max(0, entry.pins - 1)
+            if entry.held_outside and not entry.pins:
+                entry.held_outside = False
+                self._outside -= entry.nbytes
             evicted: list[Entry] = []
-            if self._used + self._reserved > self.budget_bytes:
+            if self._used + self._outside + self._reserved > self.budget_bytes:
                 for victim in [e for e in self._entries.values() if not e.pins]:
-                    if self._used + self._reserved <= self.budget_bytes:
+                    if self._used + self._outside + self._reserved <= self.budget_bytes:
                         break
                     self._remove(victim)
                     evicted.append(victim)

@@ -87,3 +87,15 @@ def test_an_unpin_over_a_budget_shrunk_by_reservations_evicts():
     pool.release(100)
     assert pool.reserve(150)  # evicts b, now unpinned
     assert not b.stored and a.stored
+
+
+def test_an_entry_that_did_not_fit_counts_against_the_budget_while_a_lease_holds_it():
+    pool = EntryPool(300, block_tokens=4)
+    a = _entry(range(0, 8), nbytes=200)
+    pool.add(a, pin=True)
+    big = _entry(range(10, 18), nbytes=150)
+    pool.add(big, pin=True)  # no room beside the pinned 200: not stored, but held by its lease
+    assert not big.stored and pool.outside_bytes == 150
+    assert not pool.reserve(1)  # 200 stored + 150 held outside > 300
+    pool.unpin(big)
+    assert pool.outside_bytes == 0 and pool.reserve(100)
