@@ -39,6 +39,7 @@ from orchestra.errors import (
     PipelineFileError,
     QuantizeBaseError,
     QuantizeError,
+    RunInputError,
     UnknownAgentError,
     UnknownModelError,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "Orchestra",
     "RunReport",
     "AgentReport",
+    "InputSpec",
     # the core: one cache for the whole family
     "FamilyCache",
     "CachePolicy",
@@ -86,6 +88,7 @@ __all__ = [
     "PipelineError",
     "PipelineFileError",
     "CycleError",
+    "RunInputError",
     "UnknownAgentError",
     "UnknownModelError",
     "ModelReferenceError",
@@ -110,6 +113,7 @@ if TYPE_CHECKING:
     from orchestra.family import FamilyManifest, build_family, load_family
     from orchestra.familycache import CacheLease, CachePolicy, FamilyCache
     from orchestra.gates import GatePolicy
+    from orchestra.inputs import InputSpec
     from orchestra.modelref import AdapterSpec, ModelRef, QuantizeSpec
     from orchestra.pipeline import AgentNode, ExecutorSpec, PipelineSpec, load_pipeline
     from orchestra.report import AgentReport, RunReport
@@ -124,6 +128,7 @@ _LAZY = {
     "Orchestra": "orchestra.scheduler",
     "RunReport": "orchestra.report",
     "AgentReport": "orchestra.report",
+    "InputSpec": "orchestra.inputs",
     "FamilyCache": "orchestra.familycache",
     "CachePolicy": "orchestra.familycache",
     "CacheLease": "orchestra.familycache",

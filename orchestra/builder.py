@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from agents.spec import AgentSpec
 from orchestra.errors import EventLoopRunningError, FamilyError, PipelineProblem, PipelineValidationError
 from orchestra.gates import GatePolicy
+from orchestra.inputs import InputSpec
 from orchestra.modelref import AdapterSpec, QuantizeSpec
 from orchestra.pipeline import (
     AgentNode,
@@ -121,6 +122,7 @@ class Pipeline:
         self._settings = PipelineSettings(**settings)
         self._models = dict(self._settings.models)  # validated: mappings made AdapterSpecs and QuantizeSpecs
         self._nodes: list[AgentNode] = []
+        self._inputs: dict[str, InputSpec] = {}
         self._spec: PipelineSpec | None = None
         self._orch: Orchestra | None = None
         self._orch_lock = threading.Lock()  # run_sync from several threads makes one Orchestra, not several
@@ -137,6 +139,7 @@ class Pipeline:
         pipeline._declared = set(spec.models)
         pipeline._settings = PipelineSettings(**{field: getattr(spec, field) for field in PipelineSettings.model_fields})
         pipeline._nodes = list(spec.agents)
+        pipeline._inputs = dict(spec.inputs)
         pipeline._spec = spec
         return pipeline
 
@@ -217,6 +220,13 @@ class Pipeline:
         self._changed()
         return self
 
+    def with_input(self, name: str, *, description: str = "", default: str | None = None) -> Pipeline:
+        """Declare a runtime input task templates read as ``{name}``; each run gives its value
+        (``run(document, inputs={name: ...})``), else `default` (None: a run must give it). Chains."""
+        self._inputs[name] = InputSpec(description=description, default=default)
+        self._changed()
+        return self
+
     def with_executor(self, kind: str | None = None, *, address: str | None = None) -> Pipeline:
         """This pipeline with its executor's kind and/or Ray address replaced (`orchestra run --executor ray`)."""
         update: dict[str, str] = {}
@@ -293,7 +303,7 @@ class Pipeline:
             keep.add(settings["source"])
         keep |= {t.base for a, t in self._models.items() if a in keep and isinstance(t, AdapterSpec | QuantizeSpec)}
         settings["models"] = {alias: target for alias, target in self._models.items() if alias in keep}
-        self._spec = PipelineSpec(**settings, agents=list(self._nodes))
+        self._spec = PipelineSpec(**settings, agents=list(self._nodes), inputs=dict(self._inputs))
         return self._spec
 
     def graph(self) -> str:
@@ -337,16 +347,23 @@ class Pipeline:
         """The report of the latest finished run (also after `stream`)."""
         return self._orch.last_report if self._orch is not None else None
 
-    async def run(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None) -> RunReport:
-        """Run every agent over ``document`` (its text, or a Path to read); ``on_event`` gets each event."""
-        return await self.orchestra().run(_text(document), on_event=on_event)
+    async def run(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None,
+                  inputs: Mapping[str, object] | None = None) -> RunReport:
+        """Run every agent over ``document`` (its text, or a Path to read); ``on_event`` gets each event.
 
-    async def stream(self, document: str | os.PathLike[str]) -> AsyncIterator[Event]:
+        ``inputs`` are this run's values of the pipeline's declared inputs (`with_input`). Running the same
+        pipeline again (other inputs, same document) reuses its loaded models and the document's caches.
+        """
+        return await self.orchestra().run(_text(document), on_event=on_event, inputs=inputs)
+
+    async def stream(self, document: str | os.PathLike[str], *,
+                     inputs: Mapping[str, object] | None = None) -> AsyncIterator[Event]:
         """Yield the run's typed events as they happen (tokens included); then see `last_report`."""
-        async for event in self.orchestra().stream(_text(document)):
+        async for event in self.orchestra().stream(_text(document), inputs=inputs):
             yield event
 
-    def run_sync(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None) -> RunReport:
+    def run_sync(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None,
+                 inputs: Mapping[str, object] | None = None) -> RunReport:
         """`run` for synchronous code (scripts, notebooks' plain cells): starts and ends its own event loop.
 
         Inside a running event loop it raises `EventLoopRunningError` instead of blocking that loop:
@@ -355,7 +372,7 @@ class Pipeline:
         _refuse_inside_event_loop()
         import anyio
 
-        return anyio.run(functools.partial(self.run, document, on_event=on_event))
+        return anyio.run(functools.partial(self.run, document, on_event=on_event, inputs=inputs))
 
 
 def _role_aliases(family: FamilyManifest | None) -> dict[str, str]:

@@ -19,6 +19,7 @@ __all__ = [
     "PipelineValidationError",
     "PipelineFileError",
     "CycleError",
+    "RunInputError",
     "UnknownAgentError",
     "UnknownModelError",
     "ModelReferenceError",
@@ -212,6 +213,10 @@ class EventLoopRunningError(OrchestraError, RuntimeError):
 
 class OperationCancelledError(OrchestraError):
     """Work was cancelled (Ctrl-C, a timeout) before it finished; nothing half-done was saved."""
+
+
+class RunInputError(PipelineError, ValueError):
+    """A run's inputs do not match the pipeline's declared ``inputs``: one missing, unknown, or malformed."""
 
 
 class InputFileError(DocumentError):

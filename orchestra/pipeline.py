@@ -18,7 +18,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -51,6 +51,7 @@ from orchestra.errors import (
     UnknownAgentError,
 )
 from orchestra.gates import GatePolicy
+from orchestra.inputs import InputSpec
 from orchestra.modelref import AdapterSpec, QuantizeSpec
 
 __all__ = [
@@ -416,6 +417,25 @@ class PipelineSpec(PipelineSettings):
     """
 
     agents: list[AgentNode] = Field(min_length=1, description="The agents; order does not matter, upstreams do.")
+    inputs: dict[str, InputSpec] = Field(
+        default_factory=dict, description="Runtime inputs that task templates read as {name}: name -> {description, "
+        "default}, or a list of names; each run gives their values (Pipeline.run(inputs=...), --input NAME=VALUE).")
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _input_names(cls, value: object) -> object:
+        if isinstance(value, (list, tuple)):
+            return {str(name): {} for name in value}
+        return value
+
+    @field_validator("inputs")
+    @classmethod
+    def _input_names_valid(cls, inputs: dict[str, InputSpec]) -> dict[str, InputSpec]:
+        for name in inputs:
+            if not re.match(AGENT_NAME_PATTERN, name):
+                raise _pipeline_error(f"inputs.{name}", "an input's name is letters, digits, _ or - (it is read as "
+                                      "{name} in task templates)")
+        return inputs
 
     @field_validator("agents")
     @classmethod
@@ -433,8 +453,21 @@ class PipelineSpec(PipelineSettings):
         for agent in self.agents:
             if agent.model not in self.models:
                 raise _pipeline_error("model", _unknown("uses model", agent.model, self.models), agent=agent.name)
-        check_upstreams(self.agents)
+            if agent.name in self.inputs:
+                raise _pipeline_error(f"inputs.{agent.name}", "an input and an agent share this name: rename one "
+                                      "(templates read both as {name})", agent=agent.name)
+            explicit = [u for u in agent.upstream if u in self.inputs and u not in agent.template_inputs()]
+            if explicit:
+                raise _pipeline_error("upstream", f"lists input {explicit[0]!r}: an input is read by the task "
+                                      "template, not waited for; remove it from upstream", agent=agent.name)
+            # a template's reads of inputs are not agents to wait for
+            agent.upstream = [u for u in agent.upstream if u not in self.inputs]
+        check_upstreams(self.agents, inputs=self.inputs)
         return self
+
+    def input_reads(self, agent: str) -> tuple[str, ...]:
+        """The pipeline inputs `agent`'s task template reads."""
+        return tuple(n for n in self.agent(agent).template_inputs() if n in self.inputs)
 
     @property
     def source_alias(self) -> str:
@@ -459,7 +492,7 @@ class PipelineSpec(PipelineSettings):
                                 f"agents: {', '.join(a.name for a in self.agents)}")
 
 
-def check_upstreams(agents: Sequence[AgentNode]) -> None:
+def check_upstreams(agents: Sequence[AgentNode], inputs: Collection[str] = ()) -> None:
     """Every upstream is an agent of the pipeline and there is no cycle; else UnknownAgentError / CycleError.
 
     These are raised as themselves (not collected as problems) because they are about the graph, not
@@ -474,9 +507,12 @@ def check_upstreams(agents: Sequence[AgentNode]) -> None:
                 raise CycleError(f"agent {agent.name!r}, field {_reference_field(agent, up)}: the agent reads its "
                                  f"own output; remove the reference")
             if up not in names:
+                field = _reference_field(agent, up)
+                declare = f", or declare {up!r} in the pipeline's `inputs`" if field == "spec.task" else ""
                 raise UnknownAgentError(
-                    f"agent {agent.name!r}, field {_reference_field(agent, up)}: reads {up!r}, which is not an agent "
-                    f"of this pipeline{_did_you_mean(up, names)}; agents: {', '.join(names)}"
+                    f"agent {agent.name!r}, field {field}: reads {up!r}, which is not an agent "
+                    f"of this pipeline{_did_you_mean(up, [*names, *inputs])}; agents: {', '.join(names)}"
+                    + (f"; inputs: {', '.join(inputs)}" if inputs else "") + declare
                 )
     build_graph({a.name: a.upstream for a in agents})  # cycles
 

@@ -72,6 +72,7 @@ class RunReport(BaseModel):
     store_misses: int
     store_hit_rate: float
     warnings: list[str] = Field(default_factory=list, description="e.g. mappings calibrated on demand")
+    inputs: dict[str, str] = Field(default_factory=dict, description="The run's values of the pipeline's inputs.")
     executor: str = Field("local", description="Where model work ran: local (this process) or ray (actors).")
     kv_bytes_moved: int = Field(
         0, description="ray: bytes of K/V (and hidden states) one process read from another's output during the run "

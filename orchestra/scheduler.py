@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +62,8 @@ class _Run:
     outputs: dict[str, str] = field(default_factory=dict)
     reports: dict[str, AgentReport] = field(default_factory=dict)
     document: str = ""
+    inputs: dict[str, str] = field(default_factory=dict)
+    """The run's values of the pipeline's declared inputs (defaults filled in)."""
     prompts: dict[str, _MemberPrompt] = field(default_factory=dict)
     """Each member's document prefix (laid out by its own tokenizer and chat template), once per run."""
 
@@ -140,8 +142,14 @@ class Orchestra:
         return self.cache.mappings
 
     # -- public API -----------------------------------------------------------------------------
-    async def run(self, document: str, *, on_event: EventSink | None = None, run_id: str | None = None) -> RunReport:
-        """Run every agent over `document`; returns the report (also kept as `last_report`)."""
+    async def run(self, document: str, *, on_event: EventSink | None = None, run_id: str | None = None,
+                  inputs: Mapping[str, object] | None = None) -> RunReport:
+        """Run every agent over `document` with the pipeline's `inputs` for this run (its declared names; defaults
+        fill the rest); returns the report (also kept as `last_report`). RunInputError before anything runs
+        when an input is missing or unknown."""
+        from orchestra.inputs import resolve_inputs
+
+        values = resolve_inputs(self.pipeline.inputs, inputs)
         run_id = run_id or uuid.uuid4().hex[:12]
 
         async def emit(event: ev.Event) -> None:
@@ -152,11 +160,11 @@ class Orchestra:
                 if result is not None:
                     await result
 
-        report = await self._run(document, run_id, emit)
+        report = await self._run(document, run_id, emit, values)
         self.last_report = report
         return report
 
-    async def stream(self, document: str) -> AsyncIterator[ev.Event]:
+    async def stream(self, document: str, *, inputs: Mapping[str, object] | None = None) -> AsyncIterator[ev.Event]:
         """Yield typed events as they happen; the report is `last_report` once `RunFinished` arrived."""
         send, receive = anyio.create_memory_object_stream[ev.Event](max_buffer_size=math.inf)
         failure: list[BaseException] = []
@@ -164,7 +172,7 @@ class Orchestra:
         async def runner() -> None:
             async with send:
                 try:
-                    await self.run(document, on_event=send.send)
+                    await self.run(document, on_event=send.send, inputs=inputs)
                 except Exception as exc:  # re-raised to the consumer after the stream drains
                     failure.append(exc)
 
@@ -177,7 +185,7 @@ class Orchestra:
             raise failure[0]
 
     # -- the run --------------------------------------------------------------------------------
-    async def _run(self, document: str, run_id: str, emit) -> RunReport:
+    async def _run(self, document: str, run_id: str, emit, inputs: dict[str, str]) -> RunReport:
         from agents import DocumentPrompt
         from agents.errors import EmptyDocumentError
 
@@ -190,7 +198,7 @@ class Orchestra:
         except EmptyDocumentError as exc:
             raise DocumentError(str(exc)) from exc
         self._check_length(prefix_ids)
-        run = _Run(run_id, started, prefix_ids, emit, document=document)
+        run = _Run(run_id, started, prefix_ids, emit, document=document, inputs=inputs)
         await emit(ev.RunStarted(run_id=run_id, agents=[a.name for a in self.pipeline.agents],
                                  source_model=self.source_alias, document_tokens=len(prefix_ids)))
         try:
@@ -239,7 +247,7 @@ class Orchestra:
             document_tokens=len(run.prefix_ids), agents=reports, caches=caches, seconds=seconds,
             prefill_s_spent=spent, prefill_s_saved=sum(r.prefill_s_saved for r in reports),
             store_hits=hits, store_misses=total - hits, store_hit_rate=hits / total if total else 0.0,
-            warnings=self.cache.warnings[warned:], executor=self.cache.executor.kind,
+            warnings=self.cache.warnings[warned:], executor=self.cache.executor.kind, inputs=run.inputs,
             **{key: value - (moved or {}).get(key, 0) for key, value in self.cache.executor.stats().items()
                if key in _MOVED},
         )
@@ -359,7 +367,9 @@ class Orchestra:
                 try:
                     result = await self.cache.executor.generate(
                         agent.model, self.specs[name], prefix_ids=prompt.ids, prefix_cache=lease.cache,
-                        upstream={up: run.outputs[up] for up in agent.upstream}, on_token=on_token, placement=where,
+                        upstream={**{n: run.inputs[n] for n in self.pipeline.input_reads(name)},
+                                  **{up: run.outputs[up] for up in agent.upstream}},
+                        on_token=on_token, placement=where,
                     )
                 finally:
                     report.actor, report.node = where.get("actor"), where.get("node")

@@ -100,18 +100,22 @@ AGENTS_FAILED_EXIT = 3
 
 def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, report_out: Path | None,
                       stream: bool = False, encoding: str | None = None, executor: str | None = None,
-                      ray_address: str | None = None):
-    """Validate the file (as deeply as `orchestra graph`), then run it through the Python API's `Pipeline`."""
+                      ray_address: str | None = None, inputs: list[str] | None = None):
+    """Validate the file (as deeply as `orchestra graph`) and the ``--input NAME=VALUE`` items, then run it
+    through the Python API's `Pipeline`."""
     from orchestra.builder import Pipeline
+    from orchestra.inputs import parse_input_args, resolve_inputs
 
     pipeline = Pipeline.from_file(pipeline_file, home=home).with_executor(executor, address=ray_address)
+    values = resolve_inputs(pipeline.spec.inputs, parse_input_args(inputs or []))  # before any model loads
     try:  # a ray executor's actors and placement group go away with the run, Ctrl-C included
-        return _run_pipeline(pipeline, document, report_out, stream, encoding)
+        return _run_pipeline(pipeline, document, report_out, stream, encoding, values)
     finally:
         pipeline.close()
 
 
-def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: bool, encoding: str | None):
+def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: bool, encoding: str | None,
+                  inputs: dict[str, str] | None = None):
     import anyio
 
     from orchestra.commands._live import RunDisplay, quiet_library_output
@@ -124,7 +128,7 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
 
         async def main():
             with display:
-                async for event in pipeline.stream(text):
+                async for event in pipeline.stream(text, inputs=inputs):
                     display(event)
             return pipeline.last_report
 
@@ -165,6 +169,10 @@ def run(
     ray_address: Annotated[
         str | None, typer.Option("--ray-address", help="ray: local, auto, ray://host:port or host:port (docs/scale-out.md).")
     ] = None,
+    inputs: Annotated[
+        list[str] | None, typer.Option("--input", help="NAME=VALUE: a value of one of the pipeline's `inputs` "
+                                       "(repeat for each); templates read it as {NAME}.")
+    ] = None,
 ) -> None:
     """Run a pipeline over a document: prefill once, map to every member, run the agents, print the report.
 
@@ -174,7 +182,7 @@ def run(
     """
     with pipeline_errors():
         result = run_pipeline_file(pipeline, document, home, report, stream=events, encoding=encoding,
-                                   executor=executor, ray_address=ray_address)
+                                   executor=executor, ray_address=ray_address, inputs=inputs)
     exit_on_failed_agents(result)
 
 

@@ -1,4 +1,4 @@
-"""Bad input from issue 5, through the Python API on the real family, where tests/agents (tiny models,
+"""Bad input through the Python API on the real family, where tests/agents (tiny models,
 scripted outputs) and tests/orchestra leave a gap: a real model failing a schema or running out of
 tokens mid-JSON inside a pipeline is that agent's own failure; its dependents are skipped and
 every other agent still finishes."""

@@ -67,7 +67,7 @@ class FakeOrchestra:
         self.spec, self.family, self.runs, self.last_report = spec, family, [], None
         FakeOrchestra.made.append(self)
 
-    async def run(self, document, *, on_event=None):
+    async def run(self, document, *, on_event=None, inputs=None):
         for event in ("run_started", "run_finished"):
             if on_event is not None:
                 result = on_event(event)
@@ -77,7 +77,7 @@ class FakeOrchestra:
         self.last_report = SimpleNamespace(document=document, orchestra=self)
         return self.last_report
 
-    async def stream(self, document):
+    async def stream(self, document, *, inputs=None):
         for event in ("run_started", "run_finished"):
             yield event
         self.runs.append(document)

@@ -1,4 +1,4 @@
-"""The CLI's one error path, table-driven: every command x the bad inputs of issue 15 (item 9) -> exit 2,
+"""The CLI's one error path, table-driven: every command x the bad inputs users give -> exit 2,
 one or two ``error:`` lines naming the fix, and no traceback (``--debug`` shows it)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Issue 15, item by item: crash-safe stores, gate fallbacks on broken mappings, a relocatable family home
-and the CLI's error path. (Items 1-4 need a process to interrupt: tests/orchestra/test_crash_safety.py;
-item 9's table of bad inputs: tests/orchestra/test_cli_errors.py; item 11: test_core.py.)"""
+"""Robustness: crash-safe stores, gate fallbacks on broken mappings, a relocatable family home and the
+CLI's error path. (Interrupted writes need a process to kill: tests/orchestra/test_crash_safety.py; the
+table of bad inputs: tests/orchestra/test_cli_errors.py.)"""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _corrupt(folder: Path, kind: str) -> None:
     ("tensor name outside the folder", "plain file name"),
     ("truncated tensors", "does not match its manifest"),
 ])
-async def test_item6_broken_mapping_falls_back_to_reprefill_with_the_reason(fam, pristine, tmp_path, kind, why):
+async def test_broken_mapping_falls_back_to_reprefill_with_the_reason(fam, pristine, tmp_path, kind, why):
     store, folder = _store_with(pristine, tmp_path, on_missing="refuse")
     _corrupt(folder, kind)
     events = []
@@ -129,7 +129,7 @@ async def test_item6_broken_mapping_falls_back_to_reprefill_with_the_reason(fam,
     assert any(isinstance(e, GateResult) and not e.passed and e.reason.startswith("mapping:") for e in events)
 
 
-async def test_item2_half_written_folder_is_recalibrated_in_place_of_failing(fam, pristine, tmp_path):
+async def test_half_written_folder_is_recalibrated_in_place_of_failing(fam, pristine, tmp_path):
     """Item 2 (pipeline side): a folder without a manifest at the pair's path used to make every run fail
     with OSError (the calibration could not rename over it); now it is replaced by a whole mapping."""
     store, folder = _store_with(pristine, tmp_path, on_missing="calibrate")
@@ -140,7 +140,7 @@ async def test_item2_half_written_folder_is_recalibrated_in_place_of_failing(fam
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]
 
 
-def test_item2_family_calibrate_replaces_a_half_written_mapping(tiny_family_home, tmp_path):
+def test_family_calibrate_replaces_a_half_written_mapping(tiny_family_home, tmp_path):
     home = tmp_path / "home"
     shutil.copytree(tiny_family_home, home)
     first = runner.invoke(app, ["family", "calibrate", "--home", str(home), "--member", "finetuned",
@@ -155,7 +155,7 @@ def test_item2_family_calibrate_replaces_a_half_written_mapping(tiny_family_home
     load_mapping(folder)
 
 
-def test_item6_run_exits_3_and_names_failed_and_skipped_agents(fam, tmp_path):
+def test_run_exits_3_and_names_failed_and_skipped_agents(fam, tmp_path):
     pipeline = tmp_path / "p.yaml"
     pipeline.write_text(
         f"models: {{base: '{fam.parent}'}}\nsource: base\ndefault_device: cpu\n"
@@ -177,7 +177,7 @@ def test_item6_run_exits_3_and_names_failed_and_skipped_agents(fam, tmp_path):
 # ---- item 5: a moved or copied home works as is ----------------------------------------------------------
 
 
-def test_item5_family_home_is_relocatable_and_its_files_are_readable(tiny_family_home, tmp_path):
+def test_family_home_is_relocatable_and_its_files_are_readable(tiny_family_home, tmp_path):
     moved = tmp_path / "moved"
     shutil.copytree(tiny_family_home, tmp_path / "original")
     os.rename(tmp_path / "original", moved)  # a moved home (the original location is gone)
@@ -197,7 +197,7 @@ def test_item5_family_home_is_relocatable_and_its_files_are_readable(tiny_family
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path  # not 0600
 
 
-def test_item5_absolute_paths_of_an_older_family_json_follow_the_copy(tiny_family_home, tmp_path):
+def test_absolute_paths_of_an_older_family_json_follow_the_copy(tiny_family_home, tmp_path):
     original = tmp_path / "original"
     shutil.copytree(tiny_family_home, original)
     path = family_dir(original) / MANIFEST_NAME
@@ -213,7 +213,7 @@ def test_item5_absolute_paths_of_an_older_family_json_follow_the_copy(tiny_famil
         assert Path(record.path).is_relative_to(copy.resolve()) and Path(record.path).is_dir()
 
 
-def test_item5_mapping_manifests_in_a_copied_home_name_the_copys_models(fam, tmp_path):
+def test_mapping_manifests_in_a_copied_home_name_the_copys_models(fam, tmp_path):
     home = tmp_path / "home"
     shutil.copytree(fam.parent, home / "family" / "parent")
     shutil.copytree(fam.child, home / "family" / "child")
@@ -235,7 +235,7 @@ def test_item5_mapping_manifests_in_a_copied_home_name_the_copys_models(fam, tmp
 # ---- item 7: evaluate refuses a NaN mapping ---------------------------------------------------------------
 
 
-def test_item7_evaluate_on_a_nan_mapping_is_an_error_not_a_nan_table(fam, pristine, tmp_path):
+def test_evaluate_on_a_nan_mapping_is_an_error_not_a_nan_table(fam, pristine, tmp_path):
     _, folder = _store_with(pristine, tmp_path)
     _nan_weights(folder)
     document = tmp_path / "doc.txt"
@@ -252,7 +252,7 @@ def test_item7_evaluate_on_a_nan_mapping_is_an_error_not_a_nan_table(fam, pristi
 # ---- item 8: a read-only home is read, not refused ---------------------------------------------------------
 
 
-def test_item8_run_on_a_read_only_home(tiny_family_home, tmp_path, monkeypatch):
+def test_run_on_a_read_only_home(tiny_family_home, tmp_path, monkeypatch):
     """Root may write anywhere, so the home is made read-only the way the code sees it: os.access says no."""
     import orchestra.paths
 
@@ -287,7 +287,7 @@ def test_item8_run_on_a_read_only_home(tiny_family_home, tmp_path, monkeypatch):
 # ---- item 10: the length message names the fix that works --------------------------------------------------
 
 
-async def test_item10_too_many_new_tokens_says_lower_max_new_tokens(fam):
+async def test_too_many_new_tokens_says_lower_max_new_tokens(fam):
     from orchestra.errors import PipelineError
 
     big = [{"name": "a", "model": "base", "spec": {"task": "S.", "generation": {"max_new_tokens": 60000}}}]
@@ -315,7 +315,7 @@ async def test_item10_too_many_new_tokens_says_lower_max_new_tokens(fam):
 # ---- item 12: tensor names are plain file names in the folder ------------------------------------------------
 
 
-def test_item12_tensor_names_outside_the_folder_are_refused_before_opening(pristine, tmp_path, monkeypatch):
+def test_tensor_names_outside_the_folder_are_refused_before_opening(pristine, tmp_path, monkeypatch):
     _, folder = _store_with(pristine, tmp_path)
     for name in ("../../../../etc/passwd", "/etc/passwd", "sub/mapping.safetensors", ".hidden", ".."):
         _edit_manifest(folder, lambda d, name=name: d["tensors"].update(name=name))
