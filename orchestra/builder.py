@@ -32,6 +32,7 @@ from orchestra.modelref import AdapterSpec, QuantizeSpec
 from orchestra.pipeline import (
     AgentNode,
     ExecutorSpec,
+    KVStoreSettings,
     MappingPolicy,
     PipelineSettings,
     PipelineSpec,
@@ -100,6 +101,7 @@ class Pipeline:
         store_budget_mb: int = 4096,
         max_concurrency_per_device: int = 1,
         executor: ExecutorSpec | Mapping[str, object] | str | None = None,
+        kv_store: KVStoreSettings | Mapping[str, object] | None = None,
     ) -> None:
         self._family = family
         self._home = home
@@ -119,6 +121,8 @@ class Pipeline:
             settings["mapping"] = mapping
         if executor is not None:
             settings["executor"] = executor
+        if kv_store is not None:
+            settings["kv_store"] = kv_store
         self._settings = PipelineSettings(**settings)
         self._models = dict(self._settings.models)  # validated: mappings made AdapterSpecs and QuantizeSpecs
         self._nodes: list[AgentNode] = []
@@ -239,6 +243,19 @@ class Pipeline:
         executor = ExecutorSpec.model_validate({**self._settings.executor.model_dump(), **update})
         self._settings = PipelineSettings(**{**{f: getattr(self._settings, f) for f in PipelineSettings.model_fields},
                                              "executor": executor})
+        self._changed()
+        return self
+
+    def with_kv_store(self, enabled: bool | None = None, *, directory: str | None = None,
+                      budget_mb: int | None = None) -> Pipeline:
+        """This pipeline with its disk tier switched on or off, moved or resized (`orchestra run --no-kv-store`)."""
+        update: dict[str, object] = {k: v for k, v in (("enabled", enabled), ("directory", directory),
+                                                        ("budget_mb", budget_mb)) if v is not None}
+        if not update:
+            return self
+        kv = KVStoreSettings.model_validate({**self._settings.kv_store.model_dump(), **update})
+        self._settings = PipelineSettings(**{**{f: getattr(self._settings, f) for f in PipelineSettings.model_fields},
+                                             "kv_store": kv})
         self._changed()
         return self
 

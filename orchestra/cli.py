@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup
 
+from orchestra.commands import cache as cache_cmd
 from orchestra.commands import family as family_cmd
 from orchestra.commands._output import cli_state as _state
 from orchestra.commands._output import err_console, print_error
@@ -54,6 +55,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(family_cmd.app, name="family")
+app.add_typer(cache_cmd.app, name="cache")
 
 
 @app.callback()

@@ -56,7 +56,7 @@ from orchestra.modelref import AdapterSpec, QuantizeSpec
 
 __all__ = [
     "pipeline_mermaid","AgentNode", "MappingPolicy", "PipelineSettings", "PipelineSpec", "load_pipeline", "suggest",
-    "ExecutorSpec", "MemberResources"]
+    "ExecutorSpec", "MemberResources", "KVStoreSettings"]
 
 # Custom pydantic error types: they carry (agent, field, message) through pydantic's error list, so the
 # final message can name the agent and the field instead of a list index.
@@ -146,6 +146,16 @@ class MappingPolicy(BaseModel):
         "machine (kept beside the mappings), so the budget is a share of its prefill seconds; 'compute' counts "
         "multiply-adds.",
     )
+
+
+class KVStoreSettings(BaseModel):
+    """The disk tier: document caches kept on disk, read back by later runs and processes instead of prefilling."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool | None = Field(None, description="Keep document caches on disk for later runs (false: memory only; "
+                                 "unset: on, unless the environment says ORCHESTRA_KV_STORE=off).")
+    directory: str | None = Field(None, description="Store folder (default: $ORCHESTRA_KV_STORE, else <family home>/kv).")
+    budget_mb: int = Field(8192, ge=1, description="Bytes the store may hold on disk, MiB (least recently used go first).")
 
 
 class MemberResources(BaseModel):
@@ -364,6 +374,8 @@ class PipelineSettings(_Validated):
     gate: GatePolicy = Field(default_factory=GatePolicy, description="Default gate policy for agents on mapped caches.")
     mapping: MappingPolicy = Field(default_factory=MappingPolicy, description="Mapping store and on-demand calibration.")
     store_budget_mb: int = Field(4096, ge=1, description="Byte budget of the document KV store, MiB.")
+    kv_store: KVStoreSettings = Field(default_factory=KVStoreSettings,
+                                      description="The disk tier under the memory store (on by default).")
     max_concurrency_per_device: int = Field(1, ge=1, description="Agents running at once on one device.")
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec,
                                    description="Where model work runs: local (default) or ray (docs/scale-out.md).")

@@ -18,6 +18,9 @@ class ModelCacheReport(BaseModel):
     store_hit: bool = False
     mapping: str | None = Field(None, description="Mapping directory used, for mapped caches.")
     tail_tokens: int = 0
+    from_disk: bool = Field(False, description="Read from the disk tier (a cache an earlier run or process built).")
+    disk_load_s: float = Field(0.0, description="Seconds reading it from the disk tier.")
+    disk_tokens: int = Field(0, description="Positions of it read from the disk tier.")
     repair: dict[str, object] | None = Field(
         None, description="Map-then-repair plan for mapped caches: recomputed tokens, tail, layer blocks, cost."
     )
@@ -71,6 +74,8 @@ class RunReport(BaseModel):
     store_hits: int
     store_misses: int
     store_hit_rate: float
+    disk_loads: int = Field(0, description="Caches read from the disk tier instead of being computed.")
+    disk_load_s: float = Field(0.0, description="Seconds spent reading them (not counted in prefill_s_spent).")
     warnings: list[str] = Field(default_factory=list, description="e.g. mappings calibrated on demand")
     inputs: dict[str, str] = Field(default_factory=dict, description="The run's values of the pipeline's inputs.")
     executor: str = Field("local", description="Where model work ran: local (this process) or ray (actors).")

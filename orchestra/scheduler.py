@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
@@ -68,6 +69,11 @@ class _Run:
     """Each member's document prefix (laid out by its own tokenizer and chat template), once per run."""
 
 
+KV_STORE_ENV = "ORCHESTRA_KV_STORE"
+"""Environment: the disk tier's folder for pipelines that name none, or ``off`` (then only a pipeline's own
+``kv_store.directory`` turns it on)."""
+
+
 class Orchestra:
     """A validated pipeline bound to a FamilyCache (its own, or one shared with other pipelines)."""
 
@@ -100,14 +106,14 @@ class Orchestra:
             for alias in {a.model for a in pipeline.agents} | {self.source_alias}:
                 registry.info(alias)  # missing models are refused here, before any weights load
             registry.check_family(self.source_alias)
+            # A pipeline of local folders (no family) keeps its maps and caches in the orchestra home, never in
+            # the current directory, where a run would leave a stray `mappings/` behind.
+            home = Path(family.home) if family else resolve_home(None)
             if mappings is None:
-                # A pipeline of local folders (no family) keeps its maps in the orchestra home, never in the
-                # current directory, where a run would leave a stray `mappings/` behind.
-                home = Path(family.home) if family else resolve_home(None)
                 directory = pipeline.mapping.directory or str(home / "mappings")
                 mappings = MappingStore(Path(directory), on_missing=pipeline.mapping.on_missing,
                                         method=pipeline.mapping.method, tokens=pipeline.mapping.tokens)
-            cache = self.cache_for(pipeline, registry, mappings, breaker=breaker)
+            cache = self.cache_for(pipeline, registry, mappings, breaker=breaker, home=home)
         else:
             for alias in {a.model for a in pipeline.agents} | {self.source_alias}:
                 cache.info(alias)
@@ -117,8 +123,9 @@ class Orchestra:
 
     @staticmethod
     def cache_for(pipeline: PipelineSpec, registry: ModelRegistry, mappings: MappingStore, *,
-                  breaker: CircuitBreaker | None = None) -> FamilyCache:
-        """A FamilyCache with the pipeline's budget, probe tail, gates and repair (to share models across pipelines)."""
+                  breaker: CircuitBreaker | None = None, home: Path | None = None) -> FamilyCache:
+        """A FamilyCache with the pipeline's budget, probe tail, gates and repair (to share models across pipelines),
+        over the pipeline's disk tier (in `home`/kv unless it names a folder; none without a home or a folder)."""
         policy = CachePolicy(budget_bytes=pipeline.store_budget_mb << 20, tail_tokens=max(2, pipeline.mapping.tail_tokens),
                              gate=pipeline.gate, repair=pipeline.mapping.repair,
                              repair_costs=pipeline.mapping.repair_costs)
@@ -126,10 +133,22 @@ class Orchestra:
         used = list(dict.fromkeys([pipeline.source_alias, *(a.model for a in pipeline.agents)]))
         executor = make_executor(pipeline.executor.kind, registry, pipeline.executor, members=used, name=pipeline.name,
                                  max_concurrency_per_device=pipeline.max_concurrency_per_device)
-        return FamilyCache(executor, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker)
+        disk = None
+        settings = pipeline.kv_store
+        env = os.environ.get(KV_STORE_ENV, "")
+        off = env.lower() == "off"
+        folder = Path(env) if env and not off else home / "kv" if home is not None else None
+        directory = Path(settings.directory) if settings.directory else folder
+        wanted = settings.enabled if settings.enabled is not None else not off
+        if wanted and directory is not None:
+            from orchestra.familycache import KVStore
+
+            disk = KVStore(directory, settings.budget_mb << 20)
+        return FamilyCache(executor, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker, disk=disk)
 
     def close(self) -> None:
         """Drop the stored caches and release the executor (a ray executor's actors and placement group)."""
+        self.cache.flush()  # what this run built is on disk for the next one
         self.cache.clear()
         self.cache.executor.close()
 
@@ -236,7 +255,8 @@ class Orchestra:
         caches = [
             ModelCacheReport(model=lease.member, path=lease.path, seconds=lease.prefill_seconds + lease.map_seconds,
                              store_hit=lease.hit, mapping=lease.mapping, tail_tokens=lease.tail_tokens,
-                             repair=lease.repair)
+                             repair=lease.repair, from_disk=lease.loaded_tokens > 0, disk_load_s=lease.load_seconds,
+                             disk_tokens=lease.loaded_tokens)
             for lease in builders.values()
         ]
         spent = sum(lease.prefill_seconds + lease.map_seconds for _, lease in run.leases)
@@ -247,6 +267,8 @@ class Orchestra:
             document_tokens=len(run.prefix_ids), agents=reports, caches=caches, seconds=seconds,
             prefill_s_spent=spent, prefill_s_saved=sum(r.prefill_s_saved for r in reports),
             store_hits=hits, store_misses=total - hits, store_hit_rate=hits / total if total else 0.0,
+            disk_loads=sum(1 for _, lease in run.leases if lease.loaded_tokens),
+            disk_load_s=sum(lease.load_seconds for _, lease in run.leases),
             warnings=self.cache.warnings[warned:], executor=self.cache.executor.kind, inputs=run.inputs,
             **{key: value - (moved or {}).get(key, 0) for key, value in self.cache.executor.stats().items()
                if key in _MOVED},

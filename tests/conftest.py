@@ -7,6 +7,11 @@ import pytest
 
 from tests.tiny_family import ARCHITECTURES, TinyFamily, build_tiny_family
 
+# Runs keep document caches on disk by default (in the orchestra home). Tests must neither write into the home
+# of the machine they run on nor see one test's caches in another's cold run: the disk tier is off unless a
+# test names its own folder (the tests of the disk tier do; subprocesses inherit this).
+os.environ.setdefault("ORCHESTRA_KV_STORE", "off")
+
 
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:

@@ -100,13 +100,14 @@ AGENTS_FAILED_EXIT = 3
 
 def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, report_out: Path | None,
                       stream: bool = False, encoding: str | None = None, executor: str | None = None,
-                      ray_address: str | None = None, inputs: list[str] | None = None):
+                      ray_address: str | None = None, inputs: list[str] | None = None, kv_store: bool | None = None):
     """Validate the file (as deeply as `orchestra graph`) and the ``--input NAME=VALUE`` items, then run it
     through the Python API's `Pipeline`."""
     from orchestra.builder import Pipeline
     from orchestra.inputs import parse_input_args, resolve_inputs
 
     pipeline = Pipeline.from_file(pipeline_file, home=home).with_executor(executor, address=ray_address)
+    pipeline.with_kv_store(kv_store)
     values = resolve_inputs(pipeline.spec.inputs, parse_input_args(inputs or []))  # before any model loads
     try:  # a ray executor's actors and placement group go away with the run, Ctrl-C included
         return _run_pipeline(pipeline, document, report_out, stream, encoding, values)
@@ -173,6 +174,10 @@ def run(
         list[str] | None, typer.Option("--input", help="NAME=VALUE: a value of one of the pipeline's `inputs` "
                                        "(repeat for each); templates read it as {NAME}.")
     ] = None,
+    kv_store: Annotated[
+        bool | None, typer.Option("--kv-store/--no-kv-store", help="Read and keep document caches on disk "
+                                  "(<home>/kv) across runs (default: the pipeline's kv_store, on).")
+    ] = None,
 ) -> None:
     """Run a pipeline over a document: prefill once, map to every member, run the agents, print the report.
 
@@ -182,7 +187,7 @@ def run(
     """
     with pipeline_errors():
         result = run_pipeline_file(pipeline, document, home, report, stream=events, encoding=encoding,
-                                   executor=executor, ray_address=ray_address, inputs=inputs)
+                                   executor=executor, ray_address=ray_address, inputs=inputs, kv_store=kv_store)
     exit_on_failed_agents(result)
 
 

@@ -11,6 +11,7 @@ else in orchestra maps, repairs, gates or falls back.
 from __future__ import annotations
 
 from orchestra.familycache._core import CacheLease, CachePath, FamilyCache, StepSink
+from orchestra.familycache._disk import DiskStats, KVStore, LoadedEntry, StoredEntry
 from orchestra.familycache._events import CacheStep, StepKind
 from orchestra.familycache._executor import Executor, LocalExecutor
 from orchestra.familycache._factory import EXECUTORS, UnknownExecutorError, executor_class, make_executor
@@ -36,4 +37,8 @@ __all__ = [
     "Namespace",
     "PoolStats",
     "token_hash",
+    "KVStore",
+    "StoredEntry",
+    "LoadedEntry",
+    "DiskStats",
 ]

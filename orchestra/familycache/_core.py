@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, cast
 
 import structlog
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
     from mappings.types import JSONDict, KVCache, Tensor
     from orchestra.family.manifest import FamilyManifest
+    from orchestra.familycache._disk import KVStore, StoredEntry
     from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef
     from orchestra.familycache._ops import Computed
     from orchestra.mapstore import MappingStore
@@ -106,6 +107,12 @@ class CacheLease:
     """Trailing positions recomputed on the target after a map."""
     entry_id: int = 0
     """Identity of the cached entry behind this lease (two leases on one entry share the tensors)."""
+    load_seconds: float = 0.0
+    """Seconds this request spent reading a cache from the disk tier."""
+    loaded_tokens: int = 0
+    """Positions of this lease read from the disk tier (0: none came from disk)."""
+    saved_seconds: float = 0.0
+    """What building the disk entry it read had cost (the compute that reading it saved)."""
     steps: list[CacheStep] = field(default_factory=list)
     _release: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -171,6 +178,9 @@ class _Request:
     """Entries built by a flight of exactly these tokens this request waited for (served from them: not a hit)."""
     inline_tail: int = 0
     """The caller computes up to this many trailing tokens itself: the request may shrink to a shared prefix."""
+    load_s: float = 0.0
+    loaded_tokens: int = 0
+    saved_s: float = 0.0
 
     def step(self, step: CacheStep) -> None:
         self.steps.append(step)
@@ -185,7 +195,8 @@ class FamilyCache:
     """The one component that turns (family member, token ids) into a cache lease."""
 
     def __init__(self, executor: Executor | ModelRegistry, mappings: MappingStore, *, source: str,
-                 policy: CachePolicy | None = None, breaker: CircuitBreaker | None = None) -> None:
+                 policy: CachePolicy | None = None, breaker: CircuitBreaker | None = None,
+                 disk: KVStore | None = None) -> None:
         self.executor = executor if isinstance(executor, Executor) else LocalExecutor(executor)
         self.mappings = mappings
         self.source = source
@@ -198,6 +209,13 @@ class FamilyCache:
         self._rates: dict[str, float] = {}
         self.warnings: list[str] = []
         """Things a user should know (e.g. a mapping calibrated on demand), in order."""
+        if disk is not None and not self.executor.in_process:
+            self.warnings.append(f"the {self.executor.kind} executor keeps caches in its workers: the KV disk tier "
+                                 f"{disk.directory} is not used")
+            disk = None
+        self.disk = disk
+        """The disk tier: entries built here are written behind, and read back (by any process) before computing."""
+        self._disk_lock = threading.Lock()
 
     @classmethod
     def for_family(cls, family: FamilyManifest | None = None, *, home: str | None = None, source: str = "root",
@@ -287,6 +305,8 @@ class FamilyCache:
                 self._unpin(entry)
         lease.seconds = time.perf_counter() - started
         lease.steps, lease.prefill_seconds, lease.map_seconds = req.steps, req.prefill_s, req.map_s
+        lease.load_seconds, lease.saved_seconds = req.load_s, req.saved_s
+        lease.loaded_tokens = min(req.loaded_tokens, lease.reused_tokens)
         return lease
 
     def prefill_estimate(self, member: str, tokens: int) -> float:
@@ -300,8 +320,12 @@ class FamilyCache:
         return rate * tokens * self.info(member).weight_bytes / max(1, self.info(ref).weight_bytes)
 
     def clear(self) -> None:
-        """Drop every unpinned entry."""
+        """Drop every unpinned entry (the disk tier keeps its copies)."""
         self.pool.clear()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the disk tier's queued writes (True when there is none or all landed)."""
+        return self.disk.flush(timeout) if self.disk is not None else True
 
     # -- routing --------------------------------------------------------------------------------
     def _serve(self, req: _Request, allow_mapped: bool, reuse: bool) -> CacheLease:
@@ -312,6 +336,8 @@ class FamilyCache:
             self.pool.stats.misses += 1
             return CacheLease(req.member, n, computed.cache, "exact", 0, n)
         mapped_ok = allow_mapped and not req.gate.force_reprefill
+        if self.disk is not None:
+            self._promote(req, mapped_ok)
         route, flight = self._plan_and_join(req, mapped_ok)
         refused: str | None = None
         lease: CacheLease | None = None
@@ -534,6 +560,144 @@ class FamilyCache:
                 return step.source
         return None
 
+    # -- disk tier ------------------------------------------------------------------------------
+    def _promote(self, req: _Request, mapped_ok: bool) -> None:
+        """Read into memory the disk entry holding the longest prefix of the request beyond what memory holds.
+
+        Candidates are the member's own exact entries, its mapped entries of the mappings loaded now (a mapped
+        entry of a mapping that changed is deleted, never served), and the exact entries of members it maps
+        from; on a tie the member's own cache wins, then a mapped one. The planner then routes over memory
+        as always (a mapped entry read from disk is still served as mapped, through its gates).
+        """
+        disk = self.disk
+        assert disk is not None
+        found: list[tuple[int, int, Namespace, StoredEntry, str]] = []
+
+        def consider(space: Namespace, member: str, rank: int) -> None:
+            stored, length = disk.find(space, req.ids)
+            if stored is None or length < disk.min_tokens:
+                return
+            if length > self.pool.longest_prefix(space, req.ids)[1]:
+                found.append((length, -rank, space, stored, member))
+
+        try:
+            consider(self._exact_ns(req.info), req.member, 0)
+            if mapped_ok and len(req.ids) >= 3:
+                sources = self._sources_for(req.member, req.info)
+                by_fingerprint = {self.executor.info(m).fingerprint: m for m in sources}
+                variant = self._variant(req)
+                for space in disk.namespaces_for(req.info.fingerprint):
+                    source = by_fingerprint.get(space.source_fingerprint or "")
+                    if space.kind != "mapped" or source is None or space.variant != variant:
+                        continue
+                    mapping = self._stored_mapping(source, req)
+                    if mapping is None:
+                        continue
+                    if (space.mapping_id, space.mapping_version) != (mapping.manifest.tensors.sha256,
+                                                                      mapping.manifest.mapping_version):
+                        disk.drop_namespace(space)  # made by a mapping since replaced: never served again
+                        continue
+                    consider(space, req.member, 1)
+                for source in sources:  # a source cache read for a layer repair would lack its hidden states
+                    if not self._wants_hidden(source, req.repair):
+                        consider(self._exact_ns(self.executor.info(source)), source, 2)
+        except OSError as exc:  # an unreadable store is a miss, never a failed request
+            log.warning("kv_store_unreadable", error=str(exc))
+            return
+        if not found:
+            return
+        length, _, space, stored, member = max(found, key=lambda c: (c[0], c[1]))
+        with self._disk_lock:  # concurrent requests for one document read it once
+            if self.pool.longest_prefix(space, req.ids)[1] >= length:
+                return
+            t0 = time.perf_counter()
+            loaded = disk.load(stored)
+            if loaded is None:
+                req.step(CacheStep(step="load", member=req.member, tokens=0, reason="the stored cache was corrupt "
+                                   "or gone: deleted, computing instead", detail={"from": "disk"}))
+                return
+            cache = self.executor.import_cache(member, loaded.layers)
+            mapped = self._mapped_from_disk(loaded.mapped, member, req) if space.kind == "mapped" else None
+            if space.kind == "mapped" and mapped is None:
+                return
+            entry = Entry(space, member, stored.tokens, cache, self._nbytes(cache, loaded.tail_logits),
+                          tail_logits=loaded.tail_logits, logits_end=loaded.logits_end, mapped=mapped,
+                          seconds=loaded.seconds, on_disk=True)
+            for victim in self.pool.add(entry, pin=True):
+                req.step(CacheStep(step="evict", member=victim.member, tokens=len(victim.tokens),
+                                   detail={"bytes": victim.nbytes, "kind": victim.namespace.kind}))
+            req.pinned.append(entry)
+            seconds = time.perf_counter() - t0
+        if space.kind == "exact" and len(stored.tokens) >= 64 and loaded.seconds > 0:
+            self._rates.setdefault(member, loaded.seconds / len(stored.tokens))  # what prefill_estimate saved
+        req.load_s += seconds
+        req.loaded_tokens = max(req.loaded_tokens, length)
+        req.saved_s += loaded.seconds * length / max(1, len(stored.tokens))
+        req.step(CacheStep(step="load", member=req.member, tokens=length, reused_tokens=length, seconds=seconds,
+                           source=member if member != req.member else None,
+                           detail={"from": "disk", "kind": space.kind, "entry_tokens": len(stored.tokens),
+                                   "bytes": stored.nbytes, "key": stored.key}))
+        log.info("cache_loaded", member=req.member, tokens=length, kind=space.kind, seconds=round(seconds, 3))
+
+    def _stored_mapping(self, source: str, req: _Request) -> MappingRef | None:
+        """The mapping source -> member when one is stored (a disk entry never makes one calibrate on demand)."""
+        s, t = self.executor.info(source), req.info
+        if (s.fingerprint, t.fingerprint) not in self._loaded_mappings and not self.mappings.has(s, t):
+            return None
+        try:
+            return self._mapping(source, req.member, req.cancel)
+        except _MappingFailed:
+            return None
+
+    def _mapped_from_disk(self, record: dict[str, object] | None, source_of_entry: str,
+                          req: _Request) -> MappedFrom | None:
+        """A mapped entry's record as read back, naming this process's source member and mapping folder."""
+        if not record:
+            return None
+        try:
+            source_fp = str(record["source_fingerprint"])
+            source = next(m for m in self._sources_for(req.member, req.info)
+                          if self.executor.info(m).fingerprint == source_fp)
+            mapping = self._loaded_mappings.get((source_fp, req.info.fingerprint))
+            probe = record.get("probe")
+            repair = record.get("repair")
+            from mappings.repair_records import RepairSummary
+
+            return MappedFrom(
+                source=source, source_fingerprint=source_fp, mapping_id=str(record["mapping_id"]),
+                mapping_path=str(mapping.path) if mapping is not None and getattr(mapping, "path", None) else None,
+                mapped_tokens=int(cast("int", record["mapped_tokens"])), tail=int(cast("int", record["tail"])),
+                exact_sinks=int(cast("int", record["exact_sinks"])),
+                probe=ProbeReading(**cast("dict[str, float]", probe)) if isinstance(probe, dict) else None,
+                repair=RepairSummary.model_validate(repair) if repair is not None else None,
+                seconds=float(cast("float", record.get("seconds", 0.0))))
+        except (KeyError, StopIteration, TypeError, ValueError) as exc:
+            log.warning("kv_store_bad_record", error=str(exc))
+            return None
+
+    def _write_behind(self, entry: Entry) -> None:
+        """Queue a built entry for the disk tier (it never blocks the request)."""
+        disk = self.disk
+        assert disk is not None
+        if len(entry.tokens) < disk.min_tokens:
+            return
+        try:
+            layers = self.executor.export_cache(entry.member, entry.cache)
+        except OrchestraError as exc:
+            log.warning("kv_store_export_failed", error=str(exc))
+            return
+        record = None
+        if entry.mapped is not None:
+            made = entry.mapped
+            record = {"source_fingerprint": made.source_fingerprint, "mapping_id": made.mapping_id,
+                      "mapped_tokens": made.mapped_tokens, "tail": made.tail, "exact_sinks": made.exact_sinks,
+                      "probe": asdict(made.probe) if made.probe is not None else None,
+                      "repair": made.repair.model_dump(mode="json") if made.repair is not None else None,
+                      "seconds": made.seconds, "source": made.source}
+        entry.on_disk = True
+        disk.put(entry.namespace, entry.member, entry.tokens, layers, tail_logits=entry.tail_logits,
+                 logits_end=entry.logits_end, seconds=entry.seconds, mapped=record)
+
     # -- exact ----------------------------------------------------------------------------------
     def _exact_ns(self, info: ModelInfo) -> Namespace:
         return Namespace("exact", info.fingerprint, self._dtype(info), info.rope)
@@ -605,6 +769,8 @@ class FamilyCache:
                 for victim in evicted:
                     req.step(CacheStep(step="evict", member=victim.member, tokens=len(victim.tokens),
                                        detail={"bytes": victim.nbytes, "kind": victim.namespace.kind}))
+                if self.disk is not None and not entry.on_disk:
+                    self._write_behind(entry)
             else:
                 entry.pins += 1
             req.pinned.append(entry)

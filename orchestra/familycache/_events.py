@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 __all__ = ["CacheStep", "StepKind"]
 
-StepKind = Literal["hit", "join", "prefill", "map", "repair", "gate", "shadow", "fallback", "evict"]
+StepKind = Literal["hit", "join", "prefill", "map", "repair", "gate", "shadow", "fallback", "evict", "load"]
 
 
 class CacheStep(BaseModel):

@@ -164,6 +164,26 @@ class Executor(ABC):
         return self.run([source, target], map_with_source, mapping, source_cache, ids, tail, repair, source_hidden,
                         sinks=sinks, costs=costs)
 
+    def export_cache(self, member: str, cache: CacheRef) -> list[tuple[Tensor, Tensor]]:
+        """`member`'s cache as per-layer (K, V) tensors this process can write (the disk tier saves them).
+
+        In process they are the cache's own tensors (no copy; caches are never modified in place); a remote
+        executor that cannot hand its caches out raises ExecutorError, and the FamilyCache keeps them in memory.
+        """
+        if not self.in_process:
+            raise ExecutorError(f"{type(self).__name__} keeps its caches in other processes: no disk tier")
+        from mappings.cache_io import cache_layers
+
+        return cache_layers(cast("KVCache", cache))
+
+    def import_cache(self, member: str, layers: list[tuple[Tensor, Tensor]]) -> CacheRef:
+        """Per-layer (K, V) tensors (read from the disk tier) as a cache of `member`, on its device and dtype."""
+        if not self.in_process:
+            raise ExecutorError(f"{type(self).__name__} keeps its caches in other processes: no disk tier")
+        from orchestra.familycache._ops import import_layers
+
+        return self.run([member], import_layers, layers)
+
     def stream(self, member: str, op: Callable[..., R], *args: object, on_item: Callable[[Any], None],
                cancel: threading.Event | None = None, placement: dict[str, str] | None = None,
                **kwargs: object) -> R:

@@ -192,6 +192,14 @@ def probe_reference(source: LoadedModel, target: LoadedModel, store: MappingStor
     return store.probe_reference(source, target, mapping, tail)
 
 
+def import_layers(model: LoadedModel, layers: list[tuple[Tensor, Tensor]]) -> KVCache:
+    """Per-layer K/V read from disk as the model's cache, on its device (the dtype is the stored one: it is
+    part of the entry's namespace)."""
+    from mappings.cache_io import build_cache, model_device
+
+    return build_cache(layers, model.model.config, device=model_device(model.model))
+
+
 def held_model(model: LoadedModel) -> LoadedModel:
     """The model itself: how `Executor.model` reaches an in-process executor's models through `run`."""
     return model

@@ -82,6 +82,8 @@ class Entry:
     pins: int = 0
     stored: bool = False
     held_outside: bool = False
+    on_disk: bool = False
+    """Read from, or already written to, the disk tier (never written again)."""
     """Not stored (no room) but pinned by a lease: its bytes count against the budget until the last unpin."""
 
 

@@ -59,6 +59,10 @@ class ServeConfig(BaseModel):
     """A prompt whose uncached rest (past what is cached or being built, e.g. the shared document) is at most this
     many tokens leases only the cached part and computes the rest while decoding, storing no entry of its own:
     concurrent conversations over one document then hold one copy of it. 0: every prompt is cached whole."""
+    kv_store: Path | None = None
+    """A folder for the disk tier: caches built are written there and read back after a restart (None: memory only)."""
+    kv_store_mb: int = Field(8192, ge=1)
+    """Bytes the disk tier may hold, MiB (least recently used go first)."""
     on_missing_mapping: Literal["refuse", "calibrate"] = "refuse"
     """A pair without a calibrated mapping is re-prefilled (refuse) or calibrated inside the request (minutes)."""
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec)

@@ -226,9 +226,15 @@ class ServeEngine:
             # serve, and a cluster that cannot place it fails the start
             executor = make_executor(self.config.executor.kind, registry, self.config.executor, name="serve",
                                      start=True)
+            disk = None
+            if self.config.kv_store is not None:
+                from orchestra.familycache import KVStore
+
+                disk = KVStore(self.config.kv_store, self.config.kv_store_mb << 20)
             cache = FamilyCache(executor, store, source=self.config.source,
                                 policy=CachePolicy(budget_bytes=self.config.cache_mb << 20, gate=self.config.gate,
-                                                   tail_tokens=self.config.tail_tokens, repair=self.config.repair))
+                                                   tail_tokens=self.config.tail_tokens, repair=self.config.repair),
+                                disk=disk)
         self.cache = cache
         self.remote = not cache.executor.in_process
         """Models live elsewhere (Ray actors): replies are decoded there, tokens streamed back."""
@@ -414,6 +420,7 @@ class ServeEngine:
         (a ray executor's actors and placement group). Idempotent."""
         for batcher in self._batchers.values():
             batcher.close()
+        self.cache.flush(60.0)  # caches built before the shutdown are there after the restart
         if self._owns_cache:
             self.cache.executor.close()
 

@@ -51,6 +51,12 @@ class ServeMetrics:
                                 registry=r)
         self.cache_bytes = Gauge("orchestra_cache_bytes", "Bytes held by the family-wide cache", registry=r)
         self.cache_budget = Gauge("orchestra_cache_budget_bytes", "Byte budget of the family-wide cache", registry=r)
+        self.disk_loads = Counter("orchestra_kv_disk_loads", "Caches read from the disk tier instead of computed",
+                                  ["kind"], registry=r)
+        self.disk_load_seconds = Counter("orchestra_kv_disk_load_seconds", "Seconds spent reading caches from the "
+                                         "disk tier", registry=r)
+        self.disk_bytes = Gauge("orchestra_kv_disk_bytes", "Bytes the disk tier holds (all processes)", registry=r)
+        self.disk_writes = Gauge("orchestra_kv_disk_writes", "Caches this process wrote to the disk tier", registry=r)
         self.decode_bytes = Gauge("orchestra_decode_reserved_bytes",
                                   "Bytes of the cache budget held by decoding rows (their K/V)", registry=r)
 
@@ -58,12 +64,19 @@ class ServeMetrics:
         self.cache_bytes.set_function(lambda: float(cache.used_bytes))
         self.cache_budget.set(cache.pool.budget_bytes)
         self.decode_bytes.set_function(lambda: float(cache.pool.reserved_bytes))
+        disk = cache.disk
+        if disk is not None:
+            self.disk_bytes.set_function(lambda: float(disk.used_bytes))
+            self.disk_writes.set_function(lambda: float(disk.stats.writes))
 
     def on_step(self, step: CacheStep) -> None:
         if step.step in ("gate", "shadow") and step.passed is False:
             self.gate_failures.labels(gate=(step.reason or "?").split(":", 1)[0]).inc()
         elif step.step == "evict":
             self.evictions.inc()
+        elif step.step == "load" and step.tokens:
+            self.disk_loads.labels(kind=str(step.detail.get("kind", "exact"))).inc()
+            self.disk_load_seconds.inc(step.seconds)
 
     def on_lease(self, model: str, lease: CacheLease, saved_seconds: float) -> None:
         self.on_cache(model, lease.path, lease.reused_tokens, saved_seconds)
