@@ -40,6 +40,8 @@ from orchestra.errors import (
     QuantizeBaseError,
     QuantizeError,
     RunInputError,
+    RunResumeError,
+    SessionError,
     UnknownAgentError,
     UnknownModelError,
 )
@@ -63,10 +65,15 @@ __all__ = [
     "RunReport",
     "AgentReport",
     "InputSpec",
+    "Session",
+    "Checkpointer",
+    "MemoryCheckpointer",
+    "SqliteCheckpointer",
     # the core: one cache for the whole family
     "FamilyCache",
     "CachePolicy",
     "CacheLease",
+    "KVStore",
     "GatePolicy",
     # the family
     "build_family",
@@ -89,6 +96,8 @@ __all__ = [
     "PipelineFileError",
     "CycleError",
     "RunInputError",
+    "RunResumeError",
+    "SessionError",
     "UnknownAgentError",
     "UnknownModelError",
     "ModelReferenceError",
@@ -110,17 +119,24 @@ __all__ = [
 
 if TYPE_CHECKING:
     from orchestra.builder import Pipeline
+    from orchestra.checkpoint import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
     from orchestra.family import FamilyManifest, build_family, load_family
-    from orchestra.familycache import CacheLease, CachePolicy, FamilyCache
+    from orchestra.familycache import CacheLease, CachePolicy, FamilyCache, KVStore
     from orchestra.gates import GatePolicy
     from orchestra.inputs import InputSpec
     from orchestra.modelref import AdapterSpec, ModelRef, QuantizeSpec
     from orchestra.pipeline import AgentNode, ExecutorSpec, PipelineSpec, load_pipeline
     from orchestra.report import AgentReport, RunReport
     from orchestra.scheduler import Orchestra
+    from orchestra.session import Session
 
 _LAZY = {
     "Pipeline": "orchestra.builder",
+    "Session": "orchestra.session",
+    "Checkpointer": "orchestra.checkpoint",
+    "MemoryCheckpointer": "orchestra.checkpoint",
+    "SqliteCheckpointer": "orchestra.checkpoint",
+    "KVStore": "orchestra.familycache",
     "PipelineSpec": "orchestra.pipeline",
     "AgentNode": "orchestra.pipeline",
     "ExecutorSpec": "orchestra.pipeline",

@@ -25,7 +25,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import TYPE_CHECKING
 
 from agents.spec import AgentSpec
-from orchestra.errors import EventLoopRunningError, FamilyError, PipelineProblem, PipelineValidationError
+from orchestra.checkpoint import Checkpointer, SqliteCheckpointer
+from orchestra.errors import (
+    EventLoopRunningError,
+    FamilyError,
+    PipelineProblem,
+    PipelineValidationError,
+    SessionError,
+)
 from orchestra.gates import GatePolicy
 from orchestra.inputs import InputSpec
 from orchestra.modelref import AdapterSpec, QuantizeSpec
@@ -45,6 +52,7 @@ if TYPE_CHECKING:
     from orchestra.family.manifest import FamilyManifest
     from orchestra.report import RunReport
     from orchestra.scheduler import Orchestra
+    from orchestra.session import Session
 
     EventSink = Callable[[Event], Awaitable[None] | None]
     """Called with every event of a run; may be a coroutine function."""
@@ -130,6 +138,7 @@ class Pipeline:
         self._spec: PipelineSpec | None = None
         self._orch: Orchestra | None = None
         self._orch_lock = threading.Lock()  # run_sync from several threads makes one Orchestra, not several
+        self._checkpointer: Checkpointer | None = None
 
     # -- construction ------------------------------------------------------------------------------------
     @classmethod
@@ -259,6 +268,15 @@ class Pipeline:
         self._changed()
         return self
 
+    def with_checkpointer(self, checkpointer: Checkpointer | str | os.PathLike[str] | None) -> Pipeline:
+        """Make runs durable: each finished agent is recorded (a `Checkpointer`, or a path: a SQLite file), so
+        ``run(..., run_id=...)`` of a run that stopped continues it. None: runs are not recorded."""
+        if checkpointer is not None and not isinstance(checkpointer, Checkpointer):
+            checkpointer = SqliteCheckpointer(os.fspath(checkpointer))
+        self._checkpointer = checkpointer
+        self._changed()
+        return self
+
     def _changed(self) -> None:
         self._spec = None
         self._release()
@@ -341,7 +359,7 @@ class Pipeline:
                 from orchestra.scheduler import Orchestra
 
                 spec = self.spec
-                self._orch = Orchestra(spec, family=self._resolve_family(spec))
+                self._orch = Orchestra(spec, family=self._resolve_family(spec), checkpointer=self._checkpointer)
             return self._orch
 
     def _resolve_family(self, spec: PipelineSpec) -> FamilyManifest | None:
@@ -365,22 +383,41 @@ class Pipeline:
         return self._orch.last_report if self._orch is not None else None
 
     async def run(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None,
-                  inputs: Mapping[str, object] | None = None) -> RunReport:
+                  inputs: Mapping[str, object] | None = None, run_id: str | None = None,
+                  resume: bool = False) -> RunReport:
         """Run every agent over ``document`` (its text, or a Path to read); ``on_event`` gets each event.
 
         ``inputs`` are this run's values of the pipeline's declared inputs (`with_input`). Running the same
         pipeline again (other inputs, same document) reuses its loaded models and the document's caches.
+        With a checkpointer (`with_checkpointer`), a ``run_id`` recorded before continues that run (``resume=True``:
+        it must exist): what finished is kept, the rest runs.
         """
-        return await self.orchestra().run(_text(document), on_event=on_event, inputs=inputs)
+        return await self.orchestra().run(_text(document), on_event=on_event, inputs=inputs, run_id=run_id,
+                                          resume=resume)
 
-    async def stream(self, document: str | os.PathLike[str], *,
-                     inputs: Mapping[str, object] | None = None) -> AsyncIterator[Event]:
+    async def stream(self, document: str | os.PathLike[str], *, inputs: Mapping[str, object] | None = None,
+                     run_id: str | None = None, resume: bool = False) -> AsyncIterator[Event]:
         """Yield the run's typed events as they happen (tokens included); then see `last_report`."""
-        async for event in self.orchestra().stream(_text(document), inputs=inputs):
+        async for event in self.orchestra().stream(_text(document), inputs=inputs, run_id=run_id, resume=resume):
             yield event
 
+    def session(self, document: str | os.PathLike[str] | None = None, *, name: str | None = None) -> Session:
+        """A session over ``document`` (text or a path): the document held on every member for many runs
+        (``with p.session(doc) as s: s.ask(...)``). A ``name`` keeps it in the home (``sessions/<name>.json``);
+        ``p.session(name=...)`` without a document reopens it."""
+        from orchestra.paths import resolve_home
+        from orchestra.session import Session, session_path
+
+        path = session_path(resolve_home(self._home), name) if name is not None else None
+        if document is None:
+            if path is None:
+                raise SessionError("give the session a document, or the name of a session kept before")
+            return Session.load(self, path, name or "")
+        return Session(self, _text(document), name=name, path=path)
+
     def run_sync(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None,
-                 inputs: Mapping[str, object] | None = None) -> RunReport:
+                 inputs: Mapping[str, object] | None = None, run_id: str | None = None,
+                 resume: bool = False) -> RunReport:
         """`run` for synchronous code (scripts, notebooks' plain cells): starts and ends its own event loop.
 
         Inside a running event loop it raises `EventLoopRunningError` instead of blocking that loop:
@@ -389,7 +426,8 @@ class Pipeline:
         _refuse_inside_event_loop()
         import anyio
 
-        return anyio.run(functools.partial(self.run, document, on_event=on_event, inputs=inputs))
+        return anyio.run(functools.partial(self.run, document, on_event=on_event, inputs=inputs, run_id=run_id,
+                                           resume=resume))
 
 
 def _role_aliases(family: FamilyManifest | None) -> dict[str, str]:

@@ -219,6 +219,15 @@ class RunInputError(PipelineError, ValueError):
     """A run's inputs do not match the pipeline's declared ``inputs``: one missing, unknown, or malformed."""
 
 
+class RunResumeError(PipelineError, ValueError):
+    """A run to resume does not exist, or was started with another pipeline, document or inputs."""
+
+
+class SessionError(OrchestraError):
+    """A session cannot do what was asked: no such named session, no input to put a question in, an answer
+    that did not come (its agent failed), or a session used after it was closed."""
+
+
 class InputFileError(DocumentError):
     """A document, corpus or other input file cannot be read as text: missing, binary, or in another encoding."""
 

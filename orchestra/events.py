@@ -23,6 +23,7 @@ __all__ = [
     "AgentFailed",
     "AgentSkipped",
     "AgentDegenerate",
+    "AgentRestored",
     "RunFinished",
     "AnyEvent",
 ]
@@ -131,6 +132,15 @@ class AgentDegenerate(Event):
     output: str
 
 
+class AgentRestored(Event):
+    """A resumed run kept this agent's result from its checkpoint instead of running it again."""
+
+    kind: Literal["agent_restored"] = "agent_restored"
+    agent: str
+    status: str
+    output: str | None = None
+
+
 class RunFinished(Event):
     kind: Literal["run_finished"] = "run_finished"
     succeeded: list[str]
@@ -142,6 +152,6 @@ class RunFinished(Event):
 
 AnyEvent = Annotated[
     RunStarted | DocumentPrefilled | CacheReady | CacheStepEvent | AgentStarted | TokenEvent | GateResult | Fallback
-    | AgentFinished | AgentFailed | AgentSkipped | AgentDegenerate | RunFinished,
+    | AgentFinished | AgentFailed | AgentSkipped | AgentDegenerate | AgentRestored | RunFinished,
     Field(discriminator="kind"),
 ]

@@ -78,6 +78,8 @@ class RunReport(BaseModel):
     disk_load_s: float = Field(0.0, description="Seconds spent reading them (not counted in prefill_s_spent).")
     warnings: list[str] = Field(default_factory=list, description="e.g. mappings calibrated on demand")
     inputs: dict[str, str] = Field(default_factory=dict, description="The run's values of the pipeline's inputs.")
+    restored: list[str] = Field(default_factory=list, description="Agents a resumed run kept from its checkpoint "
+                                "(not run again).")
     executor: str = Field("local", description="Where model work ran: local (this process) or ray (actors).")
     kv_bytes_moved: int = Field(
         0, description="ray: bytes of K/V (and hidden states) one process read from another's output during the run "

@@ -25,7 +25,7 @@ import anyio.from_thread
 import structlog
 
 from orchestra import events as ev
-from orchestra.errors import DocumentError
+from orchestra.errors import DocumentError, RunResumeError
 from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache, make_executor
 from orchestra.gates import CircuitBreaker
 from orchestra.graph import build_graph
@@ -36,6 +36,7 @@ from orchestra.registry import ModelRegistry
 from orchestra.report import AgentReport, ModelCacheReport, RunReport
 
 if TYPE_CHECKING:
+    from orchestra.checkpoint import Checkpointer, RunCheckpoint
     from orchestra.family.manifest import FamilyManifest
 
 __all__ = ["Orchestra"]
@@ -66,8 +67,14 @@ class _Run:
     inputs: dict[str, str] = field(default_factory=dict)
     """The run's values of the pipeline's declared inputs (defaults filled in)."""
     prompts: dict[str, _MemberPrompt] = field(default_factory=dict)
+    restored: dict[str, AgentReport] = field(default_factory=dict)
+    """Agents a resumed run keeps from its checkpoint (their outputs are in `outputs` already)."""
+    checkpointer: Checkpointer | None = None
     """Each member's document prefix (laid out by its own tokenizer and chat template), once per run."""
 
+
+_NOT_IN_RESULTS = {"kv_store", "executor", "store_budget_mb", "max_concurrency_per_device"}
+"""Pipeline settings that change where and how fast a run goes, not what it answers (a resume may change them)."""
 
 KV_STORE_ENV = "ORCHESTRA_KV_STORE"
 """Environment: the disk tier's folder for pipelines that name none, or ``off`` (then only a pipeline's own
@@ -86,6 +93,7 @@ class Orchestra:
         mappings: MappingStore | None = None,
         breaker: CircuitBreaker | None = None,
         share_prefill: bool = True,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.graph = build_graph(pipeline.upstreams(), {a.name: a.model for a in pipeline.agents})
@@ -119,6 +127,8 @@ class Orchestra:
                 cache.info(alias)
         self.cache = cache
         self.share_prefill = share_prefill
+        self.checkpointer = checkpointer
+        """Where runs record each finished agent (None: runs are not durable and cannot be resumed)."""
         self.last_report: RunReport | None = None
 
     @staticmethod
@@ -139,7 +149,7 @@ class Orchestra:
         off = env.lower() == "off"
         folder = Path(env) if env and not off else home / "kv" if home is not None else None
         directory = Path(settings.directory) if settings.directory else folder
-        wanted = settings.enabled if settings.enabled is not None else not off
+        wanted = settings.enabled if settings.enabled is not None else bool(settings.directory) or not off
         if wanted and directory is not None:
             from orchestra.familycache import KVStore
 
@@ -162,13 +172,22 @@ class Orchestra:
 
     # -- public API -----------------------------------------------------------------------------
     async def run(self, document: str, *, on_event: EventSink | None = None, run_id: str | None = None,
-                  inputs: Mapping[str, object] | None = None) -> RunReport:
+                  inputs: Mapping[str, object] | None = None, resume: bool = False) -> RunReport:
         """Run every agent over `document` with the pipeline's `inputs` for this run (its declared names; defaults
         fill the rest); returns the report (also kept as `last_report`). RunInputError before anything runs
-        when an input is missing or unknown."""
+        when an input is missing or unknown.
+
+        With a checkpointer, each finished agent is recorded under `run_id`; a `run_id` recorded before
+        continues that run: agents that succeeded (or were degenerate) keep their results, the rest run.
+        `resume=True` requires the run to exist. RunResumeError when it does not, or was another pipeline's,
+        document's or inputs'.
+        """
         from orchestra.inputs import resolve_inputs
 
         values = resolve_inputs(self.pipeline.inputs, inputs)
+        if resume and (run_id is None or self.checkpointer is None):
+            raise RunResumeError("resuming a run needs its run id and a checkpointer (orchestra run records one in "
+                                 "<home>/runs.sqlite)")
         run_id = run_id or uuid.uuid4().hex[:12]
 
         async def emit(event: ev.Event) -> None:
@@ -179,11 +198,58 @@ class Orchestra:
                 if result is not None:
                     await result
 
-        report = await self._run(document, run_id, emit, values)
+        report = await self._run(document, run_id, emit, values, self._resume_state(run_id, document, values, resume))
         self.last_report = report
         return report
 
-    async def stream(self, document: str, *, inputs: Mapping[str, object] | None = None) -> AsyncIterator[ev.Event]:
+    async def hold(self, document: str) -> list[CacheLease]:
+        """Obtain the document's cache on the source and on every agent's member, as a run would, and keep
+        them: until the leases are released no budget evicts them, so runs over `document` meanwhile compute
+        only their agents' own tokens (`Session` holds a document this way)."""
+        from agents import DocumentPrompt
+        from agents.errors import EmptyDocumentError
+
+        tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, self.source_alias)
+        try:
+            prefix_ids = DocumentPrompt(document).token_ids(tokenizer)
+        except EmptyDocumentError as exc:
+            raise DocumentError(str(exc)) from exc
+        self._check_length(prefix_ids)
+
+        async def quiet(event: ev.Event) -> None:
+            return None
+
+        run = _Run("hold", time.perf_counter(), prefix_ids, quiet, document=document)
+        try:
+            held: set[str] = set()
+            if self.share_prefill:
+                await self._acquire(run, None, self.source_alias)
+                held.add(self.source_alias)
+            for agent in self.pipeline.agents:
+                if agent.model not in held:
+                    held.add(agent.model)
+                    await self._acquire(run, agent.name, agent.model, await self._prompt_for(run, agent.name,
+                                                                                              agent.model))
+        except BaseException:
+            for _, lease in run.leases:
+                lease.release()
+            raise
+        return [lease for _, lease in run.leases]
+
+    def _resume_state(self, run_id: str, document: str, inputs: dict[str, str], resume: bool) -> RunCheckpoint | None:
+        """The checkpoint the run continues (recording its identity when it is new); None without a checkpointer."""
+        if self.checkpointer is None:
+            return None
+        from orchestra.checkpoint import RunIdentity, document_digest, pipeline_digest
+
+        identity = RunIdentity(pipeline=self.pipeline.name, pipeline_digest=pipeline_digest(self.pipeline.model_dump_json(exclude=_NOT_IN_RESULTS)),
+                               document_digest=document_digest(document), inputs=inputs)
+        state = self.checkpointer.resume_state(run_id, identity, must_exist=resume)
+        self.checkpointer.begin(run_id, identity)
+        return state
+
+    async def stream(self, document: str, *, inputs: Mapping[str, object] | None = None, run_id: str | None = None,
+                     resume: bool = False) -> AsyncIterator[ev.Event]:
         """Yield typed events as they happen; the report is `last_report` once `RunFinished` arrived."""
         send, receive = anyio.create_memory_object_stream[ev.Event](max_buffer_size=math.inf)
         failure: list[BaseException] = []
@@ -191,7 +257,7 @@ class Orchestra:
         async def runner() -> None:
             async with send:
                 try:
-                    await self.run(document, on_event=send.send, inputs=inputs)
+                    await self.run(document, on_event=send.send, inputs=inputs, run_id=run_id, resume=resume)
                 except Exception as exc:  # re-raised to the consumer after the stream drains
                     failure.append(exc)
 
@@ -204,7 +270,8 @@ class Orchestra:
             raise failure[0]
 
     # -- the run --------------------------------------------------------------------------------
-    async def _run(self, document: str, run_id: str, emit, inputs: dict[str, str]) -> RunReport:
+    async def _run(self, document: str, run_id: str, emit, inputs: dict[str, str],
+                   state: RunCheckpoint | None = None) -> RunReport:
         from agents import DocumentPrompt
         from agents.errors import EmptyDocumentError
 
@@ -217,7 +284,13 @@ class Orchestra:
         except EmptyDocumentError as exc:
             raise DocumentError(str(exc)) from exc
         self._check_length(prefix_ids)
-        run = _Run(run_id, started, prefix_ids, emit, document=document, inputs=inputs)
+        run = _Run(run_id, started, prefix_ids, emit, document=document, inputs=inputs, checkpointer=self.checkpointer)
+        if state is not None:
+            from orchestra.checkpoint import RESTORABLE
+
+            names = {a.name for a in self.pipeline.agents}
+            run.restored = {n: r for n, r in state.agents.items() if n in names and r.status in RESTORABLE}
+            run.outputs.update({n: state.outputs[n] for n in run.restored if n in state.outputs})
         await emit(ev.RunStarted(run_id=run_id, agents=[a.name for a in self.pipeline.agents],
                                  source_model=self.source_alias, document_tokens=len(prefix_ids)))
         try:
@@ -232,7 +305,10 @@ class Orchestra:
         finally:
             for _, lease in run.leases:
                 lease.release()
-        return await self._report(run, started, warned, moved)
+        report = await self._report(run, started, warned, moved)
+        if run.checkpointer is not None:
+            await anyio.to_thread.run_sync(run.checkpointer.finish, run.run_id)
+        return report
 
     async def _report(self, run: _Run, started: float, warned: int, moved: dict[str, int] | None = None) -> RunReport:
         reports = [run.reports[a.name] for a in self.pipeline.agents]
@@ -270,6 +346,7 @@ class Orchestra:
             disk_loads=sum(1 for _, lease in run.leases if lease.loaded_tokens),
             disk_load_s=sum(lease.load_seconds for _, lease in run.leases),
             warnings=self.cache.warnings[warned:], executor=self.cache.executor.kind, inputs=run.inputs,
+            restored=list(run.restored),
             **{key: value - (moved or {}).get(key, 0) for key, value in self.cache.executor.stats().items()
                if key in _MOVED},
         )
@@ -354,6 +431,14 @@ class Orchestra:
 
     async def _agent_task(self, run: _Run, name: str, done: dict[str, anyio.Event]) -> None:
         agent = self.pipeline.agent(name)
+        if name in run.restored:
+            kept = run.reports[name] = run.restored[name]
+            try:
+                await run.emit(ev.AgentRestored(run_id=run.run_id, agent=name, status=kept.status,
+                                                output=kept.output))
+            finally:
+                done[name].set()
+            return
         report = AgentReport(name=name, model=agent.model, status="failed")
         run.reports[name] = report
         try:
@@ -363,6 +448,7 @@ class Orchestra:
             if bad:
                 report.status = "skipped"
                 report.skip_reason = _skip_reason([run.reports[up] for up in bad])
+                await self._checkpoint(run, report)
                 await run.emit(ev.AgentSkipped(run_id=run.run_id, agent=name, reason=report.skip_reason))
                 return
             await run.emit(ev.AgentStarted(run_id=run.run_id, agent=name, model=agent.model))
@@ -410,21 +496,29 @@ class Orchestra:
                 # never handed downstream as an answer: dependants are skipped, naming this agent and why
                 report.status = "degenerate"
                 report.degenerate_reason = str(result.degenerate)
+                await self._checkpoint(run, report)
                 await run.emit(ev.AgentDegenerate(run_id=run.run_id, agent=name, reason=report.degenerate_reason,
                                                   output=result.text))
                 return
             run.outputs[name] = result.downstream_text()
             report.status = "succeeded"
+            await self._checkpoint(run, report)
             await run.emit(ev.AgentFinished(run_id=run.run_id, agent=name, output=result.text,
                                             parsed=report.parsed))
         except Exception as exc:
             report.status = "failed"
             report.error_type = type(exc).__name__
             report.error = str(exc) or (f"timed out after {agent.timeout_s}s" if isinstance(exc, TimeoutError) else "")
+            await self._checkpoint(run, report)
             await run.emit(ev.AgentFailed(run_id=run.run_id, agent=name, error_type=report.error_type,
                                           error=report.error))
         finally:
             done[name].set()
+
+    async def _checkpoint(self, run: _Run, report: AgentReport) -> None:
+        """Record a finished agent before anyone hears of it (a run killed after the event has it on record)."""
+        if run.checkpointer is not None:
+            await anyio.to_thread.run_sync(run.checkpointer.record, run.run_id, report, run.outputs.get(report.name))
 
     def _record_cache(self, run: _Run, report: AgentReport, lease: CacheLease) -> None:
         """The agent's cache path, gate decisions and prefill seconds (a shared cache is charged once)."""

@@ -97,6 +97,8 @@ def format_event(event: AnyEvent) -> str | None:
             what = f"repaired {s.tokens:,} tokens on {s.member}"
         elif s.step == "join":
             what = f"joined a build in flight on {s.member}"
+        elif s.step == "load" and s.tokens:
+            what = f"read {s.tokens:,} {s.detail.get('kind', 'exact')} tokens from disk on {s.member}"
         else:
             what = f"{s.step} on {s.member}" + (f": {s.reason}" if s.reason else "")
         return f"{who}: {what}" + (f" ({_secs(s.seconds)})" if s.seconds >= 0.01 else "")
@@ -117,6 +119,8 @@ def format_event(event: AnyEvent) -> str | None:
         return f"{event.agent}: FAILED ({event.error_type}: {event.error})"
     if event.kind == "agent_skipped":
         return f"{event.agent}: skipped ({event.reason})"
+    if event.kind == "agent_restored":
+        return f"{event.agent}: kept from the run's checkpoint ({event.status})"
     if event.kind == "run_finished":
         return (f"run finished in {_secs(event.seconds)}: {len(event.succeeded)} succeeded, {len(event.failed)} failed, "
                 f"{len(event.skipped)} skipped")
@@ -177,6 +181,8 @@ class RunDisplay:
             row.cache = event.path
         elif event.kind == "fallback":
             row.cache = "reprefilled"
+        elif event.kind == "agent_restored":
+            row.state = "kept"
         elif event.kind in ("agent_finished", "agent_failed", "agent_skipped"):
             row.state = {"agent_finished": "done", "agent_failed": "failed", "agent_skipped": "skipped"}[event.kind]
 

@@ -100,7 +100,8 @@ AGENTS_FAILED_EXIT = 3
 
 def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, report_out: Path | None,
                       stream: bool = False, encoding: str | None = None, executor: str | None = None,
-                      ray_address: str | None = None, inputs: list[str] | None = None, kv_store: bool | None = None):
+                      ray_address: str | None = None, inputs: list[str] | None = None, kv_store: bool | None = None,
+                      resume: str | None = None):
     """Validate the file (as deeply as `orchestra graph`) and the ``--input NAME=VALUE`` items, then run it
     through the Python API's `Pipeline`."""
     from orchestra.builder import Pipeline
@@ -108,15 +109,26 @@ def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, re
 
     pipeline = Pipeline.from_file(pipeline_file, home=home).with_executor(executor, address=ray_address)
     pipeline.with_kv_store(kv_store)
+    from orchestra.errors import FamilyHomeError
+    from orchestra.paths import resolve_home
+
+    try:
+        pipeline.with_checkpointer(resolve_home(home) / "runs.sqlite")  # every run can be resumed
+    except FamilyHomeError as exc:  # a read-only home still runs; only --resume needs the record
+        if resume is not None:
+            raise
+        console.print(f"[dim]this run cannot be resumed: {exc}[/dim]")
     values = resolve_inputs(pipeline.spec.inputs, parse_input_args(inputs or []))  # before any model loads
     try:  # a ray executor's actors and placement group go away with the run, Ctrl-C included
-        return _run_pipeline(pipeline, document, report_out, stream, encoding, values)
+        return _run_pipeline(pipeline, document, report_out, stream, encoding, values, resume)
     finally:
         pipeline.close()
 
 
 def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: bool, encoding: str | None,
-                  inputs: dict[str, str] | None = None):
+                  inputs: dict[str, str] | None = None, resume: str | None = None):
+    import uuid
+
     import anyio
 
     from orchestra.commands._live import RunDisplay, quiet_library_output
@@ -125,11 +137,14 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
     text = read_text_file(document, encoding=encoding)
     with quiet_library_output(console):
         pipeline.orchestra()  # family, models and devices are checked here, before the event loop starts
+        run_id = resume or uuid.uuid4().hex[:12]
+        if resume is None:
+            console.print(f"[dim]run {run_id}: if it stops, `--resume {run_id}` continues it[/dim]")
         display = RunDisplay(console, [(a.name, a.model) for a in pipeline.agents], lines=stream)
 
         async def main():
             with display:
-                async for event in pipeline.stream(text, inputs=inputs):
+                async for event in pipeline.stream(text, inputs=inputs, run_id=run_id, resume=resume is not None):
                     display(event)
             return pipeline.last_report
 
@@ -174,6 +189,10 @@ def run(
         list[str] | None, typer.Option("--input", help="NAME=VALUE: a value of one of the pipeline's `inputs` "
                                        "(repeat for each); templates read it as {NAME}.")
     ] = None,
+    resume: Annotated[
+        str | None, typer.Option("--resume", help="RUN_ID: continue a run that stopped (its id is printed when it "
+                                 "starts): agents that finished keep their results, the rest run.")
+    ] = None,
     kv_store: Annotated[
         bool | None, typer.Option("--kv-store/--no-kv-store", help="Read and keep document caches on disk "
                                   "(<home>/kv) across runs (default: the pipeline's kv_store, on).")
@@ -187,7 +206,8 @@ def run(
     """
     with pipeline_errors():
         result = run_pipeline_file(pipeline, document, home, report, stream=events, encoding=encoding,
-                                   executor=executor, ray_address=ray_address, inputs=inputs, kv_store=kv_store)
+                                   executor=executor, ray_address=ray_address, inputs=inputs, kv_store=kv_store,
+                                   resume=resume)
     exit_on_failed_agents(result)
 
 

@@ -63,11 +63,11 @@ class FakeOrchestra:
 
     made: list[FakeOrchestra] = []
 
-    def __init__(self, spec, *, family=None) -> None:
+    def __init__(self, spec, *, family=None, checkpointer=None) -> None:
         self.spec, self.family, self.runs, self.last_report = spec, family, [], None
         FakeOrchestra.made.append(self)
 
-    async def run(self, document, *, on_event=None, inputs=None):
+    async def run(self, document, *, on_event=None, inputs=None, run_id=None, resume=False):
         for event in ("run_started", "run_finished"):
             if on_event is not None:
                 result = on_event(event)
@@ -77,7 +77,7 @@ class FakeOrchestra:
         self.last_report = SimpleNamespace(document=document, orchestra=self)
         return self.last_report
 
-    async def stream(self, document, *, inputs=None):
+    async def stream(self, document, *, inputs=None, run_id=None, resume=False):
         for event in ("run_started", "run_finished"):
             yield event
         self.runs.append(document)

@@ -127,6 +127,13 @@ CASES = [
     ("family train-delta: unknown delta", lambda f: ["family", "train-delta", "nope", "--home", f["home_file"]],
      "unknown delta"),
     ("demo: home is a file", lambda f: ["demo", "--home", f["home_file"]], "not a directory"),
+    ("cache ls: home is a file", lambda f: ["cache", "ls", "--home", f["home_file"]], "not a directory"),
+    ("cache rm: no such key", lambda f: ["cache", "rm", "nosuchkey", "--store", f["dir"] / "kv"],
+     "no stored cache has a key starting 'nosuchkey'"),
+    ("cache rm: nothing named", lambda f: ["cache", "rm", "--store", f["dir"] / "kv"], "or pass --all"),
+    ("cache prune: home is a file", lambda f: ["cache", "prune", "--home", f["home_file"]], "not a directory"),
+    ("run --resume of no such run", lambda f: ["run", f["good"], "--document", f["doc"], "--resume", "nosuchrun",
+                                                "--home", f["dir"] / "nohome"], "no run 'nosuchrun' to resume"),
     ("bench: unknown section", lambda f: ["bench", "--sections", "bogus", "--home", f["home_file"]], "bogus"),
 ]
 
@@ -177,7 +184,8 @@ def test_every_command_is_covered():
     import typer.main
 
     root = typer.main.get_command(app)
-    covered = {" ".join(c[1](_Names())[:2]) if c[1](_Names())[0] == "family" else c[1](_Names())[0] for c in CASES}
+    covered = {" ".join(c[1](_Names())[:2]) if c[1](_Names())[0] in ("family", "cache") else c[1](_Names())[0]
+               for c in CASES}
     names = set()
     for name, cmd in root.commands.items():
         for sub in getattr(cmd, "commands", {}) or {}:

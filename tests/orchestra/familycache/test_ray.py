@@ -251,7 +251,7 @@ marker = Path(sys.argv.pop(1))
 unheld = Orchestra.run
 
 
-async def run(self, document, *, on_event=None, run_id=None, inputs=None):
+async def run(self, document, *, on_event=None, run_id=None, inputs=None, resume=False):
     async def held(event):
         if on_event is not None:
             result = on_event(event)
@@ -261,7 +261,7 @@ async def run(self, document, *, on_event=None, run_id=None, inputs=None):
             marker.write_text(event.agent)
             await anyio.sleep_forever()
 
-    return await unheld(self, document, on_event=held, run_id=run_id, inputs=inputs)
+    return await unheld(self, document, on_event=held, run_id=run_id, inputs=inputs, resume=resume)
 
 
 Orchestra.run = run
