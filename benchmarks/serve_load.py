@@ -476,7 +476,10 @@ def main() -> None:
     parser.add_argument("--throughput-requests", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 6 clients, 16 abandoned, 1 repeat")
     parser.add_argument("--load-only", action="store_true",
-                        help="the headline then the load phase only; prints their JSON (a memory check, no report)")
+                        help="the headline then the load phase only; their JSON in results/serve_load_after_headline.json "
+                             "(a memory check, no Markdown report)")
+    parser.add_argument("--skip-headline", action="store_true",
+                        help="with --load-only: the load phase alone on a fresh server (its peak RSS is the load's own)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     parser.add_argument("--report-only", type=Path, help="rewrite the Markdown from an existing serve_load.json")
     args = parser.parse_args()
@@ -511,14 +514,20 @@ def main() -> None:
     try:
         asyncio.run(warm(server, ["root", "finetuned"]))
         server.idle_rss = server.rss()
-        log(f"server ready, RSS {mb(server.rss())}; headline")
-        result["headline"] = asyncio.run(headline(server, long_document, "root", "finetuned", args.repeats))
-        log(f"headline ratio {result['headline']['median_ratio']}; load")
+        if args.load_only and args.skip_headline:
+            result["headline"] = None
+        else:
+            log(f"server ready, RSS {mb(server.rss())}; headline")
+            result["headline"] = asyncio.run(headline(server, long_document, "root", "finetuned", args.repeats))
+            log(f"headline ratio {result['headline']['median_ratio']}; load")
         result["load"] = asyncio.run(load(server, document, args.clients, ["root", "finetuned"], args.max_tokens))
         result["load"]["document_tokens"] = len(tok(document, add_special_tokens=False)["input_ids"])
         log(f"load: {result['load']['answered']}/{result['load']['requests']} answered; throughput (batched)")
         if args.load_only:
-            print(json.dumps({k: result[k] for k in ("headline", "load")}, indent=2, default=str))
+            kept = {k: result[k] for k in ("command", "cache_mb", "machine", "server_args", "headline", "load")}
+            name = "serve_load_only.json" if args.skip_headline else "serve_load_after_headline.json"
+            (args.out / name).write_text(json.dumps(kept, indent=2, default=str))
+            print(json.dumps(kept, indent=2, default=str))
             return
         result["throughput"]["batched"] = [
             asyncio.run(throughput(server, document, "root", c, n, args.throughput_tokens))

@@ -17,7 +17,6 @@ drift apart.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import threading
@@ -25,9 +24,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import TYPE_CHECKING
 
 from agents.spec import AgentSpec
+from orchestra._loop import refuse_inside_event_loop
 from orchestra.checkpoint import Checkpointer, SqliteCheckpointer
 from orchestra.errors import (
-    EventLoopRunningError,
     FamilyError,
     PipelineProblem,
     PipelineValidationError,
@@ -382,7 +381,7 @@ class Pipeline:
         """The report of the latest finished run (also after `stream`)."""
         return self._orch.last_report if self._orch is not None else None
 
-    async def run(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None,
+    async def run(self, document: str | os.PathLike[str] | bytes, *, on_event: EventSink | None = None,
                   inputs: Mapping[str, object] | None = None, run_id: str | None = None,
                   resume: bool = False) -> RunReport:
         """Run every agent over ``document`` (its text, or a Path to read); ``on_event`` gets each event.
@@ -395,13 +394,13 @@ class Pipeline:
         return await self.orchestra().run(_text(document), on_event=on_event, inputs=inputs, run_id=run_id,
                                           resume=resume)
 
-    async def stream(self, document: str | os.PathLike[str], *, inputs: Mapping[str, object] | None = None,
+    async def stream(self, document: str | os.PathLike[str] | bytes, *, inputs: Mapping[str, object] | None = None,
                      run_id: str | None = None, resume: bool = False) -> AsyncIterator[Event]:
         """Yield the run's typed events as they happen (tokens included); then see `last_report`."""
         async for event in self.orchestra().stream(_text(document), inputs=inputs, run_id=run_id, resume=resume):
             yield event
 
-    def session(self, document: str | os.PathLike[str] | None = None, *, name: str | None = None) -> Session:
+    def session(self, document: str | os.PathLike[str] | bytes | None = None, *, name: str | None = None) -> Session:
         """A session over ``document`` (text or a path): the document held on every member for many runs
         (``with p.session(doc) as s: s.ask(...)``). A ``name`` keeps it in the home (``sessions/<name>.json``);
         ``p.session(name=...)`` without a document reopens it."""
@@ -415,7 +414,7 @@ class Pipeline:
             return Session.load(self, path, name or "")
         return Session(self, _text(document), name=name, path=path)
 
-    def run_sync(self, document: str | os.PathLike[str], *, on_event: EventSink | None = None,
+    def run_sync(self, document: str | os.PathLike[str] | bytes, *, on_event: EventSink | None = None,
                  inputs: Mapping[str, object] | None = None, run_id: str | None = None,
                  resume: bool = False) -> RunReport:
         """`run` for synchronous code (scripts, notebooks' plain cells): starts and ends its own event loop.
@@ -423,7 +422,7 @@ class Pipeline:
         Inside a running event loop it raises `EventLoopRunningError` instead of blocking that loop:
         use ``await pipeline.run(document)`` there.
         """
-        _refuse_inside_event_loop()
+        refuse_inside_event_loop()
         import anyio
 
         return anyio.run(functools.partial(self.run, document, on_event=on_event, inputs=inputs, run_id=run_id,
@@ -452,29 +451,11 @@ def _outside_family(target: str | AdapterSpec | QuantizeSpec) -> bool:
     return ref.is_hub or (ref.folder / "config.json").is_file() or (ref.folder / "adapter_config.json").is_file()
 
 
-def _text(document: str | os.PathLike[str]) -> str:
-    """A str is the document's text; a Path (or other PathLike) is a file to read."""
+def _text(document: str | os.PathLike[str] | bytes) -> str:
+    """A str is the document's text; a Path (or other PathLike) is a file to read, bytes a file's content: text,
+    Markdown, PDF, HTML or DOCX (`orchestra.documents.load_document`)."""
     if isinstance(document, str):
         return document
-    from orchestra.files import read_text_file
+    from orchestra.documents import load_document
 
-    return read_text_file(document)  # binary or non-UTF-8 files are an InputFileError saying so
-
-
-def _refuse_inside_event_loop() -> None:
-    running: str | None = None
-    try:
-        asyncio.get_running_loop()
-        running = "asyncio"
-    except RuntimeError:
-        try:
-            import sniffio
-
-            running = sniffio.current_async_library()
-        except Exception:  # sniffio missing, or no async library running
-            running = None
-    if running is not None:
-        raise EventLoopRunningError(
-            f"Pipeline.run_sync() was called inside a running {running} event loop, which it would block; "
-            f"in async code use `await pipeline.run(document)` (or `async for event in pipeline.stream(document)`)"
-        )
+    return load_document(document).text  # unreadable files are an InputFileError / DocumentFormatError saying so

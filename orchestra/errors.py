@@ -228,6 +228,11 @@ class SessionError(OrchestraError):
     that did not come (its agent failed), or a session used after it was closed."""
 
 
+class DocumentFormatError(DocumentError):
+    """A document file cannot be read in its format: an encrypted or damaged PDF, a scan without text, an HTML
+    page without main text, or the format's library not installed."""
+
+
 class InputFileError(DocumentError):
     """A document, corpus or other input file cannot be read as text: missing, binary, or in another encoding."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from orchestra.errors import InputFileError, OutputError
 
-__all__ = ["read_text_file", "write_output", "looks_binary"]
+__all__ = ["read_text_file", "decode_text", "write_output", "looks_binary"]
 
 _TEXT_CONTROLS = {9, 10, 12, 13, 8, 27}
 _BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
@@ -44,6 +44,11 @@ def read_text_file(path: str | os.PathLike[str], *, encoding: str | None = None,
         raw = path.read_bytes()
     except OSError as exc:
         raise InputFileError(f"cannot read {what} {path}: {exc.strerror or exc}; pass a readable text file") from exc
+    return decode_text(raw, f"{what} {path}", encoding=encoding)
+
+
+def decode_text(raw: bytes, where: str, *, encoding: str | None = None) -> str:
+    """Bytes as text by `read_text_file`'s rules; `where` names them in errors (e.g. ``document notes.txt``)."""
     if encoding is not None:
         try:
             codecs.lookup(encoding)
@@ -53,23 +58,23 @@ def read_text_file(path: str | os.PathLike[str], *, encoding: str | None = None,
         try:
             return raw.decode(encoding)
         except UnicodeDecodeError as exc:
-            raise InputFileError(f"{what} {path} is not valid {encoding} (byte 0x{raw[exc.start]:02x} at offset "
+            raise InputFileError(f"{where} is not valid {encoding} (byte 0x{raw[exc.start]:02x} at offset "
                                  f"{exc.start}); pass the file's real encoding with --encoding") from exc
     bom = next((name for mark, name in _BOMS if raw.startswith(mark)), None)
     if bom is not None:
         try:
             return raw.decode(bom)
         except UnicodeDecodeError as exc:
-            raise InputFileError(f"{what} {path} starts with a {bom} byte-order mark but is not valid {bom}; "
+            raise InputFileError(f"{where} starts with a {bom} byte-order mark but is not valid {bom}; "
                                  "pass its encoding with --encoding") from exc
     if looks_binary(raw):
-        raise InputFileError(f"{what} {path} is a binary file, not text; pass a text file (convert PDFs or "
-                             "other formats to plain text first)")
+        raise InputFileError(f"{where} is a binary file, not text; pass a text file, or a PDF, HTML or DOCX "
+                             "document (read by format), or convert it to plain text first")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputFileError(
-            f"{what} {path} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); if it is text "
+            f"{where} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); if it is text "
             "in another encoding, pass it with --encoding (for example --encoding latin-1 or cp1252)"
         ) from exc
 

@@ -18,16 +18,29 @@ import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from orchestra.errors import SessionError
 
 if TYPE_CHECKING:
-    from orchestra.builder import Pipeline
     from orchestra.familycache import CacheLease
+    from orchestra.pipeline import PipelineSpec
     from orchestra.report import RunReport
+    from orchestra.scheduler import Orchestra
 
-__all__ = ["Session", "session_path"]
+__all__ = ["Session", "SessionPipeline", "session_path"]
+
+class SessionPipeline(Protocol):
+    """What a session needs of `orchestra.Pipeline` (a structural type: the builder imports this module)."""
+
+    @property
+    def spec(self) -> PipelineSpec: ...
+
+    def orchestra(self) -> Orchestra: ...
+
+    async def run(self, document: str, *, inputs: Mapping[str, object] | None = None, run_id: str | None = None,
+                  resume: bool = False) -> RunReport: ...
+
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -42,7 +55,7 @@ def session_path(home: Path, name: str) -> Path:
 class Session:
     """A document held on its pipeline's members for many runs; use it as a (sync or async) context manager."""
 
-    def __init__(self, pipeline: Pipeline, document: str, *, name: str | None = None,
+    def __init__(self, pipeline: SessionPipeline, document: str, *, name: str | None = None,
                  path: Path | None = None, history: list[dict[str, object]] | None = None) -> None:
         self.pipeline = pipeline
         self.document = document
@@ -86,36 +99,37 @@ class Session:
     def __enter__(self) -> Session:
         import anyio
 
-        from orchestra.builder import _refuse_inside_event_loop
+        from orchestra._loop import refuse_inside_event_loop
 
-        _refuse_inside_event_loop()
+        refuse_inside_event_loop()
         return anyio.run(self.open)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- runs -----------------------------------------------------------------------------------------------
-    async def run(self, inputs: Mapping[str, object] | None = None, **kwargs: object) -> RunReport:
-        """Run the pipeline over the session's document with these inputs (keyword arguments of `Pipeline.run`)."""
+    async def run(self, inputs: Mapping[str, object] | None = None, *, run_id: str | None = None) -> RunReport:
+        """Run the pipeline over the session's document with these inputs (a `run_id` makes it durable, as in
+        `Pipeline.run`)."""
         if not self._open:
             raise SessionError("the session is closed: open it (`with pipeline.session(...) as s:`) before running")
-        report = await self.pipeline.run(self.document, inputs=inputs, **kwargs)  # type: ignore[arg-type]
+        report = await self.pipeline.run(self.document, inputs=inputs, run_id=run_id)
         self.reports.append(report)
         self.history.append({"run_id": report.run_id, "at": time.time(), "inputs": report.inputs,
                              "agents": {a.name: {"status": a.status, "output": a.output} for a in report.agents}})
         self._save()
         return report
 
-    def run_sync(self, inputs: Mapping[str, object] | None = None, **kwargs: object) -> RunReport:
+    def run_sync(self, inputs: Mapping[str, object] | None = None, *, run_id: str | None = None) -> RunReport:
         """`run` for synchronous code."""
         import functools
 
         import anyio
 
-        from orchestra.builder import _refuse_inside_event_loop
+        from orchestra._loop import refuse_inside_event_loop
 
-        _refuse_inside_event_loop()
-        return anyio.run(functools.partial(self.run, inputs, **kwargs))
+        refuse_inside_event_loop()
+        return anyio.run(functools.partial(self.run, inputs, run_id=run_id))
 
     async def aask(self, question: str, **inputs: object) -> str:
         """Put `question` in the pipeline's question input (`question`, or its only input), run, and return the
@@ -133,9 +147,9 @@ class Session:
 
         import anyio
 
-        from orchestra.builder import _refuse_inside_event_loop
+        from orchestra._loop import refuse_inside_event_loop
 
-        _refuse_inside_event_loop()
+        refuse_inside_event_loop()
         return anyio.run(functools.partial(self.aask, question, **inputs))
 
     def _question_input(self) -> str:
@@ -163,7 +177,7 @@ class Session:
                                             "document": self.document, "history": self.history}))
 
     @classmethod
-    def load(cls, pipeline: Pipeline, path: Path, name: str) -> Session:
+    def load(cls, pipeline: SessionPipeline, path: Path, name: str) -> Session:
         """Reopen a named session from its file (its document and history)."""
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

@@ -132,9 +132,9 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
     import anyio
 
     from orchestra.commands._live import RunDisplay, quiet_library_output
-    from orchestra.files import read_text_file
+    from orchestra.documents import load_document
 
-    text = read_text_file(document, encoding=encoding)
+    text = load_document(document, encoding=encoding).text
     with quiet_library_output(console):
         pipeline.orchestra()  # family, models and devices are checked here, before the event loop starts
         run_id = resume or uuid.uuid4().hex[:12]
@@ -172,7 +172,8 @@ def exit_on_failed_agents(report) -> None:
 @app.command("run")
 def run(
     pipeline: Annotated[Path, typer.Argument(help="Pipeline file (.yaml/.yml/.json).")],
-    document: Annotated[Path, typer.Option("--document", help="The long document (UTF-8 text file).")],
+    document: Annotated[Path, typer.Option("--document", help="The long document: a text, Markdown, PDF, HTML or "
+                                           "DOCX file (PDF/HTML/DOCX need the `documents` extra).")],
     report: Annotated[Path | None, typer.Option("--report", help="Write the run report JSON here.")] = None,
     home: HomeOpt = None,
     events: Annotated[bool, typer.Option("--events", help="Print events (gates, fallbacks, caches) as they happen.")] = False,
