@@ -108,6 +108,8 @@ class AgentResult(BaseModel):
     """Why the output is degenerate (empty, whitespace, a loop, a copied example); None for a real answer."""
     grounding: Grounding | None = None
     """For grounded JSON agents: how many items are verbatim spans of the document; ungrounded ones were dropped."""
+    duplicates_removed: int = 0
+    """JSON agents: list items dropped from the reply as repeats of an earlier item."""
 
     def downstream_text(self) -> str:
         """What downstream agents see: canonical JSON for JSON agents, the text otherwise."""
@@ -301,11 +303,13 @@ def generate(
 
     degenerate: Degeneracy | None = None
     grounding: Grounding | None = None
+    removed = 0
     with torch.no_grad():
         if spec.output.kind == "json":
             structured = run_with_repairs(spec, attempt, document=document)
             result, parsed, attempts = structured.generation, structured.value, structured.attempts
             degenerate, grounding = structured.degenerate, structured.grounding
+            removed = structured.duplicates_removed
         else:
             result, parsed, attempts = attempt(0, ()), None, 1
             degenerate = check_text(result.text, spec=spec)
@@ -335,4 +339,5 @@ def generate(
         constrained=result.constrained,
         degenerate=degenerate,
         grounding=grounding,
+        duplicates_removed=removed,
     )

@@ -209,6 +209,46 @@ class Structured(Generic[G]):
     """Set when the last attempt was valid JSON but degenerate (see agents.degenerate); the run reports it."""
     grounding: Grounding | None = None
     """For grounded outputs: the accepted attempt's grounded / ungrounded items (ungrounded ones dropped)."""
+    duplicates_removed: int = 0
+    """List items of the accepted reply dropped as repeats of an earlier item (a grammar allows repeats)."""
+
+
+def drop_repeated_items(value: object) -> tuple[object, int]:
+    """The JSON value with every list's repeated string items removed (first kept; compared without case,
+    spacing and trailing punctuation), and how many were removed."""
+    removed = 0
+
+    def walk(node: object) -> object:
+        nonlocal removed
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            seen: set[str] = set()
+            out = []
+            for item in node:
+                if isinstance(item, str):
+                    key = " ".join(item.lower().split()).rstrip(" .;,")
+                    if key in seen:
+                        removed += 1
+                        continue
+                    seen.add(key)
+                out.append(walk(item))
+            return out
+        return node
+
+    return walk(value), removed
+
+
+def _without_repeats(spec: AgentSpec, value: ParsedOutput) -> tuple[ParsedOutput, int]:
+    """`value` with repeated list items dropped, when what is left still matches the schema."""
+    raw = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    kept, removed = drop_repeated_items(raw)
+    if not removed:
+        return value, 0
+    try:
+        return spec.output.validate_value(kept), removed
+    except ValueError:  # e.g. a minimum number of items: the repeats stay, the degenerate check decides
+        return value, 0
 
 
 def _review(spec: AgentSpec, value: ParsedOutput, document: str | None
@@ -247,7 +287,8 @@ def run_with_repairs(
 ) -> Structured[G]:
     """Generate, parse, validate and review; on failure retry with repair turns, up to spec.output.max_repairs times.
 
-    Review: a degenerate value (`agents.degenerate.check_value`) is repaired; if the last attempt is
+    Review: repeated string items of a list are dropped first (what is left must still match the schema);
+    a degenerate value (`agents.degenerate.check_value`) is repaired; if the last attempt is
     still degenerate it is returned with ``degenerate`` set rather than raised, so the run can report
     it as such. With ``spec.output.grounded`` and a ``document``, ungrounded list items are dropped
     (`agents.grounding`); a reply with none grounded is repaired like an invalid one.
@@ -262,9 +303,11 @@ def run_with_repairs(
         grounding = degenerate = None
         if problem is None:
             assert value is not None  # parse_output gives a value whenever it finds no problem
+            value, removed = _without_repeats(spec, value)  # a repeated item is dropped, not fatal to the reply
             value, grounding, degenerate, problem = _review(spec, value, document)
             if problem is None:
-                return Structured(generation=generation, value=value, attempts=index + 1, grounding=grounding)
+                return Structured(generation=generation, value=value, attempts=index + 1, grounding=grounding,
+                                  duplicates_removed=removed)
             if degenerate is not None and index + 1 == total:
                 return Structured(generation=generation, value=value, attempts=total, degenerate=degenerate)
         if index + 1 == total:

@@ -237,6 +237,9 @@ class AgentNode(_Validated):
     )
     gate: GatePolicy | None = Field(None, description="Gate policy for this agent (default: the pipeline's).")
     timeout_s: float | None = Field(None, gt=0, description="Give up on this agent after this many seconds.")
+    on_upstream_failure: Literal["skip", "run_with_available"] = Field(
+        "skip", description="When an upstream failed, was skipped or was degenerate: skip this agent (default), or "
+        "run it on the upstreams that succeeded (at least one must), its prompt saying which it lacks.")
 
     _agent_spec: AgentSpec | None = PrivateAttr(None)
 

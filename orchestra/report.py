@@ -42,6 +42,10 @@ class AgentReport(BaseModel):
     error_type: str | None = None
     error: str | None = None
     skip_reason: str | None = None
+    missing_upstreams: dict[str, str] = Field(
+        default_factory=dict, description="on_upstream_failure: run_with_available: the upstreams it ran without, "
+        "and why each gave nothing (its prompt said so).")
+    duplicates_removed: int = Field(0, description="JSON agents: repeated list items dropped from the reply.")
     degenerate_reason: str | None = Field(
         None, description="Why the output is degenerate (the rule that fired and its numbers), for status 'degenerate'.")
     attempts: int = Field(1, description="Generations it took (1 + JSON repairs).")

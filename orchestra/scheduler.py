@@ -445,6 +445,9 @@ class Orchestra:
             for up in agent.upstream:
                 await done[up].wait()
             bad = [up for up in agent.upstream if run.reports[up].status != "succeeded"]
+            if bad and agent.on_upstream_failure == "run_with_available" and len(bad) < len(agent.upstream):
+                report.missing_upstreams = {up: _skip_reason([run.reports[up]]) for up in bad}
+                bad = []
             if bad:
                 report.status = "skipped"
                 report.skip_reason = _skip_reason([run.reports[up] for up in bad])
@@ -476,7 +479,8 @@ class Orchestra:
                     result = await self.cache.executor.generate(
                         agent.model, self.specs[name], prefix_ids=prompt.ids, prefix_cache=lease.cache,
                         upstream={**{n: run.inputs[n] for n in self.pipeline.input_reads(name)},
-                                  **{up: run.outputs[up] for up in agent.upstream}},
+                                  **{up: run.outputs.get(up) or _unavailable(up, report.missing_upstreams)
+                                     for up in agent.upstream}},
                         on_token=on_token, placement=where,
                     )
                 finally:
@@ -486,6 +490,7 @@ class Orchestra:
             report.attempts = result.attempts
             report.constrained = result.constrained
             report.grounding = _jsonable(result.grounding)
+            report.duplicates_removed = result.duplicates_removed
             report.tokens = result.generated_tokens
             report.suffix_tokens = result.suffix_tokens
             report.generation_s = result.timings.generation_s
@@ -546,6 +551,11 @@ def _step_event(run_id: str, agent: str | None, step: CacheStep) -> ev.Event:
     if step.step == "fallback" and agent is not None:
         return ev.Fallback(run_id=run_id, agent=agent, model=step.member, reason=step.reason or "")
     return ev.CacheStepEvent(run_id=run_id, agent=agent, step=step)
+
+
+def _unavailable(upstream: str, missing: dict[str, str]) -> str:
+    """What an agent run on the upstreams it has reads in place of one that gave nothing."""
+    return f"(not available: {missing.get(upstream, 'upstream ' + upstream + ' gave no output')})"
 
 
 def _skip_reason(bad: list[AgentReport]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -135,3 +136,20 @@ def test_truncated_list_keeps_its_complete_items():
     assert problem is None and value.facts[0] == "The licence is free."
     # a reply that ended by itself is not salvaged: an unclosed object there is a real error
     assert parse_output(cut, key_facts().output, "eos")[1] is not None
+
+
+def test_a_repeated_item_is_dropped_not_fatal_and_counted():
+    spec = key_facts(max_facts=4, grounded=False)
+    fact = "This License applies to any program or other work which contains a notice."
+    script = Script(Reply(json.dumps({"facts": [fact, fact.upper() + " "]})))
+    out = run_with_repairs(spec, script)
+    assert out.degenerate is None and out.attempts == 1 and out.duplicates_removed == 1
+    assert isinstance(out.value, KeyFacts) and out.value.facts == [fact]
+
+
+def test_repeats_stay_when_dropping_them_breaks_the_schema():
+    schema = {"type": "object", "properties": {"names": {"type": "array", "items": {"type": "string"}, "minItems": 2}},
+              "required": ["names"]}
+    spec = AgentSpec(name="pair", task="Two names.", output=OutputSpec(kind="json", json_schema=schema, max_repairs=0))
+    out = run_with_repairs(spec, Script(Reply('{"names": ["Ada", "Ada"]}')))
+    assert out.duplicates_removed == 0 and out.degenerate is not None  # all items the same: still degenerate

@@ -102,6 +102,34 @@ async def test_failing_agent_skips_dependents_only(fam, mapstore):
     assert any(isinstance(e, AgentFailed) for e in events) and any(isinstance(e, AgentSkipped) for e in events)
 
 
+async def test_an_agent_may_run_on_the_upstreams_that_succeeded_saying_which_it_lacks(fam, mapstore):
+    agents = [
+        _spec("ok", "base"),
+        {**_spec("slow", "child", max_new_tokens=50), "timeout_s": 0.001},
+        {**_spec("joined", "base", upstream=["ok", "slow"], task="Combine {ok} and {slow}"),
+         "on_upstream_failure": "run_with_available"},
+        _spec("strict", "base", upstream=["ok", "slow"], task="Combine {ok} and {slow}"),
+        {**_spec("alone", "base", upstream=["slow"], task="Use {slow}"), "on_upstream_failure": "run_with_available"},
+    ]
+    seen: dict[str, object] = {}
+    orch = Orchestra(_pipeline(fam, agents), mappings=mapstore)
+    generate = orch.cache.executor.generate
+
+    async def spy(member, spec, **kwargs):
+        seen[spec.name] = dict(kwargs["upstream"])
+        return await generate(member, spec, **kwargs)
+
+    orch.cache.executor.generate = spy  # the real generation, its upstream values recorded
+    report = await orch.run(DOC)
+    assert report.agent("joined").status == "succeeded"
+    assert set(report.agent("joined").missing_upstreams) == {"slow"}
+    assert "did not succeed" in report.agent("joined").missing_upstreams["slow"]
+    assert seen["joined"]["ok"] == report.agent("ok").output
+    assert str(seen["joined"]["slow"]).startswith("(not available: upstream slow did not succeed")
+    assert report.agent("strict").status == "skipped"  # the default still skips
+    assert report.agent("alone").status == "skipped"  # nothing available: nothing to run on
+
+
 async def test_stream_yields_typed_events(fam, mapstore):
     orch = Orchestra(_pipeline(fam, [_spec("a", "base")]), mappings=mapstore)
     kinds = [event.kind async for event in orch.stream(DOC)]
