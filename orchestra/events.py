@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field
 
 from orchestra.familycache._events import CacheStep
+from orchestra.report import RunReport
 
 __all__ = [
     "Event",
@@ -148,6 +149,8 @@ class RunFinished(Event):
     skipped: list[str]
     seconds: float
     degenerate: list[str] = Field(default_factory=list)
+    report: RunReport | None = None
+    """This run's whole report (concurrent runs each get their own; `last_report` is only the latest)."""
 
 
 AnyEvent = Annotated[

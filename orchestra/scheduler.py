@@ -192,7 +192,7 @@ class Orchestra:
 
         async def emit(event: ev.Event) -> None:
             if event.kind != "token":  # tokens are in the stream; logging each would drown the log
-                log.info(event.kind, **event.model_dump(exclude={"kind"}))
+                log.info(event.kind, **event.model_dump(exclude={"kind", "report"}))
             if on_event is not None:
                 result = on_event(event)
                 if result is not None:
@@ -250,7 +250,7 @@ class Orchestra:
 
     async def stream(self, document: str, *, inputs: Mapping[str, object] | None = None, run_id: str | None = None,
                      resume: bool = False) -> AsyncIterator[ev.Event]:
-        """Yield typed events as they happen; the report is `last_report` once `RunFinished` arrived."""
+        """Yield typed events as they happen; the last, `RunFinished`, carries this run's report."""
         send, receive = anyio.create_memory_object_stream[ev.Event](max_buffer_size=math.inf)
         failure: list[BaseException] = []
 
@@ -313,12 +313,6 @@ class Orchestra:
     async def _report(self, run: _Run, started: float, warned: int, moved: dict[str, int] | None = None) -> RunReport:
         reports = [run.reports[a.name] for a in self.pipeline.agents]
         seconds = time.perf_counter() - started
-        await run.emit(ev.RunFinished(
-            run_id=run.run_id, succeeded=[r.name for r in reports if r.status == "succeeded"],
-            failed=[r.name for r in reports if r.status == "failed"],
-            skipped=[r.name for r in reports if r.status == "skipped"], seconds=seconds,
-            degenerate=[r.name for r in reports if r.status == "degenerate"],
-        ))
         builders: dict[int, CacheLease] = {}
 
         def work(lease: CacheLease) -> tuple[float, bool]:  # the lease that built an entry, not one that joined it
@@ -338,7 +332,7 @@ class Orchestra:
         spent = sum(lease.prefill_seconds + lease.map_seconds for _, lease in run.leases)
         hits = sum(1 for _, lease in run.leases if lease.hit)
         total = len(run.leases)
-        return RunReport(
+        report = RunReport(
             run_id=run.run_id, pipeline=self.pipeline.name, source_model=self.source_alias,
             document_tokens=len(run.prefix_ids), agents=reports, caches=caches, seconds=seconds,
             prefill_s_spent=spent, prefill_s_saved=sum(r.prefill_s_saved for r in reports),
@@ -350,6 +344,13 @@ class Orchestra:
             **{key: value - (moved or {}).get(key, 0) for key, value in self.cache.executor.stats().items()
                if key in _MOVED},
         )
+        await run.emit(ev.RunFinished(
+            run_id=run.run_id, succeeded=[r.name for r in reports if r.status == "succeeded"],
+            failed=[r.name for r in reports if r.status == "failed"],
+            skipped=[r.name for r in reports if r.status == "skipped"], seconds=seconds,
+            degenerate=[r.name for r in reports if r.status == "degenerate"], report=report,
+        ))
+        return report
 
     def _check_length(self, prefix_ids: list[int], agents: list[str] | None = None) -> None:
         """Refuse a prefix that leaves `agents` (default: all) no room for their new tokens."""

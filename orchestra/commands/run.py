@@ -99,7 +99,7 @@ AGENTS_FAILED_EXIT = 3
 
 
 def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, report_out: Path | None,
-                      stream: bool = False, encoding: str | None = None, executor: str | None = None,
+                      stream: bool | str | None = False, encoding: str | None = None, executor: str | None = None,
                       ray_address: str | None = None, inputs: list[str] | None = None, kv_store: bool | None = None,
                       resume: str | None = None):
     """Validate the file (as deeply as `orchestra graph`) and the ``--input NAME=VALUE`` items, then run it
@@ -117,7 +117,8 @@ def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, re
     except FamilyHomeError as exc:  # a read-only home still runs; only --resume needs the record
         if resume is not None:
             raise
-        console.print(f"[dim]this run cannot be resumed: {exc}[/dim]")
+        if stream != "jsonl":
+            console.print(f"[dim]this run cannot be resumed: {exc}[/dim]")
     values = resolve_inputs(pipeline.spec.inputs, parse_input_args(inputs or []))  # before any model loads
     try:  # a ray executor's actors and placement group go away with the run, Ctrl-C included
         return _run_pipeline(pipeline, document, report_out, stream, encoding, values, resume)
@@ -125,7 +126,7 @@ def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, re
         pipeline.close()
 
 
-def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: bool, encoding: str | None,
+def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: bool | str | None, encoding: str | None,
                   inputs: dict[str, str] | None = None, resume: str | None = None):
     import uuid
 
@@ -135,26 +136,35 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
     from orchestra.documents import load_document
 
     text = load_document(document, encoding=encoding).text
+    jsonl = stream == "jsonl"  # stdout is the events, one JSON object per line, and nothing else
     with quiet_library_output(console):
         pipeline.orchestra()  # family, models and devices are checked here, before the event loop starts
         run_id = resume or uuid.uuid4().hex[:12]
-        if resume is None:
+        if resume is None and not jsonl:
             console.print(f"[dim]run {run_id}: if it stops, `--resume {run_id}` continues it[/dim]")
-        display = RunDisplay(console, [(a.name, a.model) for a in pipeline.agents], lines=stream)
+        display = RunDisplay(console, [(a.name, a.model) for a in pipeline.agents], lines=bool(stream) and not jsonl)
 
         async def main():
-            with display:
+            finished = None
+            with contextlib.nullcontext() if jsonl else display:
                 async for event in pipeline.stream(text, inputs=inputs, run_id=run_id, resume=resume is not None):
-                    display(event)
-            return pipeline.last_report
+                    if jsonl:
+                        typer.echo(event.model_dump_json())
+                    else:
+                        display(event)
+                    if event.kind == "run_finished":
+                        finished = event.report  # this run's own report, whatever else runs in the process
+            return finished
 
         report = anyio.run(main)
-    print_report(report)
+    if not jsonl:
+        print_report(report)
     if report_out is not None:
         from orchestra.files import write_output
 
         write_output(report_out, report.model_dump_json(indent=2))
-        console.print(f"report written to {report_out}")
+        if not jsonl:
+            console.print(f"report written to {report_out}")
     return report
 
 
@@ -176,7 +186,10 @@ def run(
                                            "DOCX file (PDF/HTML/DOCX need the `documents` extra).")],
     report: Annotated[Path | None, typer.Option("--report", help="Write the run report JSON here.")] = None,
     home: HomeOpt = None,
-    events: Annotated[bool, typer.Option("--events", help="Print events (gates, fallbacks, caches) as they happen.")] = False,
+    events: Annotated[str | None, typer.Option(
+        "--events", flag_value="text", help="Print events (gates, fallbacks, caches) as they happen: `--events` as "
+        "lines of text, `--events jsonl` as one JSON object per line on stdout and nothing else (the last, "
+        "run_finished, carries the report).")] = None,
     encoding: Annotated[
         str | None, typer.Option("--encoding", help="The document's text encoding (default: UTF-8, or as its BOM says).")
     ] = None,
@@ -206,6 +219,10 @@ def run(
     130 interrupted.
     """
     with pipeline_errors():
+        if events not in (None, "text", "jsonl"):
+            from orchestra.errors import PipelineError
+
+            raise PipelineError(f"--events takes no value (lines of text) or `jsonl`, not {events!r}")
         result = run_pipeline_file(pipeline, document, home, report, stream=events, encoding=encoding,
                                    executor=executor, ray_address=ray_address, inputs=inputs, kv_store=kv_store,
                                    resume=resume)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -161,7 +162,7 @@ class _AccessLog:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started, status = time.perf_counter(), [500]
-        request_id = uuid.uuid4().hex[:16]
+        request_id = _incoming_request_id(scope) or uuid.uuid4().hex[:16]
 
         async def capture(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -176,8 +177,20 @@ class _AccessLog:
                      ms=round((time.perf_counter() - started) * 1000, 1), request_id=request_id)
 
 
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+
+def _incoming_request_id(scope: Scope) -> str | None:
+    """The client's ``x-request-id`` when it is a sane token (kept and echoed, so logs on both sides join up)."""
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"x-request-id":
+            text = value.decode("latin-1").strip()
+            return text if _REQUEST_ID.match(text) else None
+    return None
+
+
 def _error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers() or None)
 
 
 class _EngineSlot:

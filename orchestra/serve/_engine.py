@@ -14,6 +14,7 @@ member's lock. Backends that do not want HTTP use this class directly:
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -244,6 +245,8 @@ class ServeEngine:
         self._roles = {record.role for record in family.members.values()}
         self._batchers: dict[str, BatchDecoder] = {}
         self._batch_lock = threading.Lock()
+        self._mean_s = 1.0
+        """Moving average of the seconds a generation holds its slot (the 429's Retry-After is from it)."""
         self._slots = anyio.Semaphore(self.config.max_concurrent)
         self._waiting = 0
         self._running = 0
@@ -306,8 +309,9 @@ class ServeEngine:
         constraint = await anyio.to_thread.run_sync(self._json_constraint, member, req)
         if self._slots.value == 0 and self._waiting >= self.config.max_queue:
             self.metrics.rejected.inc()
+            wait = math.ceil(self._mean_s * (self._waiting + 1) / self.config.max_concurrent)
             raise RateLimited(f"the server is busy: {self.config.max_concurrent} generations running and "
-                              f"{self._waiting} waiting; retry later")
+                              f"{self._waiting} waiting; retry in {wait} s", retry_after=min(wait, 600))
         self._waiting += 1
         self.metrics.queued.inc()
         try:
@@ -338,6 +342,7 @@ class ServeEngine:
                     await gen.stop()
                 # counted however it ended (done, cancelled, timed out, failed): its tokens were spent
                 self.metrics.on_done(gen)
+                self._mean_s += 0.2 * (time.perf_counter() - started - self._mean_s)  # what a slot is held for
                 log.info("completion", id=gen.id, model=member, cache=info.path, cached_tokens=info.cached_tokens,
                          prompt_tokens=len(ids), completion_tokens=gen.usage().completion_tokens,
                          finish=gen.result.finish_reason if gen.result else None, timed_out=gen.timed_out,

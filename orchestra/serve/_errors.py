@@ -35,6 +35,10 @@ class ApiError(OrchestraError):
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        """Response headers the error is answered with (none by default)."""
+        return {}
+
 
 class BadRequest(ApiError):
     status, code = 400, "invalid_request"
@@ -58,6 +62,14 @@ class PayloadTooLarge(ApiError):
 
 class RateLimited(ApiError):
     status, type, code = 429, "rate_limit_error", "queue_full"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = max(1, int(retry_after))
+        """Seconds a client should wait before retrying: about when a queue place frees up."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
 
 
 class RequestTimeout(ApiError):

@@ -117,3 +117,41 @@ def test_stream_passes_inputs_through(fam, mapstore):
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
     assert pipeline.last_report is not None and pipeline.last_report.inputs == {"question": "Who?"}
     pipeline.close()
+
+
+def test_events_jsonl_prints_only_json_lines_ending_with_the_report(fam, mapstore, tmp_path):
+    import json
+
+    yaml = (f"models: {{base: '{fam.parent}'}}\nsource: base\ndefault_device: cpu\n"
+            f"mapping: {{directory: '{mapstore.directory}'}}\n"
+            "inputs: [question]\n"
+            "agents:\n  - {name: answer, model: base, spec: {task: 'Answer: {question}', "
+            "generation: {max_new_tokens: 3}}}\n")
+    code, lines, out = run_pipeline_text(tmp_path, yaml, DOC, "--input", "question=Who?", "--events", "jsonl")
+    assert code == 0, out
+    events = [json.loads(line) for line in lines]  # every line is one JSON object
+    kinds = [e["kind"] for e in events]
+    assert kinds[0] == "run_started" and kinds[-1] == "run_finished" and "token" in kinds
+    report = events[-1]["report"]
+    assert report["inputs"] == {"question": "Who?"} and report["agents"][0]["name"] == "answer"
+    code, lines, out = run_pipeline_text(tmp_path, yaml, DOC, "--input", "question=Who?", "--events", "xml")
+    assert code == 2 and "--events takes no value" in out
+
+
+async def test_concurrent_runs_each_get_their_own_report_in_run_finished(fam, mapstore):
+    pipeline = (Pipeline("qa", source="base", models={"base": str(fam.parent)}, default_device="cpu",
+                         mapping={"directory": str(mapstore.directory)})
+                .with_input("question")
+                .agent({"name": "answer", "task": "{question}", "generation": {"max_new_tokens": 3}}, model="base"))
+    finished: dict[str, object] = {}
+
+    async def one(question: str) -> None:
+        async for event in pipeline.stream(DOC, inputs={"question": question}):
+            if event.kind == "run_finished":
+                finished[question] = event.report
+
+    async with anyio.create_task_group() as tg:
+        for question in ("Who?", "What?", "Why?"):
+            tg.start_soon(one, question)
+    assert {q: r.inputs["question"] for q, r in finished.items()} == {q: q for q in ("Who?", "What?", "Why?")}
+    pipeline.close()

@@ -294,3 +294,12 @@ async def test_a_streamed_reply_closes_its_generation_however_the_response_ends(
     assert ended == [True]
     assert gen.ag_frame is not None  # the generator itself was not run to its end
     await gen.aclose()
+
+
+async def test_a_clients_request_id_is_kept_and_a_malformed_one_replaced(client):
+    kept = await client.get("/v1/models", headers={"x-request-id": "trace-42.a:b"})
+    assert kept.headers["x-request-id"] == "trace-42.a:b"
+    replaced = await client.get("/v1/models", headers={"x-request-id": "no spaces allowed " * 20})
+    assert replaced.headers["x-request-id"] and " " not in replaced.headers["x-request-id"]
+    fresh = await client.get("/v1/models")
+    assert len(fresh.headers["x-request-id"]) == 16

@@ -144,6 +144,7 @@ def test_a_request_beyond_the_queue_is_429(client, server):
     with pytest.raises(openai.RateLimitError) as info:
         client.chat.completions.create(model="root", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     assert info.value.code == "queue_full"
+    assert int(info.value.response.headers["retry-after"]) >= 1  # when to come back, in seconds
     rest = list(stream)
     assert rest[-1].choices[0].finish_reason in ("stop", "length")
     assert server.metric("orchestra_rejected_requests_total") >= 1
