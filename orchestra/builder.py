@@ -45,6 +45,7 @@ from orchestra.pipeline import (
     load_pipeline,
     suggest,
 )
+from orchestra.steps import Condition, StepNode, WhenLike
 
 if TYPE_CHECKING:
     from orchestra.events import Event
@@ -133,6 +134,7 @@ class Pipeline:
         self._settings = PipelineSettings(**settings)
         self._models = dict(self._settings.models)  # validated: mappings made AdapterSpecs and QuantizeSpecs
         self._nodes: list[AgentNode] = []
+        self._steps: list[StepNode] = []
         self._inputs: dict[str, InputSpec] = {}
         self._spec: PipelineSpec | None = None
         self._orch: Orchestra | None = None
@@ -151,6 +153,7 @@ class Pipeline:
         pipeline._declared = set(spec.models)
         pipeline._settings = PipelineSettings(**{field: getattr(spec, field) for field in PipelineSettings.model_fields})
         pipeline._nodes = list(spec.agents)
+        pipeline._steps = list(spec.steps)
         pipeline._inputs = dict(spec.inputs)
         pipeline._spec = spec
         return pipeline
@@ -169,6 +172,7 @@ class Pipeline:
         after: str | Sequence[str] | None = None,
         gate: GatePolicy | Mapping[str, object] | None = None,
         timeout_s: float | None = None,
+        when: WhenLike | Mapping[str, object] | None = None,
         **builtin_args: object,
     ) -> Pipeline:
         """Add an agent and return the pipeline, so calls chain: ``p.agent(...).agent(...)``.
@@ -184,6 +188,8 @@ class Pipeline:
           upstreams (so a critic of ``summarizer`` needs no ``after``). Upstream names are checked when
           the whole spec is built (`spec`, `graph`, `run`), so agents may be added in any order.
         - ``gate``: this agent's gate policy (default: the pipeline's); ``timeout_s``: give up after.
+        - ``when``: run only if this holds: a callable given the upstream outputs (name -> text), or a
+          condition ``{"agent": "triage", "equals": "legal"}`` (`orchestra.steps.Condition`); else skipped.
 
         Raises `PipelineValidationError` at once, naming the agent and the field, for an unknown
         built-in (with a did-you-mean), a bad or missing built-in argument, an out-of-range
@@ -213,7 +219,8 @@ class Pipeline:
             data["gate"] = gate
         if timeout_s is not None:
             data["timeout_s"] = timeout_s
-        node = AgentNode.model_validate(data)
+        node = AgentNode.model_validate(data).with_condition(
+            Condition.model_validate(when) if isinstance(when, Mapping) else when)
         problems = []
         if node.model not in self._models:
             close = suggest(node.model, list(self._models))
@@ -222,13 +229,35 @@ class Pipeline:
                 + (f" (did you mean {close!r}?)" if close else "")
                 + f"; models: {', '.join(self._models)}; add it with Pipeline(..., models={{{node.model!r}: ...}})",
                 field="model", agent=node.name))
-        if any(existing.name == node.name for existing in self._nodes):
+        if node.name in {n.name for n in self._nodes} | {n.name for n in self._steps}:
             problems.append(PipelineProblem(
                 f"the pipeline already has an agent named {node.name!r}; give this one another `name=`",
                 field="name", agent=node.name))
         if problems:
             raise PipelineValidationError(problems=problems)
         self._nodes.append(node)
+        self._changed()
+        return self
+
+    def step(self, fn: Callable[..., object], *, name: str | None = None, after: str | Sequence[str] | None = None,
+             when: WhenLike | Mapping[str, object] | None = None, timeout_s: float | None = None) -> Pipeline:
+        """Add a Python step (sync or async function) and return the pipeline; chains.
+
+        It runs after ``after`` (agents or steps) and receives, by parameter name, ``document``, ``inputs``,
+        ``upstream`` (every upstream's output) or any upstream's or input's own name; what it returns is read
+        downstream like an agent's output (text, or JSON for anything else). An exception fails the step
+        only. ``when`` as for `agent`. A parameter it cannot be given is refused here.
+        """
+        upstream = [after] if isinstance(after, str) else list(after or [])
+        node = StepNode.of(fn, name=name, upstream=upstream, timeout_s=timeout_s,
+                           when=Condition.model_validate(when) if isinstance(when, Mapping) else when)
+        if node.when is not None and node.when.agent not in node.upstream:
+            node.upstream.append(node.when.agent)
+        if node.name in {n.name for n in self._nodes} | {n.name for n in self._steps}:
+            raise PipelineValidationError(problems=[PipelineProblem(
+                f"the pipeline already has a node named {node.name!r}; give this step another `name=`",
+                field="name", agent=node.name)])
+        self._steps.append(node)
         self._changed()
         return self
 
@@ -337,7 +366,8 @@ class Pipeline:
             keep.add(settings["source"])
         keep |= {t.base for a, t in self._models.items() if a in keep and isinstance(t, AdapterSpec | QuantizeSpec)}
         settings["models"] = {alias: target for alias, target in self._models.items() if alias in keep}
-        self._spec = PipelineSpec(**settings, agents=list(self._nodes), inputs=dict(self._inputs))
+        self._spec = PipelineSpec(**settings, agents=list(self._nodes), steps=list(self._steps),
+                                  inputs=dict(self._inputs))
         return self._spec
 
     def graph(self) -> str:

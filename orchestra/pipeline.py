@@ -18,7 +18,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -53,6 +53,7 @@ from orchestra.errors import (
 from orchestra.gates import GatePolicy
 from orchestra.inputs import InputSpec
 from orchestra.modelref import AdapterSpec, QuantizeSpec
+from orchestra.steps import Condition, StepNode, WhenLike
 
 __all__ = [
     "pipeline_mermaid","AgentNode", "MappingPolicy", "PipelineSettings", "PipelineSpec", "load_pipeline", "suggest",
@@ -240,8 +241,27 @@ class AgentNode(_Validated):
     on_upstream_failure: Literal["skip", "run_with_available"] = Field(
         "skip", description="When an upstream failed, was skipped or was degenerate: skip this agent (default), or "
         "run it on the upstreams that succeeded (at least one must), its prompt saying which it lacks.")
+    when: Condition | None = Field(
+        None, description="Run only when this holds, e.g. {agent: triage, equals: legal} (else skipped, with the "
+        "condition as the reason; the tested agent is waited for).")
 
     _agent_spec: AgentSpec | None = PrivateAttr(None)
+    _when_fn: Callable[[Mapping[str, str]], bool] | None = PrivateAttr(None)
+
+    @property
+    def condition(self) -> WhenLike | None:
+        """The node's condition: a callable given in Python, else the declarative `when`."""
+        return self._when_fn if self._when_fn is not None else self.when
+
+    def with_condition(self, when: WhenLike | None) -> AgentNode:
+        """This node with a condition (a `Condition` or a callable over the upstream outputs); chains."""
+        if isinstance(when, Condition) or when is None:
+            self.when, self._when_fn = when, None
+        else:
+            self._when_fn = when
+        if isinstance(when, Condition) and when.agent not in self.upstream:
+            self.upstream.append(when.agent)
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -293,7 +313,8 @@ class AgentNode(_Validated):
         if spec.name != self.name:
             spec = spec.model_copy(update={"name": self.name})
         self._agent_spec = spec
-        self.upstream = list(dict.fromkeys([*spec.required_inputs(), *self.upstream]))
+        tested = [self.when.agent] if self.when is not None else []
+        self.upstream = list(dict.fromkeys([*spec.required_inputs(), *self.upstream, *tested]))
         return self
 
     def agent_spec(self) -> AgentSpec:
@@ -432,6 +453,9 @@ class PipelineSpec(PipelineSettings):
     """
 
     agents: list[AgentNode] = Field(min_length=1, description="The agents; order does not matter, upstreams do.")
+    steps: list[StepNode] = Field(
+        default_factory=list, description="Python functions in the DAG: {name, call: 'module:function', upstream, "
+        "when}; their return values are read downstream like an agent's output.")
     inputs: dict[str, InputSpec] = Field(
         default_factory=dict, description="Runtime inputs that task templates read as {name}: name -> {description, "
         "default}, or a list of names; each run gives their values (Pipeline.run(inputs=...), --input NAME=VALUE).")
@@ -463,6 +487,14 @@ class PipelineSpec(PipelineSettings):
             seen.add(agent.name)
         return agents
 
+    @field_validator("steps")
+    @classmethod
+    def _steps_wait_for_what_they_test(cls, steps: list[StepNode]) -> list[StepNode]:
+        for step in steps:
+            if step.when is not None and step.when.agent not in step.upstream:
+                step.upstream.append(step.when.agent)
+        return steps
+
     @model_validator(mode="after")
     def _agents_consistent(self) -> PipelineSpec:
         for agent in self.agents:
@@ -477,8 +509,24 @@ class PipelineSpec(PipelineSettings):
                                       "template, not waited for; remove it from upstream", agent=agent.name)
             # a template's reads of inputs are not agents to wait for
             agent.upstream = [u for u in agent.upstream if u not in self.inputs]
-        check_upstreams(self.agents, inputs=self.inputs)
+        names = {a.name for a in self.agents}
+        for step in self.steps:
+            if step.name in names or step.name in self.inputs:
+                raise _pipeline_error(f"steps.{step.name}", "a step shares its name with an agent or an input: "
+                                      "rename one (downstream nodes read all three by name)")
+            names.add(step.name)
+            if any(u in self.inputs for u in step.upstream):
+                raise _pipeline_error(f"steps.{step.name}.upstream", "lists an input: a step is given the inputs "
+                                      "(as `inputs`, or by name); remove it from upstream")
+        check_upstreams([*self.agents, *self.steps], inputs=self.inputs)
         return self
+
+    def node(self, name: str) -> AgentNode | StepNode:
+        """The agent or step of that name."""
+        for step in self.steps:
+            if step.name == name:
+                return step
+        return self.agent(name)
 
     def input_reads(self, agent: str) -> tuple[str, ...]:
         """The pipeline inputs `agent`'s task template reads."""
@@ -496,8 +544,10 @@ class PipelineSpec(PipelineSettings):
         return max(counts, key=lambda alias: (counts[alias], -order.index(alias)))
 
     def upstreams(self) -> dict[str, list[str]]:
-        """Agent -> the agents it reads or waits for (the template's reads included)."""
-        return {agent.name: list(agent.upstream) for agent in self.agents}
+        """Agent or step -> the agents and steps it reads or waits for (the template's reads included)."""
+        out = {agent.name: list(agent.upstream) for agent in self.agents}
+        out.update({step.name: list(step.upstream) for step in self.steps})
+        return out
 
     def agent(self, name: str) -> AgentNode:
         for agent in self.agents:
@@ -507,7 +557,7 @@ class PipelineSpec(PipelineSettings):
                                 f"agents: {', '.join(a.name for a in self.agents)}")
 
 
-def check_upstreams(agents: Sequence[AgentNode], inputs: Collection[str] = ()) -> None:
+def check_upstreams(agents: Sequence[AgentNode | StepNode], inputs: Collection[str] = ()) -> None:
     """Every upstream is an agent of the pipeline and there is no cycle; else UnknownAgentError / CycleError.
 
     These are raised as themselves (not collected as problems) because they are about the graph, not
@@ -532,8 +582,8 @@ def check_upstreams(agents: Sequence[AgentNode], inputs: Collection[str] = ()) -
     build_graph({a.name: a.upstream for a in agents})  # cycles
 
 
-def _reference_field(agent: AgentNode, up: str) -> str:
-    if up not in agent.template_inputs():
+def _reference_field(agent: AgentNode | StepNode, up: str) -> str:
+    if isinstance(agent, StepNode) or up not in agent.template_inputs():
         return "upstream"
     return "args" if agent.builtin is not None else "spec.task"
 
@@ -792,4 +842,5 @@ def pipeline_mermaid(spec: PipelineSpec) -> str:
     from orchestra.graph import build_graph, to_mermaid
 
     labels = {a.name: f"{a.model}: {spec.models[a.model]}" for a in spec.agents}
+    labels.update({s.name: f"step: {s.call if s.call != '<python>' else 'python'}" for s in spec.steps})
     return to_mermaid(build_graph(spec.upstreams(), labels), spec.source_alias)

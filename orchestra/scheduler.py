@@ -34,6 +34,7 @@ from orchestra.paths import resolve_home
 from orchestra.pipeline import PipelineSpec
 from orchestra.registry import ModelRegistry
 from orchestra.report import AgentReport, ModelCacheReport, RunReport
+from orchestra.steps import StepNode, WhenLike, call_step, condition_holds
 
 if TYPE_CHECKING:
     from orchestra.checkpoint import Checkpointer, RunCheckpoint
@@ -288,20 +289,22 @@ class Orchestra:
         if state is not None:
             from orchestra.checkpoint import RESTORABLE
 
-            names = {a.name for a in self.pipeline.agents}
+            names = set(self.pipeline.upstreams())
             run.restored = {n: r for n, r in state.agents.items() if n in names and r.status in RESTORABLE}
             run.outputs.update({n: state.outputs[n] for n in run.restored if n in state.outputs})
-        await emit(ev.RunStarted(run_id=run_id, agents=[a.name for a in self.pipeline.agents],
+        await emit(ev.RunStarted(run_id=run_id, agents=list(self.pipeline.upstreams()),
                                  source_model=self.source_alias, document_tokens=len(prefix_ids)))
         try:
             if self.share_prefill:
                 lease = await self._acquire(run, None, self.source_alias)
                 await emit(ev.DocumentPrefilled(run_id=run_id, model=self.source_alias, tokens=len(prefix_ids),
                                                 seconds=lease.prefill_seconds, store_hit=lease.hit))
-            done = {a.name: anyio.Event() for a in self.pipeline.agents}
+            done = {name: anyio.Event() for name in self.pipeline.upstreams()}
             async with anyio.create_task_group() as tg:
                 for agent in self.pipeline.agents:
                     tg.start_soon(self._agent_task, run, agent.name, done)
+                for step in self.pipeline.steps:
+                    tg.start_soon(self._step_task, run, step, done)
         finally:
             for _, lease in run.leases:
                 lease.release()
@@ -311,7 +314,7 @@ class Orchestra:
         return report
 
     async def _report(self, run: _Run, started: float, warned: int, moved: dict[str, int] | None = None) -> RunReport:
-        reports = [run.reports[a.name] for a in self.pipeline.agents]
+        reports = [run.reports[name] for name in self.pipeline.upstreams()]
         seconds = time.perf_counter() - started
         builders: dict[int, CacheLease] = {}
 
@@ -449,11 +452,7 @@ class Orchestra:
             if bad and agent.on_upstream_failure == "run_with_available" and len(bad) < len(agent.upstream):
                 report.missing_upstreams = {up: _skip_reason([run.reports[up]]) for up in bad}
                 bad = []
-            if bad:
-                report.status = "skipped"
-                report.skip_reason = _skip_reason([run.reports[up] for up in bad])
-                await self._checkpoint(run, report)
-                await run.emit(ev.AgentSkipped(run_id=run.run_id, agent=name, reason=report.skip_reason))
+            if await self._skipped(run, report, agent.upstream, bad, agent.condition):
                 return
             await run.emit(ev.AgentStarted(run_id=run.run_id, agent=name, model=agent.model))
             first_token: list[float] = []
@@ -515,6 +514,63 @@ class Orchestra:
             report.status = "failed"
             report.error_type = type(exc).__name__
             report.error = str(exc) or (f"timed out after {agent.timeout_s}s" if isinstance(exc, TimeoutError) else "")
+            await self._checkpoint(run, report)
+            await run.emit(ev.AgentFailed(run_id=run.run_id, agent=name, error_type=report.error_type,
+                                          error=report.error))
+        finally:
+            done[name].set()
+
+    async def _skipped(self, run: _Run, report: AgentReport, upstream: list[str], bad: list[str],
+                       condition: WhenLike | None) -> bool:
+        """Skip the node (reported, recorded, announced) when an upstream it needs gave nothing or its condition is
+        false; True when it was skipped."""
+        if bad:
+            report.skip_reason = _skip_reason([run.reports[up] for up in bad])
+        else:
+            holds, what = condition_holds(condition, {up: run.outputs.get(up, "") for up in upstream})
+            if holds:
+                return False
+            report.skip_reason = f"its condition is false: {what}"
+        report.status = "skipped"
+        await self._checkpoint(run, report)
+        await run.emit(ev.AgentSkipped(run_id=run.run_id, agent=report.name, reason=report.skip_reason))
+        return True
+
+    async def _step_task(self, run: _Run, step: StepNode, done: dict[str, anyio.Event]) -> None:
+        """A Python step: after its upstreams (skipped like an agent when one gave nothing or its condition is
+        false), its function runs; its output is read downstream; an exception fails it alone."""
+        name = step.name
+        if name in run.restored:
+            kept = run.reports[name] = run.restored[name]
+            try:
+                await run.emit(ev.AgentRestored(run_id=run.run_id, agent=name, status=kept.status, output=kept.output))
+            finally:
+                done[name].set()
+            return
+        report = AgentReport(name=name, model="step", status="failed")
+        run.reports[name] = report
+        try:
+            for up in step.upstream:
+                await done[up].wait()
+            bad = [up for up in step.upstream if run.reports[up].status != "succeeded"]
+            if await self._skipped(run, report, step.upstream, bad, step.condition):
+                return
+            await run.emit(ev.AgentStarted(run_id=run.run_id, agent=name, model="step"))
+            t0 = time.perf_counter()
+            scope = anyio.fail_after(step.timeout_s) if step.timeout_s else contextlib.nullcontext()
+            with scope:
+                output = await call_step(step, run.document, {up: run.outputs[up] for up in step.upstream},
+                                         run.inputs)
+            report.generation_s = time.perf_counter() - t0
+            report.output = output
+            run.outputs[name] = output
+            report.status = "succeeded"
+            await self._checkpoint(run, report)
+            await run.emit(ev.AgentFinished(run_id=run.run_id, agent=name, output=output))
+        except Exception as exc:
+            report.status = "failed"
+            report.error_type = type(exc).__name__
+            report.error = str(exc) or (f"timed out after {step.timeout_s}s" if isinstance(exc, TimeoutError) else "")
             await self._checkpoint(run, report)
             await run.emit(ev.AgentFailed(run_id=run.run_id, agent=name, error_type=report.error_type,
                                           error=report.error))

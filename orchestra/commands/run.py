@@ -142,7 +142,8 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
         run_id = resume or uuid.uuid4().hex[:12]
         if resume is None and not jsonl:
             console.print(f"[dim]run {run_id}: if it stops, `--resume {run_id}` continues it[/dim]")
-        display = RunDisplay(console, [(a.name, a.model) for a in pipeline.agents], lines=bool(stream) and not jsonl)
+        rows = [(a.name, a.model) for a in pipeline.agents] + [(s.name, "step") for s in pipeline.spec.steps]
+        display = RunDisplay(console, rows, lines=bool(stream) and not jsonl)
 
         async def main():
             finished = None
@@ -186,10 +187,10 @@ def run(
                                            "DOCX file (PDF/HTML/DOCX need the `documents` extra).")],
     report: Annotated[Path | None, typer.Option("--report", help="Write the run report JSON here.")] = None,
     home: HomeOpt = None,
-    events: Annotated[str | None, typer.Option(
-        "--events", flag_value="text", help="Print events (gates, fallbacks, caches) as they happen: `--events` as "
-        "lines of text, `--events jsonl` as one JSON object per line on stdout and nothing else (the last, "
-        "run_finished, carries the report).")] = None,
+    events: Annotated[bool, typer.Option("--events", help="Print events (gates, fallbacks, caches) as they happen.")] = False,
+    jsonl: Annotated[bool, typer.Option("--jsonl", help="Print every event (tokens included) as one JSON object per "
+                                        "line on stdout, and nothing else; the last, run_finished, carries the "
+                                        "report.")] = False,
     encoding: Annotated[
         str | None, typer.Option("--encoding", help="The document's text encoding (default: UTF-8, or as its BOM says).")
     ] = None,
@@ -219,11 +220,8 @@ def run(
     130 interrupted.
     """
     with pipeline_errors():
-        if events not in (None, "text", "jsonl"):
-            from orchestra.errors import PipelineError
-
-            raise PipelineError(f"--events takes no value (lines of text) or `jsonl`, not {events!r}")
-        result = run_pipeline_file(pipeline, document, home, report, stream=events, encoding=encoding,
+        result = run_pipeline_file(pipeline, document, home, report, stream="jsonl" if jsonl else events,
+                                   encoding=encoding,
                                    executor=executor, ray_address=ray_address, inputs=inputs, kv_store=kv_store,
                                    resume=resume)
     exit_on_failed_agents(result)
