@@ -35,6 +35,10 @@ def serve(
     inline_tail: Annotated[int, typer.Option("--inline-tail", min=0, help="A prompt whose uncached rest is at most "
                            "this many tokens leases the cached part and computes the rest while decoding (stores "
                            "nothing of its own); 0: cache every prompt whole.")] = 256,
+    pipelines: Annotated[Path | None, typer.Option("--pipelines", help="A folder of pipeline files that POST /v1/runs "
+                         "runs by name (its file's stem); unset: inline pipelines only.")] = None,
+    max_runs: Annotated[int, typer.Option("--max-runs", min=1, help="Pipeline runs (POST /v1/runs) at once; more get "
+                        "429.")] = 4,
     kv_store: Annotated[Path | None, typer.Option("--kv-store", help="Keep caches on disk in this folder and read "
                         "them back after a restart (e.g. <home>/kv, shared with `orchestra run`); unset: memory only.")] = None,
     kv_store_mb: Annotated[int, typer.Option("--kv-store-mb", min=1, help="Bytes the disk tier may hold, MiB.")] = 8192,
@@ -65,6 +69,7 @@ def serve(
                              max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens,
                              batch_decode=batch, max_batch=max_batch, inline_tail_tokens=inline_tail,
                              on_missing_mapping=on_missing_mapping, kv_store=kv_store, kv_store_mb=kv_store_mb,
+                             pipelines_dir=pipelines, max_runs=max_runs,
                              executor=_executor_spec(executor, ray_address), repair=_ladder(repair_ladder))
         config.api_key()  # a missing key is a start-up mistake, said before anything loads
         engine = ServeEngine(config)  # a missing family is refused here, not in the first request

@@ -31,6 +31,7 @@ from orchestra.errors import ActorLostError, ExecutorError
 from orchestra.serve._config import ServeConfig
 from orchestra.serve._engine import Generation, ServeEngine
 from orchestra.serve._errors import ApiError, ExecutorFailed, PayloadTooLarge, Unauthorized
+from orchestra.serve._runs import RunRequest, RunStatus
 from orchestra.serve._schemas import (
     AssistantMessage,
     ChatCompletion,
@@ -338,6 +339,31 @@ def _add_api_routes(app: FastAPI, slot: _EngineSlot) -> None:
         slot.count(request, 200)
         return PrefillResponse(model=member, tokens=tokens, path=lease.path, cached_tokens=lease.reused_tokens,
                                seconds=lease.seconds)
+
+    @app.post("/v1/runs", response_model=RunStatus, status_code=201, responses=ERRORS)
+    async def start_run(body: RunRequest, request: Request) -> RunStatus:
+        """Start a pipeline run on the server's family and caches; follow it at /v1/runs/{id}/events."""
+        status = (await slot.get()).runs.start(body)
+        slot.count(request, 201)
+        return status
+
+    # one route for both methods, so a 405 on it lists both in `Allow`
+    @app.api_route("/v1/runs/{run_id}", methods=["GET", "DELETE"], response_model=RunStatus, responses=ERRORS)
+    async def run_status(run_id: str, request: Request) -> RunStatus:
+        """GET: the run's state and, once it ended, its report. DELETE: cancel it (409 when it already ended)."""
+        runs = (await slot.get()).runs
+        if request.method == "DELETE":
+            return await runs.cancel(run_id)
+        return runs.get(run_id)
+
+    @app.get("/v1/runs/{run_id}/events", responses={**ERRORS, 200: {"description": "Server-Sent Events: `event: "
+                                                                     "<kind>` and `data: <the typed event as JSON>` "
+                                                                     "from the run's start, then `event: end`."}})
+    async def run_events(run_id: str) -> StreamingResponse:
+        runs = (await slot.get()).runs
+        runs.get(run_id)  # 404 before the stream starts
+        return StreamingResponse(runs.events(run_id), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={**ERRORS, 200: STREAMED})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -59,6 +59,10 @@ class ServeConfig(BaseModel):
     """A prompt whose uncached rest (past what is cached or being built, e.g. the shared document) is at most this
     many tokens leases only the cached part and computes the rest while decoding, storing no entry of its own:
     concurrent conversations over one document then hold one copy of it. 0: every prompt is cached whole."""
+    pipelines_dir: Path | None = None
+    """A folder of pipeline files that ``POST /v1/runs`` runs by name (its stem); None: inline pipelines only."""
+    max_runs: int = Field(4, ge=1)
+    """Pipeline runs (``POST /v1/runs``) running at once; more get 429."""
     kv_store: Path | None = None
     """A folder for the disk tier: caches built are written there and read back after a restart (None: memory only)."""
     kv_store_mb: int = Field(8192, ge=1)

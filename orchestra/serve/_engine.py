@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from mappings.types import Tokenizer
     from orchestra.family.manifest import FamilyManifest
     from orchestra.serve._batch import BatchDecoder
+    from orchestra.serve._runs import RunManager
 
 __all__ = ["ServeEngine", "Generation", "CacheInfo", "render_messages", "tune_allocator"]
 
@@ -246,6 +247,7 @@ class ServeEngine:
         self._batchers: dict[str, BatchDecoder] = {}
         self._batch_lock = threading.Lock()
         self._mean_s = 1.0
+        self._runs: RunManager | None = None
         """Moving average of the seconds a generation holds its slot (the 429's Retry-After is from it)."""
         self._slots = anyio.Semaphore(self.config.max_concurrent)
         self._waiting = 0
@@ -420,9 +422,20 @@ class ServeEngine:
         loaded = self.cache.executor.model(member)
         return json_constraint(loaded.tokenizer, vocab_size(loaded.model), req.response_format)
 
+    @property
+    def runs(self) -> RunManager:
+        """The pipeline runs of ``/v1/runs`` (on this engine's FamilyCache)."""
+        if self._runs is None:
+            from orchestra.serve._runs import RunManager
+
+            self._runs = RunManager(self, pipelines_dir=self.config.pipelines_dir, max_running=self.config.max_runs)
+        return self._runs
+
     def close(self) -> None:
         """Stop the decoding threads (in-flight replies finish first); release an executor this engine made
         (a ray executor's actors and placement group). Idempotent."""
+        if self._runs is not None:
+            self._runs.close()
         for batcher in self._batchers.values():
             batcher.close()
         self.cache.flush(60.0)  # caches built before the shutdown are there after the restart

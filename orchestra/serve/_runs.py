@@ -1,0 +1,267 @@
+"""Pipeline runs over HTTP: ``POST /v1/runs`` starts one on the server's FamilyCache, its typed events are
+kept (replayable from the start as Server-Sent Events), ``GET`` gives its status and report, ``DELETE``
+cancels it.
+
+A served pipeline runs on the server's family: its `models` name members (by role or name), never
+folders or Hub ids, and it shares the server's caches with chat requests (a document a chat cached is
+reused by a run, and back). Finished runs are kept, the oldest forgotten beyond `keep`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import anyio
+import structlog
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestra.errors import OrchestraError
+from orchestra.serve._errors import ApiError, BadRequest, RateLimited
+
+if TYPE_CHECKING:
+    from orchestra.events import Event
+    from orchestra.family.manifest import FamilyManifest
+    from orchestra.familycache import FamilyCache
+    from orchestra.pipeline import PipelineSpec
+    from orchestra.report import RunReport
+    from orchestra.scheduler import Orchestra
+
+__all__ = ["RunRequest", "RunStatus", "RunManager", "RunNotFound", "RunConflict"]
+
+log = structlog.get_logger("orchestra.serve.runs")
+RunState = Literal["running", "succeeded", "failed", "cancelled"]
+
+
+class RunHost(Protocol):
+    """What runs need of the server's engine (a structural type: the engine imports this module)."""
+
+    family: FamilyManifest
+    cache: FamilyCache
+
+    def resolve(self, model: str) -> str: ...
+
+
+class RunNotFound(ApiError):
+    status, code = 404, "run_not_found"
+
+
+class RunConflict(ApiError):
+    status, code = 409, "run_finished"
+
+
+class RunRequest(BaseModel):
+    """A pipeline run to start: a pipeline by name (a file in the server's --pipelines folder) or inline."""
+
+    model_config = ConfigDict(extra="forbid")
+    pipeline: str | None = Field(None, description="Name of a pipeline file in the server's pipelines folder (its "
+                                 "stem: `qa` for qa.yaml).")
+    spec: dict[str, object] | None = Field(None, description="An inline pipeline, as a pipeline file's content.")
+    document: str = Field(min_length=1, description="The document's text.")
+    inputs: dict[str, str] = Field(default_factory=dict, description="Values of the pipeline's declared inputs.")
+
+
+class RunStatus(BaseModel):
+    """Where a run is: its state, its report once finished, or why it failed."""
+
+    id: str
+    object: Literal["pipeline.run"] = "pipeline.run"
+    pipeline: str
+    status: RunState
+    created: int
+    events: int = Field(description="Events so far (GET /v1/runs/{id}/events replays them).")
+    report: dict[str, builtins.object] | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Run:
+    id: str
+    pipeline: str
+    created: int
+    status: RunState = "running"
+    events: list[Event] = field(default_factory=list)
+    report: RunReport | None = None
+    error: str | None = None
+    changed: anyio.Event = field(default_factory=anyio.Event)
+    task: asyncio.Task[None] | None = None
+
+    def publish(self) -> None:
+        """Wake every events reader (each waits on the event it was given)."""
+        changed, self.changed = self.changed, anyio.Event()
+        changed.set()
+
+    def status_model(self) -> RunStatus:
+        return RunStatus(id=self.id, pipeline=self.pipeline, status=self.status, created=self.created,
+                         events=len(self.events), report=self.report.model_dump(mode="json") if self.report else None,
+                         error=self.error)
+
+
+class RunManager:
+    """The server's pipeline runs: started, followed, cancelled; at most `max_running` at once."""
+
+    def __init__(self, engine: RunHost, *, pipelines_dir: Path | None = None, max_running: int = 4,
+                 keep: int = 100) -> None:
+        self.engine = engine
+        self.pipelines_dir = pipelines_dir
+        self.max_running = max_running
+        self.keep = keep
+        self._runs: OrderedDict[str, _Run] = OrderedDict()
+
+    # -- starting -------------------------------------------------------------------------------------------------
+    def start(self, body: RunRequest) -> RunStatus:
+        spec = self._spec(body)
+        running = sum(1 for r in self._runs.values() if r.status == "running")
+        if running >= self.max_running:
+            raise RateLimited(f"{running} pipeline runs are running (the server's limit); retry when one ends",
+                              retry_after=30)
+        from orchestra.inputs import resolve_inputs
+        from orchestra.scheduler import Orchestra
+
+        try:
+            inputs = resolve_inputs(spec.inputs, body.inputs)
+            orchestra = Orchestra(spec, family=self.engine.family, cache=self.engine.cache)
+        except OrchestraError as exc:
+            raise BadRequest(str(exc), param="inputs" if "input" in type(exc).__name__.lower() else "spec") from exc
+        run = _Run(uuid.uuid4().hex[:16], spec.name, int(time.time()))
+        self._runs[run.id] = run
+        self._forget_old()
+        run.task = asyncio.get_running_loop().create_task(self._drive(run, orchestra, body.document, inputs))
+        return run.status_model()
+
+    def _spec(self, body: RunRequest) -> PipelineSpec:
+        """The pipeline to run, its models translated to the server's members (roles)."""
+        from pydantic import ValidationError
+
+        from orchestra.pipeline import PipelineSpec, load_pipeline
+
+        if (body.pipeline is None) == (body.spec is None):
+            raise BadRequest("give exactly one of `pipeline` (a name from the server's pipelines folder) or `spec` "
+                             "(an inline pipeline)", param="pipeline")
+        try:
+            if body.pipeline is not None:
+                spec = load_pipeline(self._pipeline_file(body.pipeline))
+            else:
+                spec = PipelineSpec.model_validate({"name": "inline", **(body.spec or {})})
+        except (OrchestraError, ValidationError, ValueError) as exc:
+            raise BadRequest(f"the pipeline is not valid: {exc}", param="spec") from exc
+        return self._on_members(spec)
+
+    def _pipeline_file(self, name: str) -> Path:
+        folder = self.pipelines_dir
+        if folder is None:
+            raise BadRequest("this server has no pipelines folder (start it with --pipelines DIR): send the "
+                             "pipeline inline as `spec`", param="pipeline")
+        known = sorted(p.stem for p in folder.glob("*.y*ml")) + sorted(p.stem for p in folder.glob("*.json"))
+        for suffix in (".yaml", ".yml", ".json"):
+            path = folder / f"{name}{suffix}"
+            if path.is_file() and path.parent == folder:
+                return path
+        raise BadRequest(f"no pipeline named {name!r} in the server's pipelines folder; it has "
+                         f"{', '.join(known) or 'none'}", param="pipeline")
+
+    def _on_members(self, spec: PipelineSpec) -> PipelineSpec:
+        """The spec with every alias replaced by the server member it names (runs share the server's cache)."""
+        from orchestra.serve._errors import ModelNotFound
+
+        roles: dict[str, str] = {}
+        for alias, target in spec.models.items():
+            if not isinstance(target, str):
+                raise BadRequest(f"models.{alias}: a served pipeline runs on the server's family; adapters and "
+                                 "quantized views are not members of it", param="spec")
+            try:
+                roles[alias] = self.engine.resolve(target)
+            except ModelNotFound:
+                try:
+                    roles[alias] = self.engine.resolve(alias)
+                except ModelNotFound as exc:
+                    raise BadRequest(f"models.{alias}: {target!r} is not a member of this server's family "
+                                     f"(GET /v1/models lists them)", param="spec") from exc
+        data = spec.model_dump(mode="python")
+        data["models"] = {role: role for role in roles.values()}
+        data["source"] = roles[spec.source_alias]
+        for agent in data["agents"]:
+            agent["model"] = roles[agent["model"]]
+        from orchestra.pipeline import PipelineSpec
+
+        return PipelineSpec.model_validate(data)
+
+    async def _drive(self, run: _Run, orchestra: Orchestra, document: str, inputs: dict[str, str]) -> None:
+        async def collect(event: Event) -> None:
+            run.events.append(event)
+            run.publish()
+
+        try:
+            run.report = await orchestra.run(document, on_event=collect, run_id=run.id, inputs=inputs)
+            run.status = "succeeded" if all(a.status == "succeeded" for a in run.report.agents) else "failed"
+            if run.status == "failed":
+                bad = [f"{a.name} {a.status}" for a in run.report.agents if a.status != "succeeded"]
+                run.error = "agents did not succeed: " + ", ".join(bad)
+        except asyncio.CancelledError:
+            run.status, run.error = "cancelled", "cancelled by DELETE /v1/runs/{id}"
+            raise
+        except Exception as exc:  # a document too long for a member, an executor failure: the run's, not ours
+            run.status, run.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.warning("pipeline_run_failed", run=run.id, error=run.error)
+        finally:
+            run.publish()
+
+    # -- reading ----------------------------------------------------------------------------------------------------
+    def get(self, run_id: str) -> RunStatus:
+        return self._run(run_id).status_model()
+
+    async def events(self, run_id: str) -> AsyncIterator[str]:
+        """The run's events as SSE frames: every one so far, then each new one until the run ends."""
+        run = self._run(run_id)
+        sent = 0
+        while True:
+            changed = run.changed
+            while sent < len(run.events):
+                event = run.events[sent]
+                sent += 1
+                yield f"event: {event.kind}\ndata: {event.model_dump_json()}\n\n"
+            if run.status != "running":
+                yield f"event: end\ndata: {json.dumps({'id': run.id, 'status': run.status, 'error': run.error})}\n\n"
+                return
+            await changed.wait()
+
+    async def cancel(self, run_id: str) -> RunStatus:
+        run = self._run(run_id)
+        if run.status != "running" or run.task is None:
+            raise RunConflict(f"run {run_id} already ended ({run.status}); nothing to cancel")
+        run.task.cancel()
+        with anyio.CancelScope(shield=True):
+            try:
+                await run.task
+            except asyncio.CancelledError:
+                pass
+        if run.status == "running":  # cancelled before its first step: its own handler never ran
+            run.status, run.error = "cancelled", "cancelled by DELETE /v1/runs/{id}"
+            run.publish()
+        return run.status_model()
+
+    def _run(self, run_id: str) -> _Run:
+        run = self._runs.get(run_id)
+        if run is None:
+            raise RunNotFound(f"no pipeline run {run_id!r} on this server (finished runs are kept for the last "
+                              f"{self.keep})", param="id")
+        return run
+
+    def _forget_old(self) -> None:
+        finished = [rid for rid, r in self._runs.items() if r.status != "running"]
+        for rid in finished[: max(0, len(self._runs) - self.keep)]:
+            del self._runs[rid]
+
+    def close(self) -> None:
+        for run in self._runs.values():
+            if run.task is not None and not run.task.done():
+                run.task.cancel()
+

@@ -1,0 +1,100 @@
+"""Pipeline runs over HTTP on the tiny family: start, follow as SSE from the start, status and report, cancel."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import httpx
+import pytest
+
+from orchestra.family.corpus import data_text
+from orchestra.serve import create_app
+from tests.orchestra.serve.conftest import tiny_engine
+from tests.orchestra.serve.test_app import assert_openai_error
+
+DOC = data_text("gpl-3.txt")[:300]
+SPEC = {"models": {"r": "root", "f": "tiny-child"}, "source": "r",
+        "agents": [{"name": "summary", "model": "r", "spec": {"task": "Summarise.", "generation": {"max_new_tokens": 3}}},
+                   {"name": "check", "model": "f", "spec": {"task": "Check {summary}",
+                                                            "generation": {"max_new_tokens": 3}}}]}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_serve_family, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pipelines")
+    (folder / "qa.yaml").write_text(
+        "models: {root: root}\ninputs: [question]\n"
+        "agents:\n  - {name: answer, model: root, spec: {task: 'Answer: {question}', generation: {max_new_tokens: 3}}}\n")
+    return tiny_engine(tiny_serve_family, pipelines_dir=folder, max_runs=2)
+
+
+@pytest.fixture
+async def client(engine):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine=engine)),
+                                 base_url="http://test", timeout=120) as c:
+        yield c
+
+
+async def _finish(client: httpx.AsyncClient, run_id: str) -> dict:
+    for _ in range(600):
+        status = (await client.get(f"/v1/runs/{run_id}")).json()
+        if status["status"] != "running":
+            return status
+        await anyio.sleep(0.05)
+    raise AssertionError("the run did not end")
+
+
+def _sse(text: str) -> list[tuple[str, dict]]:
+    frames = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        frames.append((lines["event"], json.loads(lines["data"])))
+    return frames
+
+
+async def test_a_run_started_over_http_streams_its_events_and_reports(client):
+    started = await client.post("/v1/runs", json={"spec": SPEC, "document": DOC})
+    assert started.status_code == 201, started.text
+    run = started.json()
+    assert run["object"] == "pipeline.run" and run["status"] == "running" and run["pipeline"] == "inline"
+    status = await _finish(client, run["id"])
+    assert status["status"] == "succeeded" and status["report"]["run_id"] == run["id"]
+    assert {a["name"]: a["model"] for a in status["report"]["agents"]} == {"summary": "root", "check": "finetuned"}
+    events = await client.get(f"/v1/runs/{run['id']}/events")  # replayed from the start after the end
+    assert events.headers["content-type"].startswith("text/event-stream")
+    frames = _sse(events.text)
+    kinds = [kind for kind, _ in frames]
+    assert kinds[0] == "run_started" and kinds[-2] == "run_finished" and kinds[-1] == "end"
+    assert frames[-2][1]["report"]["agents"][0]["name"] == "summary" and frames[-1][1]["status"] == "succeeded"
+    again = await client.post("/v1/runs", json={"spec": SPEC, "document": DOC})
+    second = await _finish(client, again.json()["id"])
+    assert all(c["store_hit"] for c in second["report"]["caches"])  # the server's cache: nothing prefilled again
+    assert_openai_error(await client.delete(f"/v1/runs/{run['id']}"), 409, "run_finished")
+
+
+async def test_a_named_pipeline_runs_with_its_inputs_and_mistakes_are_400(client):
+    started = await client.post("/v1/runs", json={"pipeline": "qa", "document": DOC, "inputs": {"question": "Who?"}})
+    status = await _finish(client, started.json()["id"])
+    assert status["report"]["inputs"] == {"question": "Who?"}
+    assert_openai_error(await client.post("/v1/runs", json={"pipeline": "qa", "document": DOC}), 400,
+                        param="inputs")
+    error = assert_openai_error(await client.post("/v1/runs", json={"pipeline": "nope", "document": DOC}), 400)
+    assert "has qa" in error["message"]
+    assert_openai_error(await client.post("/v1/runs", json={"pipeline": "qa", "spec": SPEC, "document": DOC}), 400)
+    folder = {**SPEC, "models": {"r": "/some/folder/model", "f": "finetuned"}}
+    error = assert_openai_error(await client.post("/v1/runs", json={"spec": folder, "document": DOC}), 400)
+    assert "not a member of this server's family" in error["message"]
+    assert_openai_error(await client.post("/v1/runs", json={"spec": {"agents": []}, "document": DOC}), 400)
+    assert_openai_error(await client.get("/v1/runs/nosuchrun"), 404, "run_not_found")
+    assert_openai_error(await client.get("/v1/runs/nosuchrun/events"), 404, "run_not_found")
+
+
+async def test_a_running_pipeline_is_cancelled_by_delete(client):
+    long = {**SPEC, "agents": [{"name": "story", "model": "r", "spec": {
+        "task": "Tell a very long story.", "generation": {"max_new_tokens": 400}}}]}
+    run = (await client.post("/v1/runs", json={"spec": long, "document": DOC})).json()
+    cancelled = await client.delete(f"/v1/runs/{run['id']}")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    frames = _sse((await client.get(f"/v1/runs/{run['id']}/events")).text)
+    assert frames[-1] == ("end", {"id": run["id"], "status": "cancelled", "error": "cancelled by DELETE /v1/runs/{id}"})
