@@ -92,8 +92,15 @@ def key_facts(name: AgentName = "key_facts", *, max_facts: Annotated[int, Field(
 
 @validate_call
 def question_answerer(question: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)],
-                      name: AgentName = "answer", *, max_new_tokens: MaxNewTokens = 160) -> AgentSpec:
-    """Answers ``question`` from the document, or says that the document does not answer it."""
+                      name: AgentName = "answer", *, max_new_tokens: MaxNewTokens = 160,
+                      search: bool = False, max_tool_rounds: Annotated[int, Field(ge=1, le=10)] = 2) -> AgentSpec:
+    """Answers ``question`` from the document, or says that the document does not answer it.
+
+    ``search=True`` gives it the `agents.tools.find` tool: it may look up the passages that contain some words
+    (up to ``max_tool_rounds`` times) before it answers; each lookup is a turn over the same cached document.
+    """
+    from agents.tools import find
+
     return AgentSpec(
         name=name,
         role=f"You answer questions about documents. {_ONLY_DOCUMENT}",
@@ -103,6 +110,8 @@ def question_answerer(question: Annotated[str, StringConstraints(strip_whitespac
             "answer it, say so."
         ),
         generation=GenerationSettings(max_new_tokens=max_new_tokens, **_TEXT),
+        tools=(find,) if search else (),
+        max_tool_rounds=max_tool_rounds,
     )
 
 

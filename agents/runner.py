@@ -17,11 +17,11 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, cast
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from agents.continuation import TokenStream, eos_token_ids
 from agents.degenerate import Degeneracy, check_text
@@ -30,8 +30,9 @@ from agents.grounding import Grounding
 from agents.kv import check_context, check_prefix_cache, forward_tokens
 from agents.prompt import RepairTurn, Suffix, build_suffix, document_span
 from agents.sampling import Sampler
-from agents.spec import AgentSpec
-from agents.structured import JsonObjectTracker, run_with_repairs
+from agents.spec import AgentSpec, OutputSpec
+from agents.structured import JsonObjectTracker, extract_json_object, run_with_repairs
+from agents.tools import ToolCall, answer_text, round_instructions, round_schema, run_tool
 from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
 
 if TYPE_CHECKING:
@@ -108,6 +109,8 @@ class AgentResult(BaseModel):
     """Why the output is degenerate (empty, whitespace, a loop, a copied example); None for a real answer."""
     grounding: Grounding | None = None
     """For grounded JSON agents: how many items are verbatim spans of the document; ungrounded ones were dropped."""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    """Agents with tools: each call it made, its result and seconds, in order."""
     duplicates_removed: int = 0
     """JSON agents: list items dropped from the reply as repeats of an earlier item."""
 
@@ -304,8 +307,23 @@ def generate(
     degenerate: Degeneracy | None = None
     grounding: Grounding | None = None
     removed = 0
+    calls: list[ToolCall] = []
     with torch.no_grad():
-        if spec.output.kind == "json":
+        if spec.tools:
+            text = document_span(cast(str, tokenizer.decode(prefix)))
+
+            def round_attempt(index: int, round_spec: AgentSpec, turns: Sequence[RepairTurn]) -> _Generation:
+                suffix = build_suffix(tokenizer, round_spec, upstream, repairs=turns,
+                                      use_chat_template=use_chat_template)
+                return _decode_once(model, tokenizer, round_spec, prefix, prefix_cache, suffix, attempt=index,
+                                    eos=eos, on_token=None, cancelled=cancelled, clock=clock, lock=lock)
+
+            result, calls = _tool_rounds(spec, round_attempt, text)
+            parsed, attempts = None, len(calls) + 1
+            if on_token is not None and result.text:  # the answer, once it is known (the rounds are calls)
+                on_token(TokenEvent(agent=spec.name, text=result.text, token_id=-1, index=0, attempt=len(calls)))
+            degenerate = check_text(result.text, spec=spec)
+        elif spec.output.kind == "json":
             structured = run_with_repairs(spec, attempt, document=document)
             result, parsed, attempts = structured.generation, structured.value, structured.attempts
             degenerate, grounding = structured.degenerate, structured.grounding
@@ -340,4 +358,37 @@ def generate(
         degenerate=degenerate,
         grounding=grounding,
         duplicates_removed=removed,
+        tool_calls=calls,
     )
+
+
+def _tool_rounds(spec: AgentSpec, attempt: Callable[[int, AgentSpec, Sequence[RepairTurn]], _Generation],
+                 document: str) -> tuple[_Generation, list[ToolCall]]:
+    """Decode rounds under the grammar of a tool call or an answer; run each call; end at the answer.
+
+    Each call and its result become a turn after the agent's own suffix, over the same document prefix; after
+    `max_tool_rounds` calls the grammar allows only the answer.
+    """
+    tools = list(spec.tools)
+    turns: list[RepairTurn] = []
+    calls: list[ToolCall] = []
+    for index in range(spec.max_tool_rounds + 1):
+        may_call = index < spec.max_tool_rounds
+        must_call = index == 0 and spec.tool_choice == "required"
+        round_spec = spec.model_copy(update={"tools": (), "output": OutputSpec(
+            kind="json", json_schema=round_schema(tools, may_call=may_call, must_call=must_call), max_repairs=0,
+            instructions=round_instructions(tools, may_call=may_call))})
+        generation = attempt(index, round_spec, turns)
+        reply = extract_json_object(generation.text)
+        if reply is None and may_call and generation.finish_reason == "length" and '"answer"' not in generation.text:
+            # a call cut off at max_new_tokens: the agent is told so and may try again (or answer)
+            call = ToolCall("?", {}, f"error: the call was cut off after {spec.generation.max_new_tokens} tokens; "
+                            "make it shorter", False, 0.0, index)
+        elif reply is None or "tool" not in reply or not may_call:
+            return replace(generation, text=answer_text(generation.text)), calls
+        else:
+            call = run_tool(tools, str(reply.get("tool")), reply.get("arguments"), document=document, round=index)
+        calls.append(call)
+        turns.append(RepairTurn(previous_output=generation.text.strip(),
+                                instruction=f"Result of {call.name}: {call.result}"))
+    raise AssertionError("unreachable: the last round allows only the answer")

@@ -30,6 +30,7 @@ from pydantic import (
 
 from agents.errors import InvalidTemplateError, UnknownUpstreamError
 from agents.schema import check_schema, schema_errors
+from agents.tools import Tool
 
 __all__ = [
     "AGENT_NAME_PATTERN",
@@ -312,8 +313,36 @@ class AgentSpec(BaseModel):
     """Decoding settings (max tokens, temperature, top-p/top-k, stop strings, seed, repetition control)."""
     output: OutputSpec = OutputSpec()
     """Output kind (text or validated JSON) and the repair budget."""
+    tools: tuple[Tool, ...] = ()
+    """Functions the agent may call before it answers (`agents.tools`): `Tool`s, functions, or 'module:function'."""
+    max_tool_rounds: int = Field(3, ge=1, le=10)
+    """Tool calls the agent may make; after them it must answer."""
+    tool_choice: Literal["auto", "required"] = "auto"
+    """auto: each round the agent calls a tool or answers; required: its first round must be a call."""
 
     _segments: list[_Segment] = PrivateAttr(default_factory=list)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _as_tools(cls, value: object) -> object:
+        if value is None:
+            return ()
+        if isinstance(value, (str, Tool)) or callable(value):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            return tuple(item if isinstance(item, Tool) else Tool.of(item) if isinstance(item, str) or callable(item)
+                         else Tool.model_validate(item) for item in value)
+        return value
+
+    @model_validator(mode="after")
+    def _tools_answer_in_text(self) -> AgentSpec:
+        if self.tools and self.output.kind != "text":
+            raise ValueError(f"agent {self.name!r}: an agent with tools answers in text (its calls are the JSON); "
+                             "drop `tools` or use output kind text")
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"agent {self.name!r}: two tools share a name ({names}); name them apart")
+        return self
 
     @model_validator(mode="after")
     def _parse_task(self) -> AgentSpec:

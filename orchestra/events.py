@@ -25,6 +25,8 @@ __all__ = [
     "AgentSkipped",
     "AgentDegenerate",
     "AgentRestored",
+    "ToolCallEvent",
+    "ToolResultEvent",
     "RunFinished",
     "AnyEvent",
 ]
@@ -133,6 +135,28 @@ class AgentDegenerate(Event):
     output: str
 
 
+class ToolCallEvent(Event):
+    """An agent called one of its tools (`agents.tools`)."""
+
+    kind: Literal["tool_call"] = "tool_call"
+    agent: str
+    tool: str
+    arguments: dict[str, object]
+    round: int
+
+
+class ToolResultEvent(Event):
+    """What a tool call returned (or its error, which the agent read), and how long it took."""
+
+    kind: Literal["tool_result"] = "tool_result"
+    agent: str
+    tool: str
+    result: str
+    ok: bool
+    seconds: float
+    round: int
+
+
 class AgentRestored(Event):
     """A resumed run kept this agent's result from its checkpoint instead of running it again."""
 
@@ -155,6 +179,7 @@ class RunFinished(Event):
 
 AnyEvent = Annotated[
     RunStarted | DocumentPrefilled | CacheReady | CacheStepEvent | AgentStarted | TokenEvent | GateResult | Fallback
-    | AgentFinished | AgentFailed | AgentSkipped | AgentDegenerate | AgentRestored | RunFinished,
+    | AgentFinished | AgentFailed | AgentSkipped | AgentDegenerate | AgentRestored | ToolCallEvent | ToolResultEvent
+    | RunFinished,
     Field(discriminator="kind"),
 ]

@@ -46,6 +46,8 @@ class AgentReport(BaseModel):
         default_factory=dict, description="on_upstream_failure: run_with_available: the upstreams it ran without, "
         "and why each gave nothing (its prompt said so).")
     duplicates_removed: int = Field(0, description="JSON agents: repeated list items dropped from the reply.")
+    tool_calls: list[dict[str, object]] = Field(
+        default_factory=list, description="Agents with tools: each call (name, arguments, result, ok, seconds, round).")
     degenerate_reason: str | None = Field(
         None, description="Why the output is degenerate (the rule that fired and its numbers), for status 'degenerate'.")
     attempts: int = Field(1, description="Generations it took (1 + JSON repairs).")

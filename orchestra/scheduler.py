@@ -491,6 +491,12 @@ class Orchestra:
             report.constrained = result.constrained
             report.grounding = _jsonable(result.grounding)
             report.duplicates_removed = result.duplicates_removed
+            report.tool_calls = [call.as_dict() for call in result.tool_calls]
+            for call in result.tool_calls:
+                await run.emit(ev.ToolCallEvent(run_id=run.run_id, agent=name, tool=call.name,
+                                                arguments=call.arguments, round=call.round))
+                await run.emit(ev.ToolResultEvent(run_id=run.run_id, agent=name, tool=call.name, result=call.result,
+                                                  ok=call.ok, seconds=call.seconds, round=call.round))
             report.tokens = result.generated_tokens
             report.suffix_tokens = result.suffix_tokens
             report.generation_s = result.timings.generation_s

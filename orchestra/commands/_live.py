@@ -119,6 +119,10 @@ def format_event(event: AnyEvent) -> str | None:
         return f"{event.agent}: FAILED ({event.error_type}: {event.error})"
     if event.kind == "agent_skipped":
         return f"{event.agent}: skipped ({event.reason})"
+    if event.kind == "tool_call":
+        return f"{event.agent}: calls {event.tool}({event.arguments})"
+    if event.kind == "tool_result":
+        return f"{event.agent}: {event.tool} {'returned' if event.ok else 'FAILED'} in {_secs(event.seconds)}"
     if event.kind == "agent_restored":
         return f"{event.agent}: kept from the run's checkpoint ({event.status})"
     if event.kind == "run_finished":

@@ -56,3 +56,21 @@ async def test_prefill_once_map_to_members_and_match_exact_baseline(real_family)
     for name in ("who",):
         if report.agent(name).cache_path == "reprefilled":
             assert report.agent(name).output == baseline.agent(name).output
+
+
+async def test_an_agent_with_the_find_tool_reports_its_calls_as_events_over_the_shared_document(real_family):
+    pipe = PipelineSpec.model_validate({
+        "models": {"root": "root"}, "source": "root", "default_device": "cpu", "kv_store": {"enabled": False},
+        "agents": [{"name": "answer", "model": "root", "spec": {
+            "task": "Who may copy the licence? Look it up first.", "tools": ["agents.tools:find"],
+            "tool_choice": "required", "max_tool_rounds": 1, "generation": {"max_new_tokens": 48}}}]})
+    maps = MappingStore(Path(real_family.home) / "mappings", on_missing="refuse")
+    events = []
+    report = await Orchestra(pipe, family=real_family, mappings=maps).run(DOC, on_event=events.append)
+    answer = report.agent("answer")
+    assert answer.status in ("succeeded", "degenerate") and answer.cache_path == "exact"
+    calls, results = ([e for e in events if e.kind == kind] for kind in ("tool_call", "tool_result"))
+    assert len(calls) == len(results) == len(answer.tool_calls) == 1  # required, then only the answer
+    for call, result, recorded in zip(calls, results, answer.tool_calls, strict=True):
+        assert call.tool == result.tool == recorded["name"] and result.result == recorded["result"]
+        assert result.seconds >= 0 and call.round == 0

@@ -1,0 +1,276 @@
+"""Tools an agent may call: plain Python functions, their JSON schema derived from type hints and docstrings.
+
+    @tool
+    def find(text: str, document: str) -> str:
+        \"\"\"The passages of the document that contain `text`.\"\"\"
+
+    spec = AgentSpec(name="qa", task="Answer: who may copy it?", tools=[find], max_tool_rounds=3)
+
+Each round the agent replies under a grammar of ``{"tool": <name>, "arguments": {...}} | {"answer": "..."}``
+(so even a small model writes a valid call of a known tool); a call's arguments are validated by pydantic,
+the function runs with a timeout, and its result (or its error, as text) is appended to the agent's
+continuation as a new turn over the same cached document prefix. A parameter named ``document`` is not the
+model's to fill: it receives the document the agent reads. After `max_tool_rounds` calls the agent must answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, create_model
+
+from agents.errors import AgentError
+
+__all__ = ["Tool", "ToolCall", "ToolSchemaError", "tool", "find", "round_schema", "round_instructions", "run_tool",
+           "answer_text", "INJECTED"]
+
+MAX_ARGUMENT_CHARS = 80
+"""Longest string argument a call's grammar allows (unless the tool's own schema says otherwise)."""
+
+INJECTED = ("document",)
+"""Parameters a tool receives from the run, not from the model."""
+
+
+class ToolSchemaError(AgentError, ValueError):
+    """A function cannot be a tool: a parameter without a type hint, or a type with no JSON schema."""
+
+
+class Tool(BaseModel):
+    """A function an agent may call, with the JSON schema of its arguments."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    name: str
+    description: str
+    call: str
+    """'module:function', or '<python>' for a function given directly."""
+    parameters: dict[str, object]
+    """JSON schema of the arguments the model fills (`INJECTED` ones left out)."""
+    timeout_s: float = 10.0
+
+    _fn: Callable[..., Any] | None = PrivateAttr(None)
+    _args: type[BaseModel] | None = PrivateAttr(None)
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any] | str, *, name: str | None = None, timeout_s: float = 10.0) -> Tool:
+        """A tool of a function (or of its 'module:function' path)."""
+        call = "<python>"
+        if isinstance(fn, str):
+            call = fn
+            fn = _import(fn)
+        if isinstance(fn, Tool):
+            return fn
+        args = _arguments_model(fn)
+        doc = inspect.getdoc(fn) or ""
+        made = cls(name=name or fn.__name__, description=doc.split("\n\n")[0].replace("\n", " ").strip(),
+                   call=call, parameters=args.model_json_schema(), timeout_s=timeout_s)
+        made._fn, made._args = fn, args
+        return made
+
+    def function(self) -> Callable[..., Any]:
+        if self._fn is None:
+            fresh = Tool.of(self.call, name=self.name, timeout_s=self.timeout_s)
+            self._fn, self._args = fresh._fn, fresh._args
+        assert self._fn is not None
+        return self._fn
+
+    def validate_arguments(self, arguments: object) -> dict[str, object]:
+        """The model's arguments checked against the schema (ValueError saying what is wrong)."""
+        self.function()
+        assert self._args is not None
+        if not isinstance(arguments, Mapping):
+            raise ValueError("arguments must be a JSON object")
+        try:
+            return self._args.model_validate(dict(arguments)).model_dump()
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ())) or "arguments"
+            raise ValueError(f"{where}: {first.get('msg')}") from exc
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+         timeout_s: float = 10.0) -> Any:
+    """Mark a function as a tool (``@tool`` or ``@tool(timeout_s=5)``): it becomes a `Tool` agents take."""
+    if fn is None:
+        return lambda f: Tool.of(f, name=name, timeout_s=timeout_s)
+    return Tool.of(fn, name=name, timeout_s=timeout_s)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call an agent made: what it asked, what came back, how long it took."""
+
+    name: str
+    arguments: dict[str, object]
+    result: str
+    ok: bool
+    seconds: float
+    round: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {"name": self.name, "arguments": self.arguments, "result": self.result, "ok": self.ok,
+                "seconds": self.seconds, "round": self.round}
+
+
+def round_schema(tools: list[Tool], *, may_call: bool = True, must_call: bool = False) -> dict[str, object]:
+    """The grammar of one round: a call of one of the tools or the final answer; only the answer when not
+    `may_call`, only a call when `must_call`."""
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+              "additionalProperties": False}
+    if not may_call:
+        return answer
+    calls = [{"type": "object", "properties": {"tool": {"const": t.name}, "arguments": _plain(t.parameters)},
+              "required": ["tool", "arguments"], "additionalProperties": False} for t in tools]
+    return {"anyOf": calls} if must_call else {"anyOf": [*calls, answer]}
+
+
+def answer_text(reply: str) -> str:
+    """The answer of a round's reply: its ``answer`` field, also from a reply cut off inside it."""
+    import json as _json
+
+    match = re.search(r'"answer"\s*:\s*"((?:[^"\\]|\\.)*)', reply, re.DOTALL)
+    if match is None:
+        return reply.strip()
+    try:
+        return str(_json.loads('"' + match.group(1) + '"')).strip()
+    except ValueError:  # cut inside an escape
+        return match.group(1).strip()
+
+
+def round_instructions(tools: list[Tool], *, may_call: bool = True) -> str:
+    """What the agent is told about its tools each round."""
+    if not may_call:
+        return 'Now give your final answer as a JSON object: {"answer": "..."}.'
+    lines = ["You may call a tool to look something up before answering. Tools:"]
+    for t in tools:
+        props = t.parameters.get("properties")
+        args = ", ".join(f"{k}: {v.get('type', 'value')}" for k, v in props.items()
+                         if isinstance(v, dict)) if isinstance(props, dict) else ""
+        lines.append(f"- {t.name}({args}): {t.description}")
+    lines.append('Reply with one JSON object: {"tool": "<name>", "arguments": {...}} to call a tool, or '
+                 '{"answer": "..."} when you can answer.')
+    return "\n".join(lines)
+
+
+def run_tool(tools: list[Tool], name: str, arguments: object, *, document: str, round: int) -> ToolCall:
+    """Call a tool by name with the model's arguments: its result, or its error as text (never raised)."""
+    t0 = time.perf_counter()
+    found = next((t for t in tools if t.name == name), None)
+    if found is None:
+        return ToolCall(name, {}, f"error: there is no tool {name!r}; tools: {', '.join(t.name for t in tools)}",
+                        False, 0.0, round)
+    try:
+        args = found.validate_arguments(arguments)
+    except ValueError as exc:
+        return ToolCall(name, dict(arguments) if isinstance(arguments, Mapping) else {},
+                        f"error: bad arguments ({exc})", False, time.perf_counter() - t0, round)
+    fn = found.function()
+    params = inspect.signature(fn).parameters
+    injected = {k: document for k in INJECTED if k in params}
+    outcome: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            value = fn(**args, **injected)
+            if inspect.isawaitable(value):
+                import anyio
+
+                async def wait() -> object:
+                    return await value
+
+                value = anyio.run(wait)
+            outcome["value"] = value
+        except Exception as exc:  # the agent reads the error; the run goes on
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+
+    worker = threading.Thread(target=work, name=f"tool-{name}", daemon=True)
+    worker.start()
+    worker.join(found.timeout_s)
+    seconds = time.perf_counter() - t0
+    if worker.is_alive():
+        return ToolCall(name, args, f"error: {name} did not answer within {found.timeout_s:g} s", False, seconds,
+                        round)
+    if "error" in outcome:
+        return ToolCall(name, args, f"error: {outcome['error']}", False, seconds, round)
+    value = outcome.get("value")
+    text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)
+    return ToolCall(name, args, text, True, seconds, round)
+
+
+# -- schema ---------------------------------------------------------------------------------------------------------
+def _arguments_model(fn: Callable[..., Any]) -> type[BaseModel]:
+    """A pydantic model of the parameters the model fills (every one needs a type hint)."""
+    try:
+        hints = get_type_hints(fn)
+    except Exception as exc:  # an annotation that does not resolve
+        raise ToolSchemaError(f"tool {getattr(fn, '__name__', fn)!r}: its type hints do not resolve ({exc})") from exc
+    fields: dict[str, Any] = {}
+    for param in inspect.signature(fn).parameters.values():
+        if param.name in INJECTED:
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolSchemaError(f"tool {fn.__name__!r}: *{param.name} cannot be described to a model; name each "
+                                  "parameter")
+        if param.name not in hints:
+            raise ToolSchemaError(f"tool {fn.__name__!r}: parameter {param.name!r} has no type hint; annotate it "
+                                  "(e.g. `text: str`) so its JSON schema can be derived")
+        fields[param.name] = (hints[param.name], ... if param.default is param.empty else param.default)
+    try:
+        model = create_model(f"{fn.__name__}_arguments", **fields)
+        model.model_json_schema()
+    except Exception as exc:  # a type with no JSON schema
+        raise ToolSchemaError(f"tool {fn.__name__!r}: its parameters have no JSON schema ({exc}); use JSON types "
+                              "(str, int, float, bool, lists, dicts, pydantic models)") from exc
+    return model
+
+
+def _plain(schema: dict[str, object]) -> dict[str, object]:
+    """The arguments' schema without titles (fewer tokens in the grammar), closed to unknown keys."""
+    out = {k: v for k, v in schema.items() if k not in ("title", "description")}
+    props = out.get("properties")
+    if isinstance(props, dict):
+        out["properties"] = {k: _short(v) if isinstance(v, dict) else v for k, v in props.items()}
+    out["additionalProperties"] = False
+    return out
+
+
+def _short(prop: dict[str, object]) -> dict[str, object]:
+    """A property's schema without its title; a string at most `MAX_ARGUMENT_CHARS` long (a small model otherwise
+    writes an argument until its token budget runs out, and the call is cut off)."""
+    out = {k: v for k, v in prop.items() if k != "title"}
+    if out.get("type") == "string" and "maxLength" not in out:
+        out["maxLength"] = MAX_ARGUMENT_CHARS
+    return out
+
+
+def _import(path: str) -> Callable[..., Any]:
+    module, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ToolSchemaError(f"cannot import tool {path!r} ({exc}); give it as 'module:function'") from exc
+    if isinstance(fn, Tool):
+        return fn.function()
+    if not callable(fn):
+        raise ToolSchemaError(f"tool {path!r} is not callable")
+    return fn
+
+
+@tool
+def find(text: str, document: str) -> str:
+    """The passages of the document that contain the text (at most three, case ignored)."""
+    needle = " ".join(text.lower().split())
+    if not needle:
+        return "give some words to look for"
+    passages = [p.strip() for p in re.split(r"\n\s*\n", document) if p.strip()]
+    hits = [p for p in passages if needle in " ".join(p.lower().split())]
+    if not hits:
+        return f"no passage contains {text!r}"
+    return "\n\n".join(p if len(p) <= 600 else p[:600] + " ..." for p in hits[:3])
