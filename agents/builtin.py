@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, StringConstraints, validate_call
 
@@ -93,11 +93,13 @@ def key_facts(name: AgentName = "key_facts", *, max_facts: Annotated[int, Field(
 @validate_call
 def question_answerer(question: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)],
                       name: AgentName = "answer", *, max_new_tokens: MaxNewTokens = 160,
-                      search: bool = False, max_tool_rounds: Annotated[int, Field(ge=1, le=10)] = 2) -> AgentSpec:
+                      search: bool = False, max_tool_rounds: Annotated[int, Field(ge=1, le=10)] = 2,
+                      tool_choice: Literal["auto", "required"] = "auto") -> AgentSpec:
     """Answers ``question`` from the document, or says that the document does not answer it.
 
     ``search=True`` gives it the `agents.tools.find` tool: it may look up the passages that contain some words
     (up to ``max_tool_rounds`` times) before it answers; each lookup is a turn over the same cached document.
+    ``tool_choice="required"`` makes its first reply a lookup.
     """
     from agents.tools import find
 
@@ -112,6 +114,7 @@ def question_answerer(question: Annotated[str, StringConstraints(strip_whitespac
         generation=GenerationSettings(max_new_tokens=max_new_tokens, **_TEXT),
         tools=(find,) if search else (),
         max_tool_rounds=max_tool_rounds,
+        tool_choice=tool_choice,
     )
 
 

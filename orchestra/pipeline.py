@@ -11,6 +11,7 @@ problems in ``.problems``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -18,7 +19,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -827,11 +828,26 @@ def load_pipeline(path: str | os.PathLike[str]) -> PipelineSpec:
     if not isinstance(data, dict):
         raise PipelineFileError("expected a mapping with `models` and `agents` at the top level", path=path)
     try:
-        return PipelineSpec.model_validate(data)
+        with _imports_from(path.parent):  # steps and tools named 'module:function' next to the file
+            return PipelineSpec.model_validate(data)
     except PipelineValidationError as exc:
         raise exc.with_path(path) from exc
     except PipelineError as exc:  # graph errors (unknown upstream, cycle) keep their type, gain the file
         raise type(exc)(f"{path}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _imports_from(folder: Path) -> Iterator[None]:
+    """`folder` first on the import path while a pipeline file is validated (its own modules win)."""
+    import sys
+
+    entry = str(folder.resolve())
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(entry)
 
 
 def pipeline_mermaid(spec: PipelineSpec) -> str:

@@ -101,6 +101,13 @@ class StepNode(BaseModel):
             raise ValueError(f"{value!r} is not 'module:function' (e.g. 'mypackage.checks:count_clauses')")
         return value
 
+    @model_validator(mode="after")
+    def _resolved(self) -> StepNode:
+        """A step named by 'module:function' is imported now, so a wrong path is found when the pipeline loads."""
+        if self.call != "<python>":
+            self.function()
+        return self
+
     @classmethod
     def of(cls, fn: Callable[..., Any], *, name: str | None = None, upstream: list[str] | None = None,
            when: WhenLike | None = None, timeout_s: float | None = None) -> StepNode:
@@ -119,11 +126,10 @@ class StepNode(BaseModel):
             try:
                 fn = getattr(importlib.import_module(module), attr)
             except (ImportError, AttributeError) as exc:
-                raise PipelineValidationError(f"step {self.name!r}, field call: cannot import {self.call!r} "
-                                              f"({type(exc).__name__}: {exc}); check the module path and that "
-                                              "it is importable from here") from exc
+                raise ValueError(f"cannot import {self.call!r} ({type(exc).__name__}: {exc}); check the module path "
+                                 "(a pipeline file's own folder is searched first)") from exc
             if not callable(fn):
-                raise PipelineValidationError(f"step {self.name!r}, field call: {self.call!r} is not callable")
+                raise ValueError(f"{self.call!r} is not callable")
             self._fn = fn
             self.check_signature()
         return self._fn
