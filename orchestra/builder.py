@@ -261,6 +261,46 @@ class Pipeline:
         self._changed()
         return self
 
+    def revise(self, name: str, *, write: str, review: str, model: str = "root", critic_model: str | None = None,
+               rounds: int = 2, approve: str = "APPROVED", max_new_tokens: int = 256,
+               after: str | Sequence[str] | None = None) -> Pipeline:
+        """A bounded writer <-> critic loop, unrolled into the DAG (runs stay acyclic and reproducible); chains.
+
+        ``<name>_draft_1`` writes per ``write`` (a task template; it may read upstreams and inputs), ``<name>_review_1``
+        checks it per ``review`` and says ``approve`` when it needs no change; each further draft (up to ``rounds``)
+        runs only when the previous review did not approve, and reads the previous draft and review. The step
+        ``name`` is the last draft that ran: downstream agents read ``{name}``.
+        """
+        if rounds < 1:
+            raise PipelineValidationError(problems=[PipelineProblem("rounds must be at least 1", field="rounds",
+                                                                    agent=name)])
+        word = approve.strip()
+        generation = {"max_new_tokens": max_new_tokens, "repetition_penalty": 1.15, "no_repeat_ngram_size": 6}
+        drafts = []
+        for k in range(1, rounds + 1):
+            draft, check = f"{name}_draft_{k}", f"{name}_review_{k}"
+            when: Condition | None = None
+            task = write
+            if k > 1:
+                previous, notes = f"{name}_draft_{k - 1}", f"{name}_review_{k - 1}"
+                task = (f"{write}\n\nYour previous draft:\n{{{previous}}}\n\nThe reviewer's notes:\n{{{notes}}}\n\n"
+                        "Write an improved version that addresses every note.")
+                when = Condition(agent=notes, not_contains=word)  # approved: no further round
+            self.agent({"name": draft, "task": task, "generation": generation}, model=model,
+                       after=after if k == 1 else None, when=when)
+            self.agent({"name": check, "task": f"{review}\n\nThe draft:\n{{{draft}}}\n\nIf it needs no change, "
+                        f"reply with the single word {word}. Otherwise list what to change.",
+                        "generation": generation}, model=critic_model or model)
+            drafts.append(draft)
+
+        def last_draft(upstream: dict[str, str]) -> str:
+            return upstream[max(upstream, key=lambda n: int(n.rsplit("_", 1)[1]))]
+
+        last_draft.__name__ = name
+        self._steps.append(StepNode.of(last_draft, name=name, upstream=drafts, on_upstream_failure="run_with_available"))
+        self._changed()
+        return self
+
     def with_input(self, name: str, *, description: str = "", default: str | None = None) -> Pipeline:
         """Declare a runtime input task templates read as ``{name}``; each run gives its value
         (``run(document, inputs={name: ...})``), else `default` (None: a run must give it). Chains."""

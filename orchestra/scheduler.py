@@ -559,14 +559,17 @@ class Orchestra:
             for up in step.upstream:
                 await done[up].wait()
             bad = [up for up in step.upstream if run.reports[up].status != "succeeded"]
+            if bad and step.on_upstream_failure == "run_with_available" and len(bad) < len(step.upstream):
+                report.missing_upstreams = {up: _skip_reason([run.reports[up]]) for up in bad}
+                bad = []
             if await self._skipped(run, report, step.upstream, bad, step.condition):
                 return
             await run.emit(ev.AgentStarted(run_id=run.run_id, agent=name, model="step"))
             t0 = time.perf_counter()
             scope = anyio.fail_after(step.timeout_s) if step.timeout_s else contextlib.nullcontext()
             with scope:
-                output = await call_step(step, run.document, {up: run.outputs[up] for up in step.upstream},
-                                         run.inputs)
+                output = await call_step(step, run.document,
+                                         {up: run.outputs[up] for up in step.upstream if up in run.outputs}, run.inputs)
             report.generation_s = time.perf_counter() - t0
             report.output = output
             run.outputs[name] = output

@@ -18,7 +18,7 @@ import inspect
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -37,13 +37,15 @@ class Condition(BaseModel):
     equals: str | None = Field(None, description="Runs when the output is this text.")
     not_equals: str | None = Field(None, description="Runs when the output is not this text.")
     contains: str | None = Field(None, description="Runs when the output contains this text.")
+    not_contains: str | None = Field(None, description="Runs when the output does not contain this text.")
     in_: list[str] | None = Field(None, alias="in", description="Runs when the output is one of these texts.")
 
     @model_validator(mode="after")
     def _one_test(self) -> Condition:
-        given = [k for k in ("equals", "not_equals", "contains", "in_") if getattr(self, k) is not None]
+        given = [k for k in ("equals", "not_equals", "contains", "not_contains", "in_") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("a condition tests one thing: give exactly one of equals, not_equals, contains, in")
+            raise ValueError("a condition tests one thing: give exactly one of equals, not_equals, contains, "
+                             "not_contains, in")
         return self
 
     def holds(self, outputs: Mapping[str, str]) -> bool:
@@ -54,10 +56,13 @@ class Condition(BaseModel):
             return value != _norm(self.not_equals)
         if self.contains is not None:
             return _norm(self.contains) in value
+        if self.not_contains is not None:
+            return _norm(self.not_contains) not in value
         return value in {_norm(v) for v in self.in_ or []}
 
     def describe(self) -> str:
-        for key, word in (("equals", "is"), ("not_equals", "is not"), ("contains", "contains")):
+        for key, word in (("equals", "is"), ("not_equals", "is not"), ("contains", "contains"),
+                          ("not_contains", "does not contain")):
             if getattr(self, key) is not None:
                 return f"{self.agent}'s output {word} {getattr(self, key)!r}"
         return f"{self.agent}'s output is one of {self.in_}"
@@ -90,6 +95,9 @@ class StepNode(BaseModel):
     upstream: list[str] = Field(default_factory=list, description="Agents or steps whose outputs it receives.")
     when: Condition | None = Field(None, description="Run only when this holds (else skipped, with the reason).")
     timeout_s: float | None = Field(None, gt=0, description="Give up on the step after this many seconds.")
+    on_upstream_failure: Literal["skip", "run_with_available"] = Field(
+        "skip", description="When an upstream gave nothing: skip the step (default), or run it on the upstreams that "
+        "succeeded (at least one must); it is given only those.")
 
     _fn: Callable[..., Any] | None = PrivateAttr(None)
     _when_fn: Callable[[Mapping[str, str]], bool] | None = PrivateAttr(None)
@@ -110,10 +118,12 @@ class StepNode(BaseModel):
 
     @classmethod
     def of(cls, fn: Callable[..., Any], *, name: str | None = None, upstream: list[str] | None = None,
-           when: WhenLike | None = None, timeout_s: float | None = None) -> StepNode:
+           when: WhenLike | None = None, timeout_s: float | None = None,
+           on_upstream_failure: Literal["skip", "run_with_available"] = "skip") -> StepNode:
         """A step of a Python callable (the builder's `Pipeline.step`)."""
         node = cls(name=name or getattr(fn, "__name__", "step"), call="<python>", upstream=list(upstream or []),
-                   when=when if isinstance(when, Condition) else None, timeout_s=timeout_s)
+                   when=when if isinstance(when, Condition) else None, timeout_s=timeout_s,
+                   on_upstream_failure=on_upstream_failure)
         node._fn = fn
         node._when_fn = None if when is None or isinstance(when, Condition) else when
         node.check_signature()
@@ -143,7 +153,7 @@ class StepNode(BaseModel):
         fn = self._fn
         if fn is None:
             return
-        known = {"document", "inputs", "upstream", *self.upstream}
+        known = {"document", "inputs", "upstream"} | (set(self.upstream) if self.on_upstream_failure == "skip" else set())
         for param in inspect.signature(fn).parameters.values():
             if param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL) or param.default is not param.empty:
                 continue

@@ -111,3 +111,27 @@ def test_bad_steps_and_conditions_say_what_to_fix():
     with pytest.raises(PipelineValidationError, match="cannot import 'nosuch.module:fn'"):  # when it loads
         PipelineSpec.model_validate({**base, "steps": [{"name": "s", "call": "nosuch.module:fn"}]})
     assert Condition.model_validate({"agent": "t", "in": ["Legal.", "tax"]}).holds({"t": " legal "})
+
+
+def test_a_revise_loop_is_unrolled_and_stops_at_the_first_approval(fam, mapstore):
+    def build(approve: str) -> Pipeline:
+        return (_pipeline(fam, mapstore)
+                .revise("brief", write="Write one sentence about the document.", review="Check the sentence.",
+                        model="base", critic_model="child", rounds=2, approve=approve, max_new_tokens=6)
+                .agent({"name": "use", "task": "Shorten: {brief}", "generation": {"max_new_tokens": 3}}, model="base"))
+
+    unapproved = build("NEVER-SAID-BY-A-TINY-MODEL")
+    assert unapproved.spec.upstreams()["brief_draft_2"] == ["brief_draft_1", "brief_review_1"]
+    report = unapproved.run_sync(DOC[:60])
+    status = {a.name: a.status for a in report.agents}
+    assert [status[n] for n in ("brief_draft_1", "brief_review_1", "brief_draft_2", "brief_review_2", "brief")] == \
+        ["succeeded"] * 5
+    assert report.agent("brief").output == report.agent("brief_draft_2").output  # the last draft that ran
+    unapproved.close()
+    said = report.agent("brief_review_1").output.split()[0]  # greedy: the same review again, so this approves it
+    approved = build(said).run_sync(DOC[:60])
+    status = {a.name: a.status for a in approved.agents}
+    assert status["brief_draft_2"] == status["brief_review_2"] == "skipped"
+    assert "does not contain" in approved.agent("brief_draft_2").skip_reason
+    assert approved.agent("brief").output == approved.agent("brief_draft_1").output
+    assert status["use"] == "succeeded"
