@@ -145,6 +145,18 @@ class _Clock:
     first_token_s: float | None = None
     generated: int = 0
 
+    def timings(self) -> AgentTimings:
+        """What the run took, up to now."""
+        total = time.perf_counter() - self.start
+        return AgentTimings(
+            cache_copy_s=self.copy_s,
+            prefill_s=self.prefill_s,
+            time_to_first_token_s=self.first_token_s if self.first_token_s is not None else total,
+            generation_s=self.generation_s,
+            total_s=total,
+            tokens_per_s=self.generated / self.generation_s if self.generation_s > 0 else 0.0,
+        )
+
 
 @dataclass
 class _Generation:
@@ -299,10 +311,12 @@ def generate(
     document = (document_span(cast(str, tokenizer.decode(prefix))) if spec.output.kind == "json" and spec.output.grounded
                 else None)
 
-    def attempt(index: int, repairs: Sequence[RepairTurn]) -> _Generation:
-        suffix = build_suffix(tokenizer, spec, upstream, repairs=repairs, use_chat_template=use_chat_template)
-        return _decode_once(model, tokenizer, spec, prefix, prefix_cache, suffix, attempt=index, eos=eos,
-                            on_token=on_token, cancelled=cancelled, clock=clock, lock=lock, document=document)
+    def attempt(index: int, repairs: Sequence[RepairTurn], turn_spec: AgentSpec = spec) -> _Generation:
+        # a tool round decodes under its own spec (the call grammar) and streams nothing: its reply is a call
+        suffix = build_suffix(tokenizer, turn_spec, upstream, repairs=repairs, use_chat_template=use_chat_template)
+        return _decode_once(model, tokenizer, turn_spec, prefix, prefix_cache, suffix, attempt=index, eos=eos,
+                            on_token=on_token if turn_spec is spec else None, cancelled=cancelled, clock=clock,
+                            lock=lock, document=document if turn_spec is spec else None)
 
     degenerate: Degeneracy | None = None
     grounding: Grounding | None = None
@@ -311,14 +325,7 @@ def generate(
     with torch.no_grad():
         if spec.tools:
             text = document_span(cast(str, tokenizer.decode(prefix)))
-
-            def round_attempt(index: int, round_spec: AgentSpec, turns: Sequence[RepairTurn]) -> _Generation:
-                suffix = build_suffix(tokenizer, round_spec, upstream, repairs=turns,
-                                      use_chat_template=use_chat_template)
-                return _decode_once(model, tokenizer, round_spec, prefix, prefix_cache, suffix, attempt=index,
-                                    eos=eos, on_token=None, cancelled=cancelled, clock=clock, lock=lock)
-
-            result, calls = _tool_rounds(spec, round_attempt, text)
+            result, calls = _tool_rounds(spec, lambda i, turn_spec, turns: attempt(i, turns, turn_spec), text)
             parsed, attempts = None, len(calls) + 1
             if on_token is not None and result.text:  # the answer, once it is known (the rounds are calls)
                 on_token(TokenEvent(agent=spec.name, text=result.text, token_id=-1, index=0, attempt=len(calls)))
@@ -332,16 +339,7 @@ def generate(
             result, parsed, attempts = attempt(0, ()), None, 1
             degenerate = check_text(result.text, spec=spec)
 
-    total = time.perf_counter() - clock.start
     assert result.suffix is not None
-    timings = AgentTimings(
-        cache_copy_s=clock.copy_s,
-        prefill_s=clock.prefill_s,
-        time_to_first_token_s=clock.first_token_s if clock.first_token_s is not None else total,
-        generation_s=clock.generation_s,
-        total_s=total,
-        tokens_per_s=clock.generated / clock.generation_s if clock.generation_s > 0 else 0.0,
-    )
     return AgentResult(
         agent=spec.name,
         text=result.text,
@@ -353,7 +351,7 @@ def generate(
         prefix_tokens=len(prefix),
         suffix_tokens=len(result.suffix.ids),
         reprefilled=prefix_cache is None,
-        timings=timings,
+        timings=clock.timings(),
         constrained=result.constrained,
         degenerate=degenerate,
         grounding=grounding,

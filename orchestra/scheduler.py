@@ -435,24 +435,12 @@ class Orchestra:
 
     async def _agent_task(self, run: _Run, name: str, done: dict[str, anyio.Event]) -> None:
         agent = self.pipeline.agent(name)
-        if name in run.restored:
-            kept = run.reports[name] = run.restored[name]
-            try:
-                await run.emit(ev.AgentRestored(run_id=run.run_id, agent=name, status=kept.status,
-                                                output=kept.output))
-            finally:
-                done[name].set()
+        if await self._restored(run, name, done):
             return
         report = AgentReport(name=name, model=agent.model, status="failed")
         run.reports[name] = report
         try:
-            for up in agent.upstream:
-                await done[up].wait()
-            bad = [up for up in agent.upstream if run.reports[up].status != "succeeded"]
-            if bad and agent.on_upstream_failure == "run_with_available" and len(bad) < len(agent.upstream):
-                report.missing_upstreams = {up: _skip_reason([run.reports[up]]) for up in bad}
-                bad = []
-            if await self._skipped(run, report, agent.upstream, bad, agent.condition):
+            if await self._wait_or_skip(run, report, agent.upstream, agent.on_upstream_failure, agent.condition, done):
                 return
             await run.emit(ev.AgentStarted(run_id=run.run_id, agent=name, model=agent.model))
             first_token: list[float] = []
@@ -526,6 +514,28 @@ class Orchestra:
         finally:
             done[name].set()
 
+    async def _restored(self, run: _Run, name: str, done: dict[str, anyio.Event]) -> bool:
+        """Keep a node's result from the run's checkpoint (a resumed run); True when it was kept."""
+        if name not in run.restored:
+            return False
+        kept = run.reports[name] = run.restored[name]
+        try:
+            await run.emit(ev.AgentRestored(run_id=run.run_id, agent=name, status=kept.status, output=kept.output))
+        finally:
+            done[name].set()
+        return True
+
+    async def _wait_or_skip(self, run: _Run, report: AgentReport, upstream: list[str], on_failure: str,
+                            condition: WhenLike | None, done: dict[str, anyio.Event]) -> bool:
+        """Wait for the node's upstreams; skip it (True) when one it needs gave nothing or its condition is false."""
+        for up in upstream:
+            await done[up].wait()
+        bad = [up for up in upstream if run.reports[up].status != "succeeded"]
+        if bad and on_failure == "run_with_available" and len(bad) < len(upstream):
+            report.missing_upstreams = {up: _skip_reason([run.reports[up]]) for up in bad}
+            bad = []
+        return await self._skipped(run, report, upstream, bad, condition)
+
     async def _skipped(self, run: _Run, report: AgentReport, upstream: list[str], bad: list[str],
                        condition: WhenLike | None) -> bool:
         """Skip the node (reported, recorded, announced) when an upstream it needs gave nothing or its condition is
@@ -546,23 +556,12 @@ class Orchestra:
         """A Python step: after its upstreams (skipped like an agent when one gave nothing or its condition is
         false), its function runs; its output is read downstream; an exception fails it alone."""
         name = step.name
-        if name in run.restored:
-            kept = run.reports[name] = run.restored[name]
-            try:
-                await run.emit(ev.AgentRestored(run_id=run.run_id, agent=name, status=kept.status, output=kept.output))
-            finally:
-                done[name].set()
+        if await self._restored(run, name, done):
             return
         report = AgentReport(name=name, model="step", status="failed")
         run.reports[name] = report
         try:
-            for up in step.upstream:
-                await done[up].wait()
-            bad = [up for up in step.upstream if run.reports[up].status != "succeeded"]
-            if bad and step.on_upstream_failure == "run_with_available" and len(bad) < len(step.upstream):
-                report.missing_upstreams = {up: _skip_reason([run.reports[up]]) for up in bad}
-                bad = []
-            if await self._skipped(run, report, step.upstream, bad, step.condition):
+            if await self._wait_or_skip(run, report, step.upstream, step.on_upstream_failure, step.condition, done):
                 return
             await run.emit(ev.AgentStarted(run_id=run.run_id, agent=name, model="step"))
             t0 = time.perf_counter()
