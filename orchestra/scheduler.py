@@ -190,8 +190,13 @@ class Orchestra:
             raise RunResumeError("resuming a run needs its run id and a checkpointer (orchestra run records one in "
                                  "<home>/runs.sqlite)")
         run_id = run_id or uuid.uuid4().hex[:12]
+        from orchestra.tracing import run_tracer
+
+        tracer = run_tracer()  # None unless OpenTelemetry is installed and a tracer provider is set
 
         async def emit(event: ev.Event) -> None:
+            if tracer is not None:
+                tracer(event)
             if event.kind != "token":  # tokens are in the stream; logging each would drown the log
                 log.info(event.kind, **event.model_dump(exclude={"kind", "report"}))
             if on_event is not None:

@@ -220,6 +220,9 @@ def run(
     130 interrupted.
     """
     with pipeline_errors():
+        from orchestra.tracing import configure_from_env
+
+        configure_from_env()  # OTEL_EXPORTER_OTLP_ENDPOINT: the run's spans go there
         result = run_pipeline_file(pipeline, document, home, report, stream="jsonl" if jsonl else events,
                                    encoding=encoding,
                                    executor=executor, ray_address=ray_address, inputs=inputs, kv_store=kv_store,

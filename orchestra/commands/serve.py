@@ -61,6 +61,9 @@ def serve(
     from orchestra.serve import ServeConfig, ServeEngine, create_app, tune_allocator
 
     _configure_logging(log_format)
+    from orchestra.tracing import configure_from_env
+
+    configure_from_env()  # OTEL_EXPORTER_OTLP_ENDPOINT: spans of pipeline runs (POST /v1/runs) go there
     tune_allocator()  # before the models load: K/V memory freed under load goes back to the OS
     try:
         config = ServeConfig(home=home, device=device, dtype=dtype, source=source, api_key_env=api_key_env,
