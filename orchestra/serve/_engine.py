@@ -316,12 +316,15 @@ class ServeEngine:
                               f"{self._waiting} waiting; retry in {wait} s", retry_after=min(wait, 600))
         self._waiting += 1
         self.metrics.queued.inc()
+        self.metrics.vllm_waiting.labels(model_name=member).inc()
         try:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
             self.metrics.queued.dec()
+            self.metrics.vllm_waiting.labels(model_name=member).dec()
         self.metrics.running.inc()
+        self.metrics.vllm_running.labels(model_name=member).inc()
         self._running += 1
         lease: CacheLease | None = None
         try:
@@ -332,7 +335,7 @@ class ServeEngine:
                                                  inline_tail=self.config.inline_tail_tokens)
             info = _cache_info(lease)
             self.metrics.on_cache(member, info.path, info.cached_tokens,
-                                  self.cache.prefill_estimate(member, info.cached_tokens))
+                                  self.cache.prefill_estimate(member, info.cached_tokens), prompt_tokens=len(ids))
             gen = Generation(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=req.model,
                              member=member, prompt_ids=ids, lease=lease, cache_info=info, leased_tokens=lease.tokens,
                              max_tokens=max_tokens,
@@ -356,6 +359,7 @@ class ServeEngine:
             if lease is not None:
                 lease.release()
             self.metrics.running.dec()
+            self.metrics.vllm_running.labels(model_name=member).dec()
             self._slots.release()
             self._running -= 1
             if self._running == 0:  # idle: what the requests freed goes back to the OS

@@ -22,6 +22,9 @@ class _Finished(Protocol):
     @property
     def ttft_s(self) -> float | None: ...
 
+    @property
+    def started(self) -> float: ...
+
     def usage(self) -> Usage: ...
 
 
@@ -57,6 +60,24 @@ class ServeMetrics:
                                          "disk tier", registry=r)
         self.disk_bytes = Gauge("orchestra_kv_disk_bytes", "Bytes the disk tier holds (all processes)", registry=r)
         self.disk_writes = Gauge("orchestra_kv_disk_writes", "Caches this process wrote to the disk tier", registry=r)
+        # the series vLLM exports, under its names and `model_name` label, so dashboards made for vLLM work here
+        latency = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", ["model_name"],
+                                   registry=r, buckets=latency)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token",
+                                  ["model_name"], registry=r, buckets=latency)
+        self.vllm_itl = Histogram("vllm:time_per_output_token_seconds", "Seconds per output token after the first",
+                                  ["model_name"], registry=r,
+                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.vllm_prompt = Counter("vllm:prompt_tokens", "Prompt tokens", ["model_name"], registry=r)
+        self.vllm_generation = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"], registry=r)
+        self.vllm_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                    ["model_name"], registry=r)
+        self.vllm_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (exact or "
+                                 "mapped from another member)", ["model_name"], registry=r)
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests generating", ["model_name"], registry=r)
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a slot", ["model_name"],
+                                  registry=r)
         self.decode_bytes = Gauge("orchestra_decode_reserved_bytes",
                                   "Bytes of the cache budget held by decoding rows (their K/V)", registry=r)
 
@@ -81,15 +102,28 @@ class ServeMetrics:
     def on_lease(self, model: str, lease: CacheLease, saved_seconds: float) -> None:
         self.on_cache(model, lease.path, lease.reused_tokens, saved_seconds)
 
-    def on_cache(self, model: str, path: str, cached_tokens: int, saved_seconds: float) -> None:
+    def on_cache(self, model: str, path: str, cached_tokens: int, saved_seconds: float,
+                 prompt_tokens: int | None = None) -> None:
         self.lookups.labels(path=path, model=model).inc()
         self.cached_tokens.labels(model=model).inc(cached_tokens)
+        self.vllm_hits.labels(model_name=model).inc(cached_tokens)
+        if prompt_tokens is not None:
+            self.vllm_queries.labels(model_name=model).inc(prompt_tokens)
         if saved_seconds > 0:
             self.saved.inc(saved_seconds)
 
     def on_done(self, gen: _Finished) -> None:
+        import time
+
         usage = gen.usage()
         self.tokens.labels(direction="in", model=gen.member).inc(usage.prompt_tokens)
         self.tokens.labels(direction="out", model=gen.member).inc(usage.completion_tokens)
+        self.vllm_prompt.labels(model_name=gen.member).inc(usage.prompt_tokens)
+        self.vllm_generation.labels(model_name=gen.member).inc(usage.completion_tokens)
+        e2e = time.perf_counter() - gen.started
+        self.vllm_e2e.labels(model_name=gen.member).observe(e2e)
         if gen.ttft_s is not None:
             self.ttft.labels(model=gen.member).observe(gen.ttft_s)
+            self.vllm_ttft.labels(model_name=gen.member).observe(gen.ttft_s)
+            if usage.completion_tokens > 1:
+                self.vllm_itl.labels(model_name=gen.member).observe((e2e - gen.ttft_s) / (usage.completion_tokens - 1))

@@ -303,3 +303,28 @@ async def test_a_clients_request_id_is_kept_and_a_malformed_one_replaced(client)
     assert replaced.headers["x-request-id"] and " " not in replaced.headers["x-request-id"]
     fresh = await client.get("/v1/models")
     assert len(fresh.headers["x-request-id"]) == 16
+
+
+async def test_vllm_named_series_count_tokens_latency_and_prefix_hits(client):
+    def sample(text: str, name: str, **labels: str) -> float:
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    before = (await client.get("/metrics")).text
+    first = (await client.post("/v1/chat/completions", json=BODY)).json()
+    again = (await client.post("/v1/chat/completions", json=BODY)).json()
+    after = (await client.get("/metrics")).text
+    prompt = first["usage"]["prompt_tokens"] + again["usage"]["prompt_tokens"]
+    generated = first["usage"]["completion_tokens"] + again["usage"]["completion_tokens"]
+    delta = {name: sample(after, name, model_name="root") - sample(before, name, model_name="root")
+             for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+                          "vllm:prefix_cache_hits_total", "vllm:e2e_request_latency_seconds_count",
+                          "vllm:time_to_first_token_seconds_count")}
+    assert delta["vllm:prompt_tokens_total"] == delta["vllm:prefix_cache_queries_total"] == prompt
+    assert delta["vllm:generation_tokens_total"] == generated
+    assert delta["vllm:prefix_cache_hits_total"] >= again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert delta["vllm:e2e_request_latency_seconds_count"] == delta["vllm:time_to_first_token_seconds_count"] == 2
+    assert sample(after, "vllm:num_requests_running", model_name="root") == 0
