@@ -13,41 +13,41 @@ app = typer.Typer(no_args_is_help=False)
 @app.command("serve")
 def serve(
     home: Annotated[Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or ~/.cache/orchestra).")] = None,
-    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on.")] = 8000,
-    device: Annotated[str, typer.Option("--device", help="'cpu', 'cuda:N' or 'auto' for every member.")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA that supports it, float32 on CPU), "
+    host: Annotated[str, typer.Option("--host", envvar="ORCHESTRA_HOST", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", envvar="ORCHESTRA_PORT", min=0, max=65535, help="Port to listen on.")] = 8000,
+    device: Annotated[str, typer.Option("--device", envvar="ORCHESTRA_DEVICE", help="'cpu', 'cuda:N' or 'auto' for every member.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", envvar="ORCHESTRA_DTYPE", help="auto (bfloat16 on CUDA that supports it, float32 on CPU), "
                                        "float32, bfloat16 or float16.")] = "auto",
-    source: Annotated[str, typer.Option("--source", help="Member whose mappings to the others are tried first.")] = "root",
-    api_key_env: Annotated[str | None, typer.Option("--api-key-env", help="Environment variable holding the Bearer key (unset: no auth).")] = None,
-    cache_mb: Annotated[int, typer.Option("--cache-mb", min=1, help="Byte budget of the family-wide prefix cache, MiB.")] = 2048,
-    max_concurrent: Annotated[int, typer.Option("--max-concurrent", min=1, help="Generations running at once.")] = 8,
-    max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests waiting for a slot before 429.")] = 64,
-    max_body_mb: Annotated[float, typer.Option("--max-body-mb", min=0.001, help="Largest request body, MiB (413 beyond).")] = 4.0,
-    request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.1, help="Seconds before a request is stopped (504).")] = 300.0,
-    max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", min=1, help="Largest max_tokens a request may ask for.")] = 4096,
-    default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", min=1, help="Completion tokens when a request gives none.")] = 256,
-    repair_ladder: Annotated[str | None, typer.Option("--repair-ladder", help="Comma-separated repair budgets "
+    source: Annotated[str, typer.Option("--source", envvar="ORCHESTRA_SOURCE", help="Member whose mappings to the others are tried first.")] = "root",
+    api_key_env: Annotated[str | None, typer.Option("--api-key-env", envvar="ORCHESTRA_API_KEY_ENV", help="Environment variable holding the Bearer key (unset: no auth).")] = None,
+    cache_mb: Annotated[int, typer.Option("--cache-mb", envvar="ORCHESTRA_CACHE_MB", min=1, help="Byte budget of the family-wide prefix cache, MiB.")] = 2048,
+    max_concurrent: Annotated[int, typer.Option("--max-concurrent", envvar="ORCHESTRA_MAX_CONCURRENT", min=1, help="Generations running at once.")] = 8,
+    max_queue: Annotated[int, typer.Option("--max-queue", envvar="ORCHESTRA_MAX_QUEUE", min=0, help="Requests waiting for a slot before 429.")] = 64,
+    max_body_mb: Annotated[float, typer.Option("--max-body-mb", envvar="ORCHESTRA_MAX_BODY_MB", min=0.001, help="Largest request body, MiB (413 beyond).")] = 4.0,
+    request_timeout: Annotated[float, typer.Option("--request-timeout", envvar="ORCHESTRA_REQUEST_TIMEOUT", min=0.1, help="Seconds before a request is stopped (504).")] = 300.0,
+    max_tokens_limit: Annotated[int, typer.Option("--max-tokens-limit", envvar="ORCHESTRA_MAX_TOKENS_LIMIT", min=1, help="Largest max_tokens a request may ask for.")] = 4096,
+    default_max_tokens: Annotated[int, typer.Option("--default-max-tokens", envvar="ORCHESTRA_DEFAULT_MAX_TOKENS", min=1, help="Completion tokens when a request gives none.")] = 256,
+    repair_ladder: Annotated[str | None, typer.Option("--repair-ladder", envvar="ORCHESTRA_REPAIR_LADDER", help="Comma-separated repair budgets "
                              "(shares of a prefill, e.g. 0.02,0.05,0.1,0.2) climbed until a map passes the probe gate "
                              "instead of re-prefilling (docs/repair.md); unset: pure maps.")] = None,
-    batch: Annotated[bool, typer.Option("--batch/--no-batch", help="Decode the requests on one member together (step-level batching).")] = True,
-    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Rows in one member's decoding batch.")] = 8,
-    inline_tail: Annotated[int, typer.Option("--inline-tail", min=0, help="A prompt whose uncached rest is at most "
+    batch: Annotated[bool, typer.Option("--batch/--no-batch", envvar="ORCHESTRA_BATCH", help="Decode the requests on one member together (step-level batching).")] = True,
+    max_batch: Annotated[int, typer.Option("--max-batch", envvar="ORCHESTRA_MAX_BATCH", min=1, help="Rows in one member's decoding batch.")] = 8,
+    inline_tail: Annotated[int, typer.Option("--inline-tail", envvar="ORCHESTRA_INLINE_TAIL", min=0, help="A prompt whose uncached rest is at most "
                            "this many tokens leases the cached part and computes the rest while decoding (stores "
                            "nothing of its own); 0: cache every prompt whole.")] = 256,
-    pipelines: Annotated[Path | None, typer.Option("--pipelines", help="A folder of pipeline files that POST /v1/runs "
+    pipelines: Annotated[Path | None, typer.Option("--pipelines", envvar="ORCHESTRA_PIPELINES", help="A folder of pipeline files that POST /v1/runs "
                          "runs by name (its file's stem); unset: inline pipelines only.")] = None,
-    max_runs: Annotated[int, typer.Option("--max-runs", min=1, help="Pipeline runs (POST /v1/runs) at once; more get "
+    max_runs: Annotated[int, typer.Option("--max-runs", envvar="ORCHESTRA_MAX_RUNS", min=1, help="Pipeline runs (POST /v1/runs) at once; more get "
                         "429.")] = 4,
-    kv_store: Annotated[Path | None, typer.Option("--kv-store", help="Keep caches on disk in this folder and read "
+    kv_store: Annotated[Path | None, typer.Option("--kv-store", envvar="ORCHESTRA_KV_STORE", help="Keep caches on disk in this folder and read "
                         "them back after a restart (e.g. <home>/kv, shared with `orchestra run`); unset: memory only.")] = None,
-    kv_store_mb: Annotated[int, typer.Option("--kv-store-mb", min=1, help="Bytes the disk tier may hold, MiB.")] = 8192,
-    on_missing_mapping: Annotated[str, typer.Option("--on-missing-mapping", help="refuse (re-prefill) or calibrate (minutes, inside the request).")] = "refuse",
-    log_format: Annotated[str, typer.Option("--log-format", help="json (one object per line) or console.")] = "json",
-    graceful_s: Annotated[float, typer.Option("--graceful-shutdown", min=0.0, help="Seconds in-flight requests get on shutdown.")] = 30.0,
-    executor: Annotated[str, typer.Option("--executor", help="Where the models run: local, ray, or a pipeline-style "
+    kv_store_mb: Annotated[int, typer.Option("--kv-store-mb", envvar="ORCHESTRA_KV_STORE_MB", min=1, help="Bytes the disk tier may hold, MiB.")] = 8192,
+    on_missing_mapping: Annotated[str, typer.Option("--on-missing-mapping", envvar="ORCHESTRA_ON_MISSING_MAPPING", help="refuse (re-prefill) or calibrate (minutes, inside the request).")] = "refuse",
+    log_format: Annotated[str, typer.Option("--log-format", envvar="ORCHESTRA_LOG_FORMAT", help="json (one object per line) or console.")] = "json",
+    graceful_s: Annotated[float, typer.Option("--graceful-shutdown", envvar="ORCHESTRA_GRACEFUL_SHUTDOWN", min=0.0, help="Seconds in-flight requests get on shutdown.")] = 30.0,
+    executor: Annotated[str, typer.Option("--executor", envvar="ORCHESTRA_EXECUTOR", help="Where the models run: local, ray, or a pipeline-style "
                                           "executor mapping as JSON/YAML, e.g. '{kind: ray, members: {root: {replicas: 2}}}'.")] = "local",
-    ray_address: Annotated[str | None, typer.Option("--ray-address", help="ray: 'local' (a private Ray), 'auto' "
+    ray_address: Annotated[str | None, typer.Option("--ray-address", envvar="ORCHESTRA_RAY_ADDRESS", help="ray: 'local' (a private Ray), 'auto' "
                                                     "(the cluster on this machine) or 'ray://host:port'.")] = None,
 ) -> None:
     """Serve the family over the OpenAI chat-completions API; a prompt cached on one member serves them all."""
@@ -60,6 +60,8 @@ def serve(
     from orchestra.errors import OrchestraError
     from orchestra.serve import ServeConfig, ServeEngine, create_app, tune_allocator
 
+    if kv_store is not None and str(kv_store).lower() == "off":  # ORCHESTRA_KV_STORE=off, as for `orchestra run`
+        kv_store = None
     _configure_logging(log_format)
     from orchestra.tracing import configure_from_env
 

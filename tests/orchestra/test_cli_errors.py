@@ -207,3 +207,11 @@ def test_a_copy_of_the_demo_pipeline_with_a_typo_is_refused_by_graph_and_run(fil
     copy.write_text(copy.read_text().replace("max_words: 80", "max_wordz: 80"))
     for argv in (["graph", copy], ["run", copy, "--document", files["doc"]]):
         _check(runner.invoke(app, [str(a) for a in argv]), "did you mean 'max_words'")
+
+
+def test_serve_settings_come_from_orchestra_environment_variables_below_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("ORCHESTRA_REPAIR_LADDER", "low,high")
+    result = runner.invoke(app, ["serve", "--home", str(tmp_path / "nohome")])
+    assert result.exit_code == 2 and "comma-separated list of numbers" in result.output  # read from the environment
+    result = runner.invoke(app, ["serve", "--home", str(tmp_path / "nohome"), "--repair-ladder", "0.1,2"])
+    assert result.exit_code == 2 and "--repair" in result.output and "numbers" not in result.output  # the flag wins
