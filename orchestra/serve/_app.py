@@ -45,8 +45,10 @@ from orchestra.serve._schemas import (
     ModelList,
     PrefillRequest,
     PrefillResponse,
+    ToolCallDelta,
     Usage,
 )
+from orchestra.serve._tools import read_tool_reply
 
 __all__ = ["create_app"]
 
@@ -393,9 +395,14 @@ async def _complete(request: Request, body: ChatCompletionRequest, opened: Abstr
         raise inner from inner.__cause__
     await opened.__aexit__(None, None, None)
     slot.count(request, 200)
+    message, finish = AssistantMessage(content=text), gen.finish_reason
+    if gen.request.tool_mode():
+        reply = read_tool_reply(text)
+        message = AssistantMessage(content=reply.content, tool_calls=reply.calls or None)
+        finish = reply.finish_reason or finish
     completion = ChatCompletion(
         id=gen.id, created=gen.created, model=body.model, usage=gen.usage(),
-        choices=[Choice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)])
+        choices=[Choice(message=message, finish_reason=finish)])
     return JSONResponse(completion.model_dump(mode="json"), headers=gen.cache_info.headers())
 
 
@@ -420,9 +427,18 @@ def _stream(request: Request, opened: AbstractAsyncContextManager[Generation], g
     async def events() -> AsyncIterator[str]:
         try:
             yield chunk(Delta(role="assistant", content=""))
-            async for text in gen.stream():
-                yield chunk(Delta(content=text))
-            yield chunk(Delta(), finish=gen.finish_reason)
+            if gen.request.tool_mode():  # a call is known only when its JSON is complete: sent whole, once
+                reply = read_tool_reply("".join([text async for text in gen.stream()]))
+                if reply.calls:
+                    yield chunk(Delta(tool_calls=[ToolCallDelta(index=i, id=c.id, type="function", function=c.function)
+                                                  for i, c in enumerate(reply.calls)]))
+                elif reply.content:
+                    yield chunk(Delta(content=reply.content))
+                yield chunk(Delta(), finish=reply.finish_reason or gen.finish_reason)
+            else:
+                async for text in gen.stream():
+                    yield chunk(Delta(content=text))
+                yield chunk(Delta(), finish=gen.finish_reason)
             if include_usage:
                 yield chunk(Delta(), usage=gen.usage(), choices=False)
             slot.count(request, 200)

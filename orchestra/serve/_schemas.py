@@ -45,13 +45,32 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call names, and its arguments as a JSON text (as the OpenAI API sends them)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1)
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made (in a reply, or sent back in the conversation's history)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """One message of the conversation."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="assistant: the calls it made.")
+    tool_call_id: str | None = Field(None, description="tool: the id of the call this message answers.")
 
     def text(self) -> str:
         if self.content is None:
@@ -89,6 +108,39 @@ class ResponseFormat(BaseModel):
         return self
 
 
+def _no_parameters() -> dict[str, object]:
+    return {"type": "object", "properties": {}}
+
+
+class ToolFunction(BaseModel):
+    """A function the model may call: its name, what it does, and the JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, object] = Field(default_factory=_no_parameters)
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: the reply must call this function."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
@@ -111,6 +163,35 @@ class ChatCompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=1, description="Only one choice per request.")
     response_format: ResponseFormat | None = None
     user: str | None = None
+    tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call (one call per reply).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; a reply makes at most one call.")
+
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among tools "
+                             f"({', '.join(names) or 'none'})")
+        if self.tool_choice in ("required",) and not names:
+            raise ValueError("tool_choice is required but no tools are given")
+        if self.tool_mode() and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format and tools cannot be used together: a reply is a call or an answer")
+        called: set[str] = set()
+        for i, message in enumerate(self.messages):
+            for call in message.tool_calls or []:
+                called.add(call.id)
+            if message.role == "tool":
+                if not message.tool_call_id:
+                    raise ValueError(f"messages[{i}].tool_call_id: a tool message answers a call: give its id")
+                if message.tool_call_id not in called:
+                    raise ValueError(f"messages[{i}].tool_call_id: {message.tool_call_id!r} is not the id of a call "
+                                     "an earlier assistant message made")
+        return self
+
+    def tool_mode(self) -> bool:
+        """Tools are offered for this reply (given, and tool_choice is not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("stop")
     @classmethod
@@ -143,12 +224,13 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: None = None
 
 
@@ -162,15 +244,23 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class ToolCallDelta(BaseModel):
+    index: int = 0
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     logprobs: None = None
 
 

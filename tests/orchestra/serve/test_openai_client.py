@@ -180,3 +180,52 @@ def test_the_openai_client_example_runs_against_the_server(server, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "root: " in done.stdout and "finetuned: " in done.stdout
     assert "cache: mapped (source root" in done.stdout, done.stdout
+
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "Find the passages of the licence that mention a word.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
+
+
+def test_tools_give_a_valid_call_then_a_reply_over_the_cached_document(client):
+    messages = conversation("Answer questions about this licence.", "Which passages mention warranty?")
+    first = client.chat.completions.create(model="root", messages=messages, tools=[LOOKUP], tool_choice="required",
+                                           max_tokens=64, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "lookup" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), LOOKUP["function"]["parameters"])  # the grammar
+    history = [*messages, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "15. Disclaimer of Warranty."}]
+    second = client.chat.completions.create(model="finetuned", messages=history, tools=[LOOKUP], max_tokens=32,
+                                            temperature=0)
+    assert second.choices[0].finish_reason in ("tool_calls", "stop", "length")
+    assert second.usage.prompt_tokens_details.cached_tokens > 0  # the document was not prefilled again
+    none = client.chat.completions.create(model="root", messages=messages, tools=[LOOKUP], tool_choice="none",
+                                          max_tokens=8, temperature=0)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+
+
+def test_a_streamed_tool_call_arrives_as_a_tool_calls_delta(client):
+    messages = conversation("Answer questions about this licence.", "Find the word conveying.")
+    chunks = list(client.chat.completions.create(
+        model="root", messages=messages, tools=[LOOKUP], tool_choice={"type": "function", "function": {"name": "lookup"}},
+        max_tokens=64, temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0].tool_calls[0].function.name == "lookup"
+    json.loads(deltas[0].tool_calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_bad_tool_requests_are_400_naming_the_field(client):
+    messages = conversation("Answer questions about this licence.", "Hi")
+    with pytest.raises(openai.BadRequestError, match="not among tools"):
+        client.chat.completions.create(model="root", messages=messages, tools=[LOOKUP], max_tokens=4,
+                                       tool_choice={"type": "function", "function": {"name": "other"}})
+    with pytest.raises(openai.BadRequestError, match="tool_call_id"):
+        client.chat.completions.create(model="root", max_tokens=4, tools=[LOOKUP], messages=[
+            *messages, {"role": "tool", "tool_call_id": "call_unknown", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="response_format and tools"):
+        client.chat.completions.create(model="root", messages=messages, tools=[LOOKUP], max_tokens=4,
+                                       response_format={"type": "json_object"})
