@@ -300,9 +300,9 @@ class ServeEngine:
         """Admit `req` (429 when the queue is full), get its prompt's cache, and hand out its Generation."""
         started = time.perf_counter()
         member = self.resolve(req.model)
-        if req.tool_mode():  # the reply is a call or an answer, under a grammar of both
-            from orchestra.serve._tools import prepare_tool_request
+        from orchestra.serve._tools import has_tool_turns, prepare_tool_request
 
+        if req.tool_mode() or has_tool_turns(req):  # a call or an answer under a grammar; tool turns as plain turns
             req = prepare_tool_request(req)
         max_tokens = self._max_tokens(req)
         ids = await self.prompt_ids(member, req.messages, response_format=req.response_format)

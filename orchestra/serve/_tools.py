@@ -26,7 +26,12 @@ from orchestra.serve._schemas import (
     ToolDefinition,
 )
 
-__all__ = ["prepare_tool_request", "read_tool_reply", "ToolReply"]
+__all__ = ["prepare_tool_request", "read_tool_reply", "has_tool_turns", "ToolReply"]
+
+
+def has_tool_turns(req: ChatCompletionRequest) -> bool:
+    """The conversation holds tool calls or results (they are rendered as plain turns)."""
+    return any(m.role == "tool" or m.tool_calls for m in req.messages)
 
 MAX_ARGUMENT_CHARS = 40
 """Longest string argument the grammar allows, unless the tool's schema sets maxLength (a small model otherwise
@@ -46,7 +51,8 @@ class ToolReply:
 
 
 def prepare_tool_request(req: ChatCompletionRequest) -> ChatCompletionRequest:
-    """The request as the model sees it: tool turns as plain turns, the tools described, the reply's grammar set."""
+    """The request as the model sees it: tool turns as plain turns and, when tools are offered for this reply,
+    the tools described and the reply's grammar set."""
     offered = _offered(req)
     names = {call.id: call.function.name for m in req.messages for call in m.tool_calls or []}
     messages: list[ChatMessage] = []
@@ -60,6 +66,8 @@ def prepare_tool_request(req: ChatCompletionRequest) -> ChatCompletionRequest:
             messages.append(ChatMessage(role="assistant", content="\n".join([message.text(), *calls]).strip()))
         else:
             messages.append(message)
+    if not req.tool_mode():  # tool_choice none (or no tools): an ordinary reply to a history with tool turns
+        return req.model_copy(update={"messages": messages})
     last = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
     described = _describe(offered, must_call=_must_call(req))
     if last is None:

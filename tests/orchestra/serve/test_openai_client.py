@@ -229,3 +229,44 @@ def test_bad_tool_requests_are_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError, match="response_format and tools"):
         client.chat.completions.create(model="root", messages=messages, tools=[LOOKUP], max_tokens=4,
                                        response_format={"type": "json_object"})
+
+
+def test_a_langgraph_tool_loop_runs_to_a_final_answer_against_the_server(server):
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    looked_up: list[str] = []
+
+    @tool
+    def lookup(word: str) -> str:
+        """Find the passages of the licence that mention a word."""
+        looked_up.append(word)
+        return "\n".join(line for line in DOCUMENT.splitlines() if word.lower() in line.lower())[:400] or "none"
+
+    chat = ChatOpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, model="root", max_tokens=48, temperature=0,
+                      max_retries=0, timeout=120)
+
+    def agent(state: MessagesState) -> dict:
+        called = any(isinstance(m, ToolMessage) for m in state["messages"])
+        llm = chat.bind_tools([lookup], tool_choice="none" if called else "required")  # one lookup, then answer
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode([lookup]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    result = graph.compile().invoke({"messages": [
+        SystemMessage(f"Answer questions about this licence.\n\n{DOCUMENT}"),
+        HumanMessage("Which passages mention warranty? Look them up.")]}, {"recursion_limit": 8})
+    messages = result["messages"]
+    calls = [m for m in messages if isinstance(m, AIMessage) and m.tool_calls]
+    assert len(calls) == 1 and calls[0].tool_calls[0]["name"] == "lookup" and looked_up
+    assert any(isinstance(m, ToolMessage) for m in messages)
+    final = messages[-1]
+    assert isinstance(final, AIMessage) and not final.tool_calls and final.content.strip()
+    assert final.response_metadata["token_usage"]["prompt_tokens_details"]["cached_tokens"] > 0
