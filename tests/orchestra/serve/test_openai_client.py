@@ -235,7 +235,7 @@ def test_a_langgraph_tool_loop_runs_to_a_final_answer_against_the_server(server)
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
-    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.graph import START, MessagesState, StateGraph
     from langgraph.prebuilt import ToolNode, tools_condition
 
     looked_up: list[str] = []
