@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, create
 from agents.errors import AgentError
 
 __all__ = ["Tool", "ToolCall", "ToolSchemaError", "tool", "find", "round_schema", "round_instructions", "run_tool",
-           "answer_text", "INJECTED"]
+           "answer_text", "bound_strings", "INJECTED"]
 
 MAX_ARGUMENT_CHARS = 80
 """Longest string argument a call's grammar allows (unless the tool's own schema says otherwise)."""
@@ -232,21 +232,29 @@ def _arguments_model(fn: Callable[..., Any]) -> type[BaseModel]:
 
 
 def _plain(schema: dict[str, object]) -> dict[str, object]:
-    """The arguments' schema without titles (fewer tokens in the grammar), closed to unknown keys."""
+    """The arguments' schema without titles (fewer tokens in the grammar), closed to unknown keys, strings bounded."""
     out = {k: v for k, v in schema.items() if k not in ("title", "description")}
     props = out.get("properties")
     if isinstance(props, dict):
-        out["properties"] = {k: _short(v) if isinstance(v, dict) else v for k, v in props.items()}
+        out["properties"] = {k: {kk: vv for kk, vv in v.items() if kk != "title"} if isinstance(v, dict) else v
+                             for k, v in props.items()}
     out["additionalProperties"] = False
-    return out
+    return bound_strings(out, MAX_ARGUMENT_CHARS)
 
 
-def _short(prop: dict[str, object]) -> dict[str, object]:
-    """A property's schema without its title; a string at most `MAX_ARGUMENT_CHARS` long (a small model otherwise
-    writes an argument until its token budget runs out, and the call is cut off)."""
-    out = {k: v for k, v in prop.items() if k != "title"}
+def bound_strings(schema: dict[str, object], limit: int) -> dict[str, object]:
+    """`schema` with every string (in properties and items, at any depth) at most `limit` characters unless it
+    sets its own maxLength: a small model otherwise writes one until its token budget ends, and the call is cut
+    off."""
+    out = dict(schema)
     if out.get("type") == "string" and "maxLength" not in out:
-        out["maxLength"] = MAX_ARGUMENT_CHARS
+        out["maxLength"] = limit
+    props = out.get("properties")
+    if isinstance(props, dict):
+        out["properties"] = {k: bound_strings(v, limit) if isinstance(v, dict) else v for k, v in props.items()}
+    items = out.get("items")
+    if isinstance(items, dict):
+        out["items"] = bound_strings(items, limit)
     return out
 
 

@@ -212,15 +212,7 @@ class Orchestra:
         """Obtain the document's cache on the source and on every agent's member, as a run would, and keep
         them: until the leases are released no budget evicts them, so runs over `document` meanwhile compute
         only their agents' own tokens (`Session` holds a document this way)."""
-        from agents import DocumentPrompt
-        from agents.errors import EmptyDocumentError
-
-        tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, self.source_alias)
-        try:
-            prefix_ids = DocumentPrompt(document).token_ids(tokenizer)
-        except EmptyDocumentError as exc:
-            raise DocumentError(str(exc)) from exc
-        self._check_length(prefix_ids)
+        prefix_ids = await self._prefix_ids(document)
 
         async def quiet(event: ev.Event) -> None:
             return None
@@ -276,20 +268,25 @@ class Orchestra:
             raise failure[0]
 
     # -- the run --------------------------------------------------------------------------------
-    async def _run(self, document: str, run_id: str, emit, inputs: dict[str, str],
-                   state: RunCheckpoint | None = None) -> RunReport:
+    async def _prefix_ids(self, document: str) -> list[int]:
+        """The document prefix's token ids on the source, checked to leave every agent room for its reply."""
         from agents import DocumentPrompt
         from agents.errors import EmptyDocumentError
 
-        started = time.perf_counter()
-        warned = len(self.cache.warnings)
-        moved = self.cache.executor.stats()
         tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, self.source_alias)
         try:
             prefix_ids = DocumentPrompt(document).token_ids(tokenizer)
         except EmptyDocumentError as exc:
             raise DocumentError(str(exc)) from exc
         self._check_length(prefix_ids)
+        return prefix_ids
+
+    async def _run(self, document: str, run_id: str, emit, inputs: dict[str, str],
+                   state: RunCheckpoint | None = None) -> RunReport:
+        started = time.perf_counter()
+        warned = len(self.cache.warnings)
+        moved = self.cache.executor.stats()
+        prefix_ids = await self._prefix_ids(document)
         run = _Run(run_id, started, prefix_ids, emit, document=document, inputs=inputs, checkpointer=self.checkpointer)
         if state is not None:
             from orchestra.checkpoint import RESTORABLE

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from agents.tools import bound_strings
 from orchestra.serve._schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -108,25 +109,12 @@ def _must_call(req: ChatCompletionRequest) -> bool:
 
 def _reply_schema(tools: list[ToolDefinition], *, must_call: bool) -> dict[str, object]:
     calls = [{"type": "object", "properties": {"tool": {"const": t.function.name},
-                                               "arguments": _bounded(t.function.parameters)},
+                                               "arguments": bound_strings(t.function.parameters,
+                                                                                         MAX_ARGUMENT_CHARS)},
               "required": ["tool", "arguments"], "additionalProperties": False} for t in tools]
     answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
               "additionalProperties": False}
     return {"anyOf": calls if must_call else [*calls, answer]}
-
-
-def _bounded(schema: dict[str, object]) -> dict[str, object]:
-    """The arguments' schema with every string bounded (a client's schema is otherwise kept as it is)."""
-    out = dict(schema)
-    if out.get("type") == "string" and "maxLength" not in out:
-        out["maxLength"] = MAX_ARGUMENT_CHARS
-    props = out.get("properties")
-    if isinstance(props, dict):
-        out["properties"] = {k: _bounded(v) if isinstance(v, dict) else v for k, v in props.items()}
-    items = out.get("items")
-    if isinstance(items, dict):
-        out["items"] = _bounded(items)
-    return out
 
 
 def _describe(tools: list[ToolDefinition], *, must_call: bool) -> str:
