@@ -460,6 +460,7 @@ def markdown(result: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
+    from mappings.atomic import write_atomic
     from orchestra.bench import machine_info
     from orchestra.family.corpus import data_text
 
@@ -487,7 +488,7 @@ def main() -> None:
         result = json.loads(args.report_only.read_text())
         lines = markdown(result)
         lines.append(f"8 clients, batched vs `--no-batch`: {s(result['batched_vs_unbatched_8_clients'])}× the tokens/s.")
-        args.report_only.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        write_atomic(args.report_only.with_suffix(".md"), "\n".join(lines) + "\n")
         return
     if args.quick:
         args.clients, args.abandoned, args.repeats, args.throughput_requests = 6, 16, 1, 4
@@ -526,7 +527,7 @@ def main() -> None:
         if args.load_only:
             kept = {k: result[k] for k in ("command", "cache_mb", "machine", "server_args", "headline", "load")}
             name = "serve_load_only.json" if args.skip_headline else "serve_load_after_headline.json"
-            (args.out / name).write_text(json.dumps(kept, indent=2, default=str))
+            write_atomic(args.out / name, json.dumps(kept, indent=2, default=str))
             print(json.dumps(kept, indent=2, default=str))
             return
         result["throughput"]["batched"] = [
@@ -556,10 +557,10 @@ def main() -> None:
     result["batched_vs_unbatched_8_clients"] = batched8 / plain8 if plain8 else None
 
     result["load_average_end"] = os.getloadavg()
-    (args.out / "serve_load.json").write_text(json.dumps(result, indent=2, default=str))
+    write_atomic(args.out / "serve_load.json", json.dumps(result, indent=2, default=str))
     lines = markdown(result)
     lines.append(f"8 clients, batched vs `--no-batch`: {s(result['batched_vs_unbatched_8_clients'])}× the tokens/s.")
-    (args.out / "serve_load.md").write_text("\n".join(lines) + "\n")
+    write_atomic(args.out / "serve_load.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"server logs: {logs}")
 
