@@ -91,7 +91,42 @@ def demo(
 
 
 def main() -> None:
-    app()
+    """The console script: the command, then a process exit that skips native libraries' teardown.
+
+    Once a command has finished (its files written, its server drained, its caches flushed), the
+    interpreter's own finalization still runs the C++ static destructors of the libraries it loaded
+    (torch, the grammar library, tokenizers). Now and then one of them aborts there ("terminate called
+    without an active exception", SIGABRT), turning a clean exit into a crash an operator's supervisor
+    reports. So the exit is taken here: other threads joined, atexit handlers run (logging, OpenTelemetry,
+    Ray), streams flushed, then ``os._exit`` with the command's own code.
+    """
+    try:
+        app()
+        code: int | str | None = 0
+    except SystemExit as exc:
+        code = exc.code
+    _exit_after_finalizers(code)
+
+
+def _exit_after_finalizers(code: int | str | None) -> None:
+    import atexit
+    import os
+    import sys
+    import threading
+
+    if isinstance(code, str):  # sys.exit("message"): Python prints it and exits 1
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said on it
+            pass
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":
