@@ -8,7 +8,10 @@ greedily on four caches, all from one :class:`orchestra.familycache.FamilyCache`
 - ``own``: each other member on its own prefill (``allow_mapped=False``);
 - ``mapped``: the source's cache mapped into the member, gates open (the pure map + the cache's
   recomputed tail: what an agent runs on when the gates pass);
-- ``mapped+repair``: the same map, repaired at ``repair_budget`` of a prefill.
+- ``mapped+repair``: the same map, repaired at ``repair_budget`` of a prefill;
+- ``plain``: the baseline a user would try first, no orchestra prompt at all: the member's chat template
+  over one user turn holding the window and then the question, on its own prefill, greedy, with the same
+  token budget and stop strings (``plain_prompt_ids``). The built-in must be at least as accurate as it.
 
 Accuracy is normalised containment of a reference answer (:func:`orchestra.bench.qa.is_correct`);
 retention = accuracy on the mapped (or repaired) cache / accuracy on the member's own prefill. The
@@ -30,14 +33,15 @@ from orchestra.gates import GatePolicy
 
 if TYPE_CHECKING:
     from agents.spec import AgentSpec
+    from mappings.types import Tokenizer
     from orchestra.bench.qa import QAQuestion, QASet
     from orchestra.familycache import CacheLease, FamilyCache
 
 __all__ = ["TaskConfig", "QAAnswer", "QAScore", "GateSummary", "LengthRow", "TaskSection", "run_tasks",
-           "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS"]
+           "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS", "plain_prompt_ids"]
 
-Condition = Literal["source", "own", "mapped", "mapped+repair"]
-CONDITIONS: tuple[Condition, ...] = ("own", "mapped", "mapped+repair", "source")
+Condition = Literal["source", "own", "mapped", "mapped+repair", "plain"]
+CONDITIONS: tuple[Condition, ...] = ("own", "mapped", "mapped+repair", "source", "plain")
 
 
 class _Model(BaseModel):
@@ -61,6 +65,8 @@ class TaskConfig(_Model):
     limit: int | None = Field(None, ge=1, description="ask only the first N (selected) questions")
     lengths: list[int] = Field(default_factory=list, description="window lengths of the source's accuracy sweep")
     qa_file: str | None = Field(None, description="a QA set other than the bundled one")
+    plain: bool = Field(True, description="also answer with a plain chat prompt (document then question in one user "
+                                          "turn), the baseline the built-in must match")
 
 
 class QAAnswer(_Model):
@@ -111,6 +117,7 @@ class LengthRow(_Model):
     mean_window_tokens: float
     mean_prefix_tokens: float
     skipped: int = 0
+    plain_accuracy: float | None = Field(None, description="the plain-prompt baseline's accuracy on the same windows")
     by_type: dict[str, float] = Field(default_factory=dict, description="accuracy per answer type")
     correct_ids: list[str] = Field(default_factory=list)
 
@@ -191,6 +198,20 @@ class _Asker:
         need = len(prefix) + max(len(suffix_ids(tok, self.spec(q))) for q in questions) + self.max_new
         return None if need <= limit else f"{need} positions needed, {member} has {limit}"
 
+    def ask_plain(self, member: str, window_text: str, q: QAQuestion) -> tuple[str, str | None]:
+        """`q` asked the plain way (`plain_prompt_ids`) on the member's own prefill, greedy, same budget and stops."""
+        from agents.continuation import continue_ids
+        from agents.errors import AgentError
+
+        lm = self.fam.loaded(member)
+        ids = plain_prompt_ids(lm.tokenizer, window_text, q.question)
+        try:
+            with self.cache.lock(member):
+                out = continue_ids(lm.model, lm.tokenizer, None, 0, ids, max_new_tokens=self.max_new, stop=self.stop)
+        except AgentError as exc:
+            return "", f"{type(exc).__name__}: {exc}"
+        return out.text.strip(), None
+
     def ask(self, member: str, lease: CacheLease, prefix: list[int], q: QAQuestion) -> tuple[str, str | None]:
         from agents import generate
         from agents.errors import AgentError
@@ -208,6 +229,18 @@ class _Asker:
         if lease.path == "exact":
             self._memo[key] = out
         return out
+
+
+def plain_prompt_ids(tokenizer: Tokenizer, document: str, question: str) -> list[int]:
+    """What a user would send without orchestra: one user turn, the document then the question, in the
+    tokenizer's chat template (a ``Question:``/``Answer:`` text when it has none)."""
+    from agents.prompt import has_chat_template
+
+    if has_chat_template(tokenizer):
+        messages: list[dict[str, str]] = [{"role": "user", "content": f"{document}\n\n{question}"}]
+        text = str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    return [int(i) for i in tokenizer.encode(f"{document}\n\nQuestion: {question}\nAnswer:")]
 
 
 def _score(member: str, condition: Condition, answers: list[QAAnswer], own: dict[str, QAAnswer] | None) -> QAScore:
@@ -284,6 +317,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
     repair = RepairPolicy(budget=config.repair_budget)
     asker = _Asker(fam, cache, config.max_new_tokens, config.stop)
     offsets: dict[str, list[tuple[int, int]]] = {}
+    texts: dict[tuple[str, int], str] = {}
 
     def window(pid: str, tokens: int) -> tuple[list[int], int]:
         p = qa.passage(pid)
@@ -291,6 +325,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
         if p.document not in offsets:
             offsets[p.document] = token_offsets(doc, tok)
         text, n = passage_window(doc, p.start, p.end, tokens, tok, offsets[p.document])
+        texts[(pid, tokens)] = text
         return DocumentPrompt(text).token_ids(tok), n
 
     def answer(member: str, condition: Condition, lease: CacheLease, prefix: list[int], n: int,
@@ -301,6 +336,15 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
             out.append(QAAnswer(question=q.id, member=member, condition=condition, window_tokens=n,
                                 prefix_tokens=len(prefix), path=lease.path, prediction=text,
                                 correct=err is None and is_correct(text, q.answers), error=err))
+        return out
+
+    def plain(member: str, pid: str, tokens: int, n: int, qs: list[QAQuestion]) -> list[QAAnswer]:
+        out = []
+        for q in qs:
+            text, err = asker.ask_plain(member, texts[(pid, tokens)], q)
+            out.append(QAAnswer(question=q.id, member=member, condition="plain", window_tokens=n, prefix_tokens=0,
+                                path="own", prediction=text, correct=err is None and is_correct(text, q.answers),
+                                error=err))
         return out
 
     gate_log: dict[str, list[CacheLease]] = {m: [] for m in members}
@@ -317,6 +361,8 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
         prefix_lengths.append(len(prefix))
         with cache.acquire_sync(source, prefix) as lease:
             answers += answer(source, "source", lease, prefix, n, qs)
+        if config.plain:
+            answers += plain(source, pid, config.window_tokens, n, qs)
         for m in members:
             # Order matters: the exact (own) entry is built last, or the mapped requests would find it and hit it.
             with cache.acquire_sync(m, prefix, gate=open_gate, tail_tokens=config.tail_tokens) as lease:
@@ -328,31 +374,40 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
                 gate_log[m].append(lease)
             with cache.acquire_sync(m, prefix, allow_mapped=False) as lease:
                 answers += answer(m, "own", lease, prefix, n, qs)
+            if config.plain:
+                answers += plain(m, pid, config.window_tokens, n, qs)
         cache.clear()  # windows share nothing: keep memory flat
     section.answers = answers
     section.mean_prefix_tokens = sum(prefix_lengths) / len(prefix_lengths) if prefix_lengths else 0.0
     for m in members:
         own = {a.question: a for a in answers if a.member == m and a.condition == "own"}
-        for condition in ("own", "mapped", "mapped+repair"):
+        for condition in ("own", "mapped", "mapped+repair", *(("plain",) if config.plain else ())):
             rows = [a for a in answers if a.member == m and a.condition == condition]
             section.scores.append(_score(m, condition, rows, own))
         section.gates.append(_gate_summary(m, gate_log[m]))
     section.scores.append(_score(source, "source", [a for a in answers if a.condition == "source"], None))
+    if config.plain:
+        section.scores.append(_score(source, "plain", [a for a in answers if a.member == source
+                                                       and a.condition == "plain"], None))
     for length in config.lengths:
-        section.lengths.append(_length_row(length, source, groups, window, asker, cache, answer, progress))
+        section.lengths.append(_length_row(length, source, groups, window, asker, cache, answer, progress,
+                                           plain if config.plain else None))
     return section
 
 
 _Answer = Callable[[str, Condition, "CacheLease", list[int], int, list["QAQuestion"]], list[QAAnswer]]
 """`run_tasks`' answer(member, condition, lease, prefix, window tokens, questions)."""
+_Plain = Callable[[str, str, int, int, list["QAQuestion"]], list[QAAnswer]]
+"""`run_tasks`' plain(member, passage id, window length, window tokens, questions)."""
 
 
 def _length_row(length: int, member: str, groups: dict[str, list[QAQuestion]],
                 window: Callable[[str, int], tuple[list[int], int]], asker: _Asker, cache: FamilyCache,
-                answer: _Answer, progress: bool) -> LengthRow:
+                answer: _Answer, progress: bool, plain: _Plain | None = None) -> LengthRow:
     from tqdm.auto import tqdm
 
     rows: list[QAAnswer] = []
+    plain_rows: list[QAAnswer] = []
     prefixes: list[int] = []
     skipped = 0
     types: dict[str, str] = {}
@@ -364,6 +419,8 @@ def _length_row(length: int, member: str, groups: dict[str, list[QAQuestion]],
         prefixes.append(len(prefix))
         with cache.acquire_sync(member, prefix, allow_mapped=False) as lease:
             rows += answer(member, "own", lease, prefix, n, qs)
+        if plain is not None:
+            plain_rows += plain(member, pid, length, n, qs)
         types.update({q.id: q.type for q in qs})
         cache.clear()
     by_type: dict[str, list[bool]] = {}
@@ -374,6 +431,7 @@ def _length_row(length: int, member: str, groups: dict[str, list[QAQuestion]],
         length=length, member=member, n=len(rows), correct=correct, accuracy=correct / len(rows) if rows else 0.0,
         mean_window_tokens=sum(a.window_tokens for a in rows) / len(rows) if rows else 0.0,
         mean_prefix_tokens=sum(prefixes) / len(prefixes) if prefixes else 0.0, skipped=skipped,
+        plain_accuracy=sum(a.correct for a in plain_rows) / len(plain_rows) if plain_rows else None,
         by_type={t: sum(v) / len(v) for t, v in sorted(by_type.items())},
         correct_ids=[a.question for a in rows if a.correct],
     )
@@ -395,12 +453,19 @@ def tasks_markdown(k: TaskSection) -> list[str]:
         "reference answer occurs in the reply (normalised). Every cache is a FamilyCache lease: own = the member's "
         f"own prefill, mapped = {c.source}'s cache mapped (gates open, {c.tail_tokens}-token tail recomputed), "
         f"mapped+repair = the same at a {c.repair_budget:.0%} repair budget, source = {c.source} answering on its own "
-        "prefill. Retention = accuracy / own-prefill accuracy; agreement = answers identical to the own-prefill ones.",
+        "prefill. Retention = accuracy / own-prefill accuracy; agreement = answers identical to the own-prefill ones. "
+        "plain = the baseline without orchestra's prompt: the member's chat template over one user turn, the window "
+        "then the question, on its own prefill, same budget and stops (no shared prefix).",
         "",
-        "| member | n | own | mapped | mapped+repair | source | retention mapped | retention repaired | "
+        "| member | n | own | mapped | mapped+repair | plain | source | retention mapped | retention repaired | "
         "agreement mapped | would fall back (gates) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    plain = {s.member: s for s in k.scores if s.condition == "plain"}
+    if source is not None:
+        base = plain.get(source.member)
+        lines.append(f"| {source.member} (source) | {source.n} | {_pct(source.accuracy)} | - | - | "
+                     f"{_pct(base.accuracy if base else None)} | {_pct(source.accuracy)} | - | - | - | - |")
     for g in k.gates:
         m = g.member
         try:
@@ -410,7 +475,7 @@ def tasks_markdown(k: TaskSection) -> list[str]:
         fails = ", ".join(f"{gate} {n}" for gate, n in g.failed_gates.items())
         lines.append(
             f"| {m} | {own.n} | {_pct(own.accuracy)} | {_pct(mapped.accuracy)} | {_pct(rep.accuracy)} | "
-            f"{_pct(source.accuracy if source else None)} | {_pct(mapped.retention)} | {_pct(rep.retention)} | "
+            f"{_pct(plain[m].accuracy if m in plain else None)} | {_pct(source.accuracy if source else None)} | {_pct(mapped.retention)} | {_pct(rep.retention)} | "
             f"{_pct(mapped.agreement)} | {g.fell_back}/{g.windows}{f' ({fails})' if fails else ''} |")
     by_condition: dict[str, Counter[str]] = {}
     for s in k.scores:
@@ -421,10 +486,12 @@ def tasks_markdown(k: TaskSection) -> list[str]:
     if k.lengths:
         types = sorted({t for r in k.lengths for t in r.by_type})
         lines += ["", f"### {k.lengths[0].member}'s own-prefill accuracy vs window length", "",
-                  "| window tokens | mean prompt prefix | n | accuracy | " + " | ".join(types) + " | skipped |",
-                  "|---|---|---|---|" + "---|" * len(types) + "---|"]
+                  "| window tokens | mean prompt prefix | n | accuracy | plain prompt | " + " | ".join(types)
+                  + " | skipped |",
+                  "|---|---|---|---|---|" + "---|" * len(types) + "---|"]
         for r in k.lengths:
             lines.append(f"| {r.length} | {r.mean_prefix_tokens:.0f} | {r.n} | {_pct(r.accuracy)} | "
+                         f"{_pct(r.plain_accuracy)} | "
                          + " | ".join(_pct(r.by_type.get(t)) for t in types) + f" | {r.skipped} |")
         best = max(k.lengths, key=lambda r: (r.accuracy, -r.length))
         lines += ["", f"Questions answered at {best.length} tokens: {', '.join(best.correct_ids) or 'none'}."]

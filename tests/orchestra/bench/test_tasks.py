@@ -151,7 +151,8 @@ def test_tasks_only_run_writes_its_own_files(tiny_qa):
     assert loaded == result and set(loaded.section_seconds) == {"tasks"}
     assert loaded.quality is None and loaded.timing is None
     md = out.with_suffix(".md").read_text()
-    assert "## Task level: question answering" in md and "| member | n | own | mapped |" in md
+    assert "## Task level: question answering" in md and "| member | n | own | mapped | mapped+repair | plain |" in md
+    assert "| root (source) |" in md and "| plain prompt |" in md
     assert "own-prefill accuracy vs window length" in md
 
 
@@ -163,8 +164,8 @@ def test_every_member_answers_under_every_condition_on_the_lease_it_was_given(ti
     manifest = {r.role for r in fam.family.members.values()} - {"root"}
     assert set(members) == manifest and members[:4] == ["finetuned", "int8", "quantized", "distilled"]  # every member
     assert k.config.source == "root" and k.config.members == members
-    # one answer per question, member and condition; the source answers once
-    assert len(k.answers) == len(TINY_QUESTIONS) * (1 + 3 * len(members))
+    # one answer per question, member and condition; the source answers once, and every member the plain way
+    assert len(k.answers) == len(TINY_QUESTIONS) * (1 + 3 * len(members) + 1 + len(members))
     for m in members:
         for cond, path in (("own", {"exact"}), ("mapped", {"mapped"}), ("mapped+repair", {"mapped"})):
             rows = [a for a in k.answers if a.member == m and a.condition == cond]
@@ -174,9 +175,29 @@ def test_every_member_answers_under_every_condition_on_the_lease_it_was_given(ti
             assert k.score(m, cond).paths == {next(iter(path)): len(TINY_QUESTIONS)}
     src = [a for a in k.answers if a.condition == "source"]
     assert {a.member for a in src} == {"root"} and {a.path for a in src} == {"exact"}
+    plain = [a for a in k.answers if a.condition == "plain"]
+    assert {(a.member, a.question) for a in plain} == {(m, q) for m in ["root", *members] for q in TINY_QUESTIONS}
     for a in k.answers:
         assert a.correct == (a.error is None and is_correct(a.prediction, _refs(a.question)))
-        assert a.prefix_tokens > a.window_tokens > 0
+        if a.condition != "plain":  # the plain prompt shares no prefix
+            assert a.prefix_tokens > a.window_tokens > 0
+
+
+def test_the_plain_baseline_is_one_user_turn_of_the_document_then_the_question(tiny_qa):
+    """What a user would try without orchestra: the chat template over one user turn, nothing of orchestra's."""
+    from agents.prompt import CHAT_DOCUMENT_INTRO, DOCUMENT_START, SYSTEM_MESSAGE
+    from orchestra.bench.tasks import plain_prompt_ids
+
+    fam = tiny_qa[2]
+    tok = fam.loaded("root").tokenizer
+    text = tok.decode(plain_prompt_ids(tok, "The licence was published in 2007.", "When was it published?"))
+    between = "\n\n" if tok.chat_template else "\n\nQuestion: "  # a tokenizer without a template: a plain Q/A text
+    assert f"The licence was published in 2007.{between}When was it published?" in text
+    for ours in (SYSTEM_MESSAGE, CHAT_DOCUMENT_INTRO.strip(), DOCUMENT_START.strip()):
+        assert ours not in text
+    if tok.chat_template:
+        assert text.rstrip().endswith(tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                                               add_generation_prompt=True).split("x")[-1].rstrip())
 
 
 def _refs(qid: str) -> list[str]:
@@ -199,7 +220,8 @@ def test_accuracy_and_retention_are_computed_from_the_answers(tiny_qa):
             assert s.agreement == pytest.approx(same / s.n)
         else:
             assert s.retention is None
-    assert {(s.member, s.condition) for s in k.scores} >= {("root", "source"), ("finetuned", "mapped+repair")}
+    assert {(s.member, s.condition) for s in k.scores} >= {("root", "source"), ("finetuned", "mapped+repair"),
+                                                           ("root", "plain"), ("finetuned", "plain")}
 
 
 def test_gate_decisions_are_reported_per_window(tiny_qa):
@@ -220,6 +242,7 @@ def test_window_length_sweep(tiny_qa):
         assert r.n + r.skipped == len(TINY_QUESTIONS)
         assert r.accuracy == pytest.approx(r.correct / r.n if r.n else 0.0)
         assert len(r.correct_ids) == r.correct
+        assert r.plain_accuracy is not None and 0.0 <= r.plain_accuracy <= 1.0
     # the main table's window (64) asked again: the same exact cache and prompt, so the same answers
     main = {a.question: a.correct for a in k.answers if a.condition == "source"}
     assert set(k.lengths[0].correct_ids) == {q for q, ok in main.items() if ok}
