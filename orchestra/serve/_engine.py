@@ -434,9 +434,11 @@ class ServeEngine:
     def runs(self) -> RunManager:
         """The pipeline runs of ``/v1/runs`` (on this engine's FamilyCache)."""
         if self._runs is None:
+            from orchestra.metrics import PipelineMetrics
             from orchestra.serve._runs import RunManager
 
-            self._runs = RunManager(self, pipelines_dir=self.config.pipelines_dir, max_running=self.config.max_runs)
+            self._runs = RunManager(self, pipelines_dir=self.config.pipelines_dir, max_running=self.config.max_runs,
+                                    metrics=PipelineMetrics(self.metrics.registry))
         return self._runs
 
     def close(self) -> None:

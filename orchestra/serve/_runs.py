@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from orchestra.events import Event
     from orchestra.family.manifest import FamilyManifest
     from orchestra.familycache import FamilyCache
+    from orchestra.metrics import PipelineMetrics
     from orchestra.pipeline import PipelineSpec
     from orchestra.report import RunReport
     from orchestra.scheduler import Orchestra
@@ -109,8 +110,10 @@ class RunManager:
     """The server's pipeline runs: started, followed, cancelled; at most `max_running` at once."""
 
     def __init__(self, engine: RunHost, *, pipelines_dir: Path | None = None, max_running: int = 4,
-                 keep: int = 100) -> None:
+                 keep: int = 100, metrics: PipelineMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
+        """Where runs are counted (the server's registry: /metrics shows runs beside chat requests)."""
         self.pipelines_dir = pipelines_dir
         self.max_running = max_running
         self.keep = keep
@@ -195,9 +198,13 @@ class RunManager:
         return PipelineSpec.model_validate(data)
 
     async def _drive(self, run: _Run, orchestra: Orchestra, document: str, inputs: dict[str, str]) -> None:
+        counted = self.metrics.sink(run.pipeline) if self.metrics is not None else None
+
         async def collect(event: Event) -> None:
             run.events.append(event)
             run.publish()
+            if counted is not None:
+                counted(event)
 
         try:
             run.report = await orchestra.run(document, on_event=collect, run_id=run.id, inputs=inputs)
@@ -207,9 +214,13 @@ class RunManager:
                 run.error = "agents did not succeed: " + ", ".join(bad)
         except asyncio.CancelledError:
             run.status, run.error = "cancelled", "cancelled by DELETE /v1/runs/{id}"
+            if counted is not None:
+                counted.ended_without_report("cancelled")
             raise
         except Exception as exc:  # a document too long for a member, an executor failure: the run's, not ours
             run.status, run.error = "failed", f"{type(exc).__name__}: {exc}"
+            if counted is not None:
+                counted.ended_without_report("failed")
             log.warning("pipeline_run_failed", run=run.id, error=run.error)
         finally:
             run.publish()

@@ -98,3 +98,29 @@ async def test_a_running_pipeline_is_cancelled_by_delete(client):
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     frames = _sse((await client.get(f"/v1/runs/{run['id']}/events")).text)
     assert frames[-1] == ("end", {"id": run["id"], "status": "cancelled", "error": "cancelled by DELETE /v1/runs/{id}"})
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """`name`'s samples in a Prometheus text exposition: their label string -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, value = line.rpartition(" ")
+            out[labels[len(name):]] = float(value)
+    return out
+
+
+async def test_runs_are_counted_in_the_servers_metrics(client):
+    before = _samples((await client.get("/metrics")).text, "orchestra_pipeline_runs_total")
+    run = (await client.post("/v1/runs", json={"spec": SPEC, "document": DOC})).json()
+    assert (await _finish(client, run["id"]))["status"] == "succeeded"
+    text = (await client.get("/metrics")).text
+    runs = _samples(text, "orchestra_pipeline_runs_total")
+    key = '{pipeline="inline",status="succeeded"}'
+    assert runs[key] == before.get(key, 0.0) + 1
+    paths = _samples(text, "orchestra_pipeline_cache_paths_total")
+    assert any('model_name="root"' in k for k in paths) and any('model_name="finetuned"' in k for k in paths)
+    agents = _samples(text, "orchestra_pipeline_agents_total")
+    assert agents['{pipeline="inline",status="succeeded"}'] >= 2
+    assert _samples(text, "orchestra_pipeline_agent_ttft_seconds_count")
+    assert _samples(text, "orchestra_pipeline_run_seconds_count")['{pipeline="inline"}'] >= 1
