@@ -51,6 +51,7 @@ __all__ = [
     "has_chat_template",
     "chat_native",
     "document_span",
+    "encode_document_text",
 ]
 
 DEFAULT_PREAMBLE = (
@@ -85,6 +86,11 @@ def _encode(tokenizer: Tokenizer, text: str, *, split_special_tokens: bool = Fal
             except TypeError:  # a tokenizer that does not know the option
                 pass
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_document_text(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text` as document text is tokenized in a prefix (special-token strings as plain text)."""
+    return _encode(tokenizer, text, split_special_tokens=True)
 
 
 def _leading_bos(tokenizer: Tokenizer) -> list[int]:

@@ -37,6 +37,7 @@ from orchestra.inputs import InputSpec
 from orchestra.modelref import AdapterSpec, QuantizeSpec
 from orchestra.pipeline import (
     AgentNode,
+    ChunkingPolicy,
     ExecutorSpec,
     KVStoreSettings,
     MappingPolicy,
@@ -68,7 +69,7 @@ class Pipeline:
 
     ``Pipeline(name, source="root", *, family=None, home=None, models=None, gate=None, mapping=None,
     devices=None, default_device="auto", dtype="auto", store_budget_mb=4096,
-    max_concurrency_per_device=1, executor=None)``:
+    max_concurrency_per_device=1, executor=None, kv_store=None, chunking=None)``:
 
     - ``family``: a loaded `FamilyManifest`; default: the family under ``home`` (else
       ``$ORCHESTRA_HOME``, else ``~/.cache/orchestra``), loaded lazily at the first run, so building and
@@ -86,6 +87,9 @@ class Pipeline:
     - ``source``: the alias that prefills the document (None: the model most agents use).
     - ``executor``: where model work runs: ``"local"`` (default), ``"ray"``, or an `ExecutorSpec` / mapping
       (``{"kind": "ray", "members": {"finetuned": {"num_gpus": 1, "replicas": 2}}}``; docs/scale-out.md).
+    - ``chunking``: documents longer than a window (`ChunkingPolicy`, or a mapping such as
+      ``{"mode": "always", "window_tokens": 2048}``): cut into chunks, each prefilled once and shared;
+      agents map over the chunks and reduce (docs/long-documents.md).
     - the rest are `PipelineSpec`'s fields of the same names (gate policy, mapping policy, devices,
       dtype, KV store budget, per-device concurrency).
 
@@ -110,6 +114,7 @@ class Pipeline:
         max_concurrency_per_device: int = 1,
         executor: ExecutorSpec | Mapping[str, object] | str | None = None,
         kv_store: KVStoreSettings | Mapping[str, object] | None = None,
+        chunking: ChunkingPolicy | Mapping[str, object] | None = None,
     ) -> None:
         self._family = family
         self._home = home
@@ -131,6 +136,8 @@ class Pipeline:
             settings["executor"] = executor
         if kv_store is not None:
             settings["kv_store"] = kv_store
+        if chunking is not None:
+            settings["chunking"] = chunking
         self._settings = PipelineSettings(**settings)
         self._models = dict(self._settings.models)  # validated: mappings made AdapterSpecs and QuantizeSpecs
         self._nodes: list[AgentNode] = []
@@ -173,6 +180,8 @@ class Pipeline:
         gate: GatePolicy | Mapping[str, object] | None = None,
         timeout_s: float | None = None,
         when: WhenLike | Mapping[str, object] | None = None,
+        per_chunk: bool | None = None,
+        chunks: int | str | None = None,
         **builtin_args: object,
     ) -> Pipeline:
         """Add an agent and return the pipeline, so calls chain: ``p.agent(...).agent(...)``.
@@ -190,6 +199,8 @@ class Pipeline:
         - ``gate``: this agent's gate policy (default: the pipeline's); ``timeout_s``: give up after.
         - ``when``: run only if this holds: a callable given the upstream outputs (name -> text), or a
           condition ``{"agent": "triage", "equals": "legal"}`` (`orchestra.steps.Condition`); else skipped.
+        - ``per_chunk``, ``chunks``: chunked runs (docs/long-documents.md): once per chunk, or once over the
+          upstreams' outputs; ``"all"`` chunks or the k most relevant to the task (BM25).
 
         Raises `PipelineValidationError` at once, naming the agent and the field, for an unknown
         built-in (with a did-you-mean), a bad or missing built-in argument, an out-of-range
@@ -219,6 +230,7 @@ class Pipeline:
             data["gate"] = gate
         if timeout_s is not None:
             data["timeout_s"] = timeout_s
+        data.update({key: value for key, value in (("per_chunk", per_chunk), ("chunks", chunks)) if value is not None})
         node = AgentNode.model_validate(data).with_condition(
             Condition.model_validate(when) if isinstance(when, Mapping) else when)
         problems = []

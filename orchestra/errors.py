@@ -32,6 +32,7 @@ __all__ = [
     "QuantizeBaseError",
     "CrossFamilyError",
     "DocumentError",
+    "ChunkCallError",
     "DevicePlacementError",
     "MappingUnavailableError",
     "EventLoopRunningError",
@@ -193,6 +194,10 @@ class CrossFamilyError(PipelineError):
 
 class DocumentError(OrchestraError):
     """The document cannot be processed (empty, or longer than a model allows)."""
+
+
+class ChunkCallError(OrchestraError):
+    """One call of a chunked agent (over one chunk of the document, or of a reduce round's notes) failed."""
 
 
 class DevicePlacementError(OrchestraError):

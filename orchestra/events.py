@@ -55,6 +55,8 @@ class DocumentPrefilled(Event):
     tokens: int
     seconds: float
     store_hit: bool
+    chunk: int | None = None
+    """Chunked runs: the document chunk's index (None: the whole document)."""
 
 
 class CacheReady(Event):
@@ -65,6 +67,8 @@ class CacheReady(Event):
     store_hit: bool
     repair: dict[str, object] | None = None
     """Mapped caches repaired under the pipeline's repair policy: tokens, tail, blocks and cost."""
+    chunk: int | None = None
+    """Chunked runs: the document chunk's index (None: the whole document)."""
 
 
 class CacheStepEvent(Event):
@@ -74,6 +78,8 @@ class CacheStepEvent(Event):
     agent: str | None = None
     """The agent the cache was for (None: the run's own document prefill on the source)."""
     step: CacheStep
+    chunk: int | None = None
+    """Chunked runs: the document chunk's index (None: the whole document)."""
 
 
 class AgentStarted(Event):
@@ -96,6 +102,8 @@ class GateResult(Event):
     passed: bool
     reason: str
     metrics: dict[str, float] = Field(default_factory=dict)
+    chunk: int | None = None
+    """Chunked runs: the document chunk's index (None: the whole document)."""
 
 
 class Fallback(Event):
@@ -103,6 +111,8 @@ class Fallback(Event):
     agent: str
     model: str
     reason: str
+    chunk: int | None = None
+    """Chunked runs: the document chunk's index (None: the whole document)."""
 
 
 class AgentFinished(Event):

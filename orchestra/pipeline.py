@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -58,7 +58,7 @@ from orchestra.steps import Condition, StepNode, WhenLike
 
 __all__ = [
     "pipeline_mermaid","AgentNode", "MappingPolicy", "PipelineSettings", "PipelineSpec", "load_pipeline", "suggest",
-    "ExecutorSpec", "MemberResources", "KVStoreSettings"]
+    "ExecutorSpec", "MemberResources", "KVStoreSettings", "ChunkingPolicy"]
 
 # Custom pydantic error types: they carry (agent, field, message) through pydantic's error list, so the
 # final message can name the agent and the field instead of a list index.
@@ -160,6 +160,19 @@ class KVStoreSettings(BaseModel):
     budget_mb: int = Field(8192, ge=1, description="Bytes the store may hold on disk, MiB (least recently used go first).")
 
 
+class ChunkingPolicy(BaseModel):
+    """Documents longer than a window: cut into overlapping chunks, each prefilled once and shared (map-reduce)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["auto", "always", "never"] = Field(
+        "auto", description="auto: chunk only a document that does not fit; always: chunk every document; never: "
+        "refuse a document that does not fit (DocumentError).")
+    window_tokens: int | None = Field(
+        None, ge=32, description="Tokens of each chunk's prefix (default: what the smallest member's context leaves "
+        "after the largest agent suffix and its max_new_tokens).")
+    overlap_tokens: int = Field(64, ge=0, description="Trailing tokens of a chunk repeated at the next one's start.")
+
+
 class MemberResources(BaseModel):
     """What one member's Ray actors reserve and how many there are (the ray executor only)."""
 
@@ -245,6 +258,12 @@ class AgentNode(_Validated):
     when: Condition | None = Field(
         None, description="Run only when this holds, e.g. {agent: triage, equals: legal} (else skipped, with the "
         "condition as the reason; the tested agent is waited for).")
+    per_chunk: bool | None = Field(
+        None, description="Chunked runs: run once per document chunk (true), or once over the combined outputs of "
+        "its upstream agents (false); unset: per chunk when it has no upstream agents.")
+    chunks: Literal["all"] | Annotated[int, Field(ge=1)] = Field(
+        "all", description="Chunked runs, per-chunk agents: every chunk, or the k chunks most relevant to its task "
+        "(BM25; needs the documents extra).")
 
     _agent_spec: AgentSpec | None = PrivateAttr(None)
     _when_fn: Callable[[Mapping[str, str]], bool] | None = PrivateAttr(None)
@@ -404,6 +423,8 @@ class PipelineSettings(_Validated):
     max_concurrency_per_device: int = Field(1, ge=1, description="Agents running at once on one device.")
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec,
                                    description="Where model work runs: local (default) or ray (docs/scale-out.md).")
+    chunking: ChunkingPolicy = Field(default_factory=ChunkingPolicy,
+                                     description="Documents longer than a window: chunked map-reduce (auto by default).")
 
     @field_validator("models", mode="before")
     @classmethod

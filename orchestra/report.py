@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-__all__ = ["AgentReport", "ModelCacheReport", "RunReport"]
+__all__ = ["AgentReport", "ChunkCall", "ChunkSummary", "ModelCacheReport", "RunReport"]
 
 
 class ModelCacheReport(BaseModel):
@@ -24,6 +24,33 @@ class ModelCacheReport(BaseModel):
     repair: dict[str, object] | None = Field(
         None, description="Map-then-repair plan for mapped caches: recomputed tokens, tail, layer blocks, cost."
     )
+
+
+class ChunkCall(BaseModel):
+    """One call of a chunked agent: over a document chunk (map), or over a chunk of combined notes (reduce)."""
+
+    index: int = Field(description="The chunk's 0-based index (of the document, or of that reduce round's notes).")
+    label: str = Field(description="How its output is headed: [chunk 2/5, page 3].")
+    round: int = Field(0, description="0: a chunk of the document; n >= 1: reduce round n over combined notes.")
+    cache_path: Literal["exact", "mapped", "reprefilled"] | None = None
+    prefix_tokens: int = Field(0, description="Token ids of the chunk's prefix.")
+    tokens: int = Field(0, description="Tokens the call generated.")
+    prefill_s_spent: float = Field(0.0, description="Prefill seconds this call paid for (a shared cache: once).")
+    prefill_s_saved: float = Field(0.0, description="Estimated prefill seconds saved versus re-prefilling the chunk.")
+    degenerate_reason: str | None = Field(None, description="Why this call's output was left out, if it was.")
+
+
+class ChunkSummary(BaseModel):
+    """One chunk of a chunked run's document: where it lies, its size, and how each member got its cache."""
+
+    index: int
+    label: str
+    anchor: str | None = Field(None, description="The page or heading the chunk starts under.")
+    start: int = Field(0, description="Character offset in the document.")
+    end: int = Field(0, description="Character offset in the document where it ends (exclusive).")
+    tokens: int = Field(0, description="Token ids of its prefix on the source.")
+    paths: dict[str, str] = Field(default_factory=dict, description="Model alias -> the cache path it got.")
+    source_prefill_s: float = Field(0.0, description="Seconds the source spent prefilling it (once per run).")
 
 
 class AgentReport(BaseModel):
@@ -63,6 +90,7 @@ class AgentReport(BaseModel):
     prefill_s_saved: float = Field(0.0, description="Estimated prefill seconds saved versus re-prefilling for it.")
     actor: str | None = Field(None, description="The ray executor's actor that ran it (``alias#replica``); None locally.")
     node: str | None = Field(None, description="The node that actor ran on (``ip/node-id``); None locally.")
+    chunks: list[ChunkCall] = Field(default_factory=list, description="Chunked runs: each call, in order.")
 
 
 class RunReport(BaseModel):
@@ -93,6 +121,10 @@ class RunReport(BaseModel):
     kv_bytes_moved_across_nodes: int = Field(0, description="ray: the part of kv_bytes_moved that crossed nodes.")
     result_bytes_to_driver: int = Field(
         0, description="ray: bytes of tensors returned to the driver (the tail logits the gates read).")
+    chunks: list[ChunkSummary] = Field(default_factory=list, description="Chunked runs: the document's chunks.")
+    prefill_s_every_chunk: float = Field(
+        0.0, description="Chunked runs: estimated prefill seconds had every chunk call re-prefilled its chunk "
+        "(compare with prefill_s_spent).")
 
     def agent(self, name: str) -> AgentReport:
         return next(a for a in self.agents if a.name == name)

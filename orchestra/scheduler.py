@@ -11,6 +11,7 @@ template) cannot share the source's cache: it prefills its own, and its agents r
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -25,7 +26,8 @@ import anyio.from_thread
 import structlog
 
 from orchestra import events as ev
-from orchestra.errors import DocumentError, RunResumeError
+from orchestra._mapreduce import Combined, Part, combine, notes_document, pointer, round_label
+from orchestra.errors import ChunkCallError, DocumentError, RunResumeError
 from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache, make_executor
 from orchestra.gates import CircuitBreaker
 from orchestra.graph import build_graph
@@ -33,10 +35,11 @@ from orchestra.mapstore import MappingStore
 from orchestra.paths import resolve_home
 from orchestra.pipeline import PipelineSpec
 from orchestra.registry import ModelRegistry
-from orchestra.report import AgentReport, ModelCacheReport, RunReport
+from orchestra.report import AgentReport, ChunkCall, ChunkSummary, ModelCacheReport, RunReport
 from orchestra.steps import StepNode, WhenLike, call_step, condition_holds
 
 if TYPE_CHECKING:
+    from agents.runner import AgentResult
     from orchestra.checkpoint import Checkpointer, RunCheckpoint
     from orchestra.family.manifest import FamilyManifest
 
@@ -44,6 +47,7 @@ __all__ = ["Orchestra"]
 
 log = structlog.get_logger("orchestra")
 EventSink = Callable[[ev.Event], Awaitable[None] | None]
+TokenSink = Callable[[Any], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,18 @@ class _Run:
     """Agents a resumed run keeps from its checkpoint (their outputs are in `outputs` already)."""
     checkpointer: Checkpointer | None = None
     """Each member's document prefix (laid out by its own tokenizer and chat template), once per run."""
+    chunks: list[Part] | None = None
+    """A chunked run's document chunks (None: the document fits and is one prefix, as always)."""
+    window: int = 0
+    """A chunked run's window: tokens of each chunk's prefix."""
+    chunk_prompts: dict[tuple[str, int, int], _MemberPrompt] = field(default_factory=dict)
+    """(member, round, chunk) -> that chunk's prefix on the member."""
+    chunk_paths: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Document chunk -> model alias -> the cache path it got."""
+    source_prefill: dict[int, float] = field(default_factory=dict)
+    """Document chunk -> seconds the source spent prefilling it."""
+    every_chunk_s: float = 0.0
+    """Estimated prefill seconds had every chunk call re-prefilled its chunk."""
 
 
 _NOT_IN_RESULTS = {"kv_store", "executor", "store_budget_mb", "max_concurrency_per_device"}
@@ -268,7 +284,7 @@ class Orchestra:
             raise failure[0]
 
     # -- the run --------------------------------------------------------------------------------
-    async def _prefix_ids(self, document: str) -> list[int]:
+    async def _prefix_ids(self, document: str, *, check: bool = True) -> list[int]:
         """The document prefix's token ids on the source, checked to leave every agent room for its reply."""
         from agents import DocumentPrompt
         from agents.errors import EmptyDocumentError
@@ -278,7 +294,8 @@ class Orchestra:
             prefix_ids = DocumentPrompt(document).token_ids(tokenizer)
         except EmptyDocumentError as exc:
             raise DocumentError(str(exc)) from exc
-        self._check_length(prefix_ids)
+        if check:
+            self._check_length(prefix_ids)
         return prefix_ids
 
     async def _run(self, document: str, run_id: str, emit, inputs: dict[str, str],
@@ -286,8 +303,9 @@ class Orchestra:
         started = time.perf_counter()
         warned = len(self.cache.warnings)
         moved = self.cache.executor.stats()
-        prefix_ids = await self._prefix_ids(document)
+        prefix_ids = await self._prefix_ids(document, check=False)
         run = _Run(run_id, started, prefix_ids, emit, document=document, inputs=inputs, checkpointer=self.checkpointer)
+        await self._plan_chunks(run)
         if state is not None:
             from orchestra.checkpoint import RESTORABLE
 
@@ -297,7 +315,9 @@ class Orchestra:
         await emit(ev.RunStarted(run_id=run_id, agents=list(self.pipeline.upstreams()),
                                  source_model=self.source_alias, document_tokens=len(prefix_ids)))
         try:
-            if self.share_prefill:
+            if self.share_prefill and run.chunks is not None:
+                await self._prefill_chunks(run)
+            elif self.share_prefill:
                 lease = await self._acquire(run, None, self.source_alias)
                 await emit(ev.DocumentPrefilled(run_id=run_id, model=self.source_alias, tokens=len(prefix_ids),
                                                 seconds=lease.prefill_seconds, store_hit=lease.hit))
@@ -345,7 +365,7 @@ class Orchestra:
             disk_loads=sum(1 for _, lease in run.leases if lease.loaded_tokens),
             disk_load_s=sum(lease.load_seconds for _, lease in run.leases),
             warnings=self.cache.warnings[warned:], executor=self.cache.executor.kind, inputs=run.inputs,
-            restored=list(run.restored),
+            restored=list(run.restored), chunks=_chunk_summaries(run), prefill_s_every_chunk=run.every_chunk_s,
             **{key: value - (moved or {}).get(key, 0) for key, value in self.cache.executor.stats().items()
                if key in _MOVED},
         )
@@ -380,19 +400,21 @@ class Orchestra:
                 )
 
     async def _acquire(self, run: _Run, agent: str | None, member: str,
-                       prompt: _MemberPrompt | None = None) -> CacheLease:
-        """The document's cache on `member` from the FamilyCache, its steps re-emitted live as run events."""
+                       prompt: _MemberPrompt | None = None, *, chunk: int | None = None,
+                       mapped: bool = True) -> CacheLease:
+        """The document's (or a chunk's) cache on `member` from the FamilyCache, its steps re-emitted live as run
+        events; `mapped` False: never mapped from the source (a reduce agent's notes exist on no other member)."""
         node = self.pipeline.agent(agent) if agent is not None else None
         gate = (node.gate if node is not None else None) or self.pipeline.gate
 
         def on_step(step: CacheStep) -> None:  # in the FamilyCache's worker thread
-            anyio.from_thread.run(run.emit, _step_event(run.run_id, agent, step))
+            anyio.from_thread.run(run.emit, _step_event(run.run_id, agent, step, chunk))
 
         prompt = prompt or _MemberPrompt(run.prefix_ids)
         # a member whose prefix has other ids prefills it itself: the source's cache (or a map of the
         # source's prefill of these ids, which costs the same prefill again) cannot serve it better
         lease = await self.cache.acquire(member, prompt.ids, gate=gate, on_step=on_step,
-                                         allow_mapped=self.share_prefill and prompt.own_reason is None,
+                                         allow_mapped=self.share_prefill and prompt.own_reason is None and mapped,
                                          reuse=self.share_prefill)
         run.leases.append((agent, lease))
         return lease
@@ -435,6 +457,210 @@ class Orchestra:
                   f"difference at token {first}): it cannot reuse the source's cache and prefilled the document itself")
         return _MemberPrompt(ids, reason)
 
+    # -- chunked runs ---------------------------------------------------------------------------
+    async def _plan_chunks(self, run: _Run) -> None:
+        """Cut the document into chunks when the pipeline's chunking says so (auto: only when it does not fit);
+        else check it fits, refusing it as always (mode never, or a document that fits)."""
+        policy = self.pipeline.chunking
+        refused: DocumentError | None = None
+        if policy.mode != "always":
+            try:
+                self._check_length(run.prefix_ids)
+                return
+            except DocumentError as exc:
+                if policy.mode == "never":
+                    raise
+                refused = exc
+        self._check_chunk_agents()
+        room = await anyio.to_thread.run_sync(self._default_window, run)
+        window = policy.window_tokens or room
+        if window is None:
+            raise DocumentError("chunking.mode is always but no model bounds its context: set chunking.window_tokens")
+        if room is not None and window > room:
+            raise DocumentError(f"chunking.window_tokens is {window}, but the agents' prompts and replies leave room "
+                                f"for chunks of at most {room} tokens: lower it to {room} or less, or unset it")
+        from orchestra.chunking import prefix_tokens, split_document
+
+        tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, self.source_alias)
+        try:
+            chunks = await anyio.to_thread.run_sync(functools.partial(
+                split_document, run.document, tokenizer, window, policy.overlap_tokens))
+        except DocumentError as exc:
+            raise DocumentError(f"{refused}; chunking cannot help: {exc}" if refused else str(exc)) from exc
+
+        def layout() -> list[Part]:
+            return [Part(c, c.label(len(chunks)), prefix_tokens(c.text, tokenizer), self.source_alias) for c in chunks]
+
+        run.chunks, run.window = await anyio.to_thread.run_sync(layout), window
+        widest = max(run.chunks, key=lambda part: len(part.ids))
+        try:
+            self._check_length(widest.ids)
+        except DocumentError as exc:
+            raise DocumentError(f"{exc} (a chunk of {window} tokens): lower chunking.window_tokens") from exc
+
+    def _check_chunk_agents(self) -> None:
+        for agent in self.pipeline.agents:
+            if agent.per_chunk is False and not agent.upstream:
+                raise DocumentError(f"agent {agent.name!r} has per_chunk: false and no upstream agents, so a chunked "
+                                    "run gives it nothing to read: set per_chunk: true (or chunking.mode: never)")
+
+    def _default_window(self, run: _Run) -> int | None:
+        """Prefix tokens every agent has room for after its suffix and new tokens (blocking: loads tokenizers)."""
+        from agents.prompt import build_suffix
+
+        limits = []
+        for agent in self.pipeline.agents:
+            info = self.cache.info(agent.model)
+            if not info.max_positions:
+                continue
+            spec = self.specs[agent.name]
+            values = {**{n: run.inputs[n] for n in self.pipeline.input_reads(agent.name)},
+                      **{up: pointer(up) for up in agent.upstream}}
+            suffix = build_suffix(self.cache.executor.tokenizer(agent.model), spec, values)
+            limits.append(info.max_positions - len(suffix.ids) - spec.generation.max_new_tokens - 1 - _WINDOW_MARGIN)
+        return min(limits) if limits else None
+
+    async def _prefill_chunks(self, run: _Run) -> None:
+        """Each chunk prefilled once on the source, before any agent reads it (others map from it)."""
+        for part in run.chunks or []:
+            i = part.chunk.index
+            lease = await self._acquire(run, None, self.source_alias, _MemberPrompt(part.ids), chunk=i)
+            run.source_prefill[i] = lease.prefill_seconds
+            run.chunk_paths.setdefault(i, {})[self.source_alias] = lease.path
+            await run.emit(ev.DocumentPrefilled(run_id=run.run_id, model=self.source_alias, tokens=len(part.ids),
+                                                seconds=lease.prefill_seconds, store_hit=lease.hit, chunk=i))
+
+    async def _chunk_prompt(self, run: _Run, member: str, part: Part) -> _MemberPrompt:
+        """The part's prefix as `member` lays it out (once per member, round and chunk)."""
+        if member == part.member:
+            return _MemberPrompt(part.ids)
+        key = (member, part.round, part.chunk.index)
+        if key not in run.chunk_prompts:
+            run.chunk_prompts[key] = await anyio.to_thread.run_sync(self._member_prompt, part.chunk.text, part.ids,
+                                                                    member)
+        return run.chunk_prompts[key]
+
+    async def _chunked_agent(self, run: _Run, name: str, report: AgentReport, on_token: TokenSink,
+                             scope: contextlib.AbstractContextManager[object]) -> Combined:
+        """A per-chunk agent over its chunks (map), or a reduce agent over its upstreams' combined outputs; all of
+        its calls within `scope` (the agent's timeout)."""
+        with scope:
+            return await self._chunked_calls(run, name, report, on_token)
+
+    async def _chunked_calls(self, run: _Run, name: str, report: AgentReport, on_token: TokenSink) -> Combined:
+        agent = self.pipeline.agent(name)
+        inputs = {n: run.inputs[n] for n in self.pipeline.input_reads(name)}
+        per_chunk = agent.per_chunk if agent.per_chunk is not None else not agent.upstream
+        if not per_chunk:
+            return await self._reduce(run, name, report, inputs, on_token)
+        upstream = {**inputs, **{up: run.outputs.get(up) or _unavailable(up, report.missing_upstreams)
+                                 for up in agent.upstream}}
+        parts = run.chunks or []
+        if agent.chunks != "all":
+            from orchestra.chunking import select_chunks
+
+            chosen = select_chunks([p.chunk.text for p in parts], self.specs[name].render_task(upstream),
+                                   int(agent.chunks))
+            parts = [parts[i] for i in chosen]
+        results = await self._map(run, name, report, parts, upstream, on_token)
+        return combine(self.specs[name].output.kind == "json", results)
+
+    async def _reduce(self, run: _Run, name: str, report: AgentReport, inputs: dict[str, str],
+                      on_token: TokenSink) -> Combined:
+        """The agent over its upstreams' outputs as its document; notes longer than a window reduce in rounds
+        (the agent over each chunk of them, joined, again) until one call reads them all."""
+        from orchestra.chunking import prefix_tokens, split_document
+
+        agent = self.pipeline.agent(name)
+        upstream = {**inputs, **{up: pointer(up) for up in agent.upstream}}
+        notes = notes_document({up: run.outputs.get(up) or _unavailable(up, report.missing_upstreams)
+                                for up in agent.upstream})
+        tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, agent.model)
+        json_output = self.specs[name].output.kind == "json"
+        for round_ in range(1, _MAX_ROUNDS + 1):
+            chunks = await anyio.to_thread.run_sync(functools.partial(
+                split_document, notes, tokenizer, run.window, self.pipeline.chunking.overlap_tokens))
+            parts = [Part(c, round_label(c, len(chunks), round_),
+                          await anyio.to_thread.run_sync(prefix_tokens, c.text, tokenizer), agent.model, round_)
+                     for c in chunks]
+            combined = combine(json_output, await self._map(run, name, report, parts, upstream, on_token))
+            if len(parts) == 1 or combined.degenerate is not None:
+                return combined
+            if len(combined.downstream) >= len(notes):
+                raise DocumentError(f"agent {name!r}: reduce round {round_} did not shorten its notes ({len(notes)} "
+                                    "characters): lower its max_new_tokens or raise chunking.window_tokens")
+            notes = combined.downstream
+        raise DocumentError(f"agent {name!r}: its notes still span several windows after {_MAX_ROUNDS} reduce "
+                            "rounds: lower its upstreams' max_new_tokens or raise chunking.window_tokens")
+
+    async def _map(self, run: _Run, name: str, report: AgentReport, parts: list[Part], upstream: dict[str, str],
+                   on_token: TokenSink) -> list[tuple[Part, AgentResult]]:
+        """One call per part, in order (parallelism is across agents, as in unchunked runs)."""
+        return [(part, await self._chunk_call(run, name, report, part, upstream, on_token)) for part in parts]
+
+    async def _chunk_call(self, run: _Run, name: str, report: AgentReport, part: Part, upstream: dict[str, str],
+                          on_token: TokenSink) -> AgentResult:
+        """One call over one part's prefix, its cache acquired like a whole document's; recorded in the report."""
+        agent = self.pipeline.agent(name)
+        chunk = part.chunk.index if part.round == 0 else None
+        prompt = await self._chunk_prompt(run, agent.model, part)
+        lease = await self._acquire(run, name, agent.model, prompt, chunk=chunk, mapped=part.round == 0)
+        scratch = AgentReport(name=name, model=agent.model, status="failed")
+        self._record_cache(run, scratch, lease)
+        if prompt.own_reason is not None and self.share_prefill and scratch.fallback_reason is None:
+            scratch.cache_path, scratch.fallback_reason = "reprefilled", prompt.own_reason
+        await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model, path=scratch.cache_path or lease.path,
+                                     seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair, chunk=chunk))
+        where: dict[str, str] = {}
+        try:
+            result = await self.cache.executor.generate(agent.model, self.specs[name], prefix_ids=prompt.ids,
+                                                        prefix_cache=lease.cache, upstream=upstream,
+                                                        on_token=on_token, placement=where)
+        except Exception as exc:
+            raise ChunkCallError(f"agent {name!r} failed on {part.label}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            report.actor, report.node = where.get("actor"), where.get("node")
+        estimate = self.cache.prefill_estimate(agent.model, len(prompt.ids))
+        run.every_chunk_s += estimate
+        if chunk is not None and scratch.cache_path is not None:
+            run.chunk_paths.setdefault(chunk, {})[agent.model] = scratch.cache_path
+        report.chunks.append(ChunkCall(
+            index=part.chunk.index, label=part.label, round=part.round, cache_path=scratch.cache_path,
+            prefix_tokens=len(prompt.ids), tokens=result.generated_tokens, prefill_s_spent=scratch.prefill_s_spent,
+            prefill_s_saved=max(0.0, estimate - scratch.prefill_s_spent) if self.share_prefill else 0.0,
+            degenerate_reason=str(result.degenerate) if result.degenerate is not None else None))
+        report.gate += scratch.gate
+        report.fallback_reason = report.fallback_reason or scratch.fallback_reason
+        report.generation_s = (report.generation_s or 0.0) + result.timings.generation_s
+        report.suffix_tokens = max(report.suffix_tokens, result.suffix_tokens)
+        report.attempts, report.constrained = max(report.attempts, result.attempts), report.constrained or result.constrained
+        report.duplicates_removed += result.duplicates_removed
+        return result
+
+    async def _finish_chunked(self, run: _Run, report: AgentReport, combined: Combined,
+                              first_token: list[float]) -> None:
+        """A chunked agent's report and output from its calls; degenerate only when every call was."""
+        calls = report.chunks
+        report.ttft_s = (first_token[0] - run.started) if first_token else None
+        report.output, report.parsed = combined.text, combined.parsed
+        report.tokens = sum(c.tokens for c in calls)
+        report.prefill_s_spent = sum(c.prefill_s_spent for c in calls)
+        report.prefill_s_saved = sum(c.prefill_s_saved for c in calls)
+        paths = [c.cache_path for c in calls if c.cache_path is not None]
+        report.cache_path = max(paths, key=_PATH_ORDER.index) if paths else None  # the costliest path it took
+        report.duplicates_removed += combined.duplicates_removed
+        if combined.degenerate is not None:
+            report.status, report.degenerate_reason = "degenerate", combined.degenerate
+            await self._checkpoint(run, report)
+            await run.emit(ev.AgentDegenerate(run_id=run.run_id, agent=report.name, reason=combined.degenerate,
+                                              output=combined.text))
+            return
+        run.outputs[report.name] = combined.downstream
+        report.status = "succeeded"
+        await self._checkpoint(run, report)
+        await run.emit(ev.AgentFinished(run_id=run.run_id, agent=report.name, output=combined.text,
+                                        parsed=report.parsed))
+
     async def _agent_task(self, run: _Run, name: str, done: dict[str, anyio.Event]) -> None:
         agent = self.pipeline.agent(name)
         if await self._restored(run, name, done):
@@ -453,6 +679,10 @@ class Orchestra:
                 await run.emit(ev.TokenEvent(run_id=run.run_id, agent=name, text=token.text, index=token.index))
 
             scope = anyio.fail_after(agent.timeout_s) if agent.timeout_s else contextlib.nullcontext()
+            if run.chunks is not None:
+                await self._finish_chunked(run, report, await self._chunked_agent(run, name, report, on_token, scope),
+                                           first_token)
+                return
             with scope:
                 prompt = await self._prompt_for(run, name, agent.model)
                 lease = await self._acquire(run, name, agent.model, prompt)
@@ -482,11 +712,7 @@ class Orchestra:
             report.grounding = _jsonable(result.grounding)
             report.duplicates_removed = result.duplicates_removed
             report.tool_calls = [call.as_dict() for call in result.tool_calls]
-            for call in result.tool_calls:
-                await run.emit(ev.ToolCallEvent(run_id=run.run_id, agent=name, tool=call.name,
-                                                arguments=call.arguments, round=call.round))
-                await run.emit(ev.ToolResultEvent(run_id=run.run_id, agent=name, tool=call.name, result=call.result,
-                                                  ok=call.ok, seconds=call.seconds, round=call.round))
+            await self._emit_tool_calls(run, name, result)
             report.tokens = result.generated_tokens
             report.suffix_tokens = result.suffix_tokens
             report.generation_s = result.timings.generation_s
@@ -515,6 +741,14 @@ class Orchestra:
                                           error=report.error))
         finally:
             done[name].set()
+
+    @staticmethod
+    async def _emit_tool_calls(run: _Run, name: str, result: AgentResult) -> None:
+        for call in result.tool_calls:
+            await run.emit(ev.ToolCallEvent(run_id=run.run_id, agent=name, tool=call.name,
+                                            arguments=call.arguments, round=call.round))
+            await run.emit(ev.ToolResultEvent(run_id=run.run_id, agent=name, tool=call.name, result=call.result,
+                                              ok=call.ok, seconds=call.seconds, round=call.round))
 
     async def _restored(self, run: _Run, name: str, done: dict[str, anyio.Event]) -> bool:
         """Keep a node's result from the run's checkpoint (a resumed run); True when it was kept."""
@@ -606,18 +840,30 @@ class Orchestra:
         report.prefill_s_spent = spent
 
 
+_PATH_ORDER = ("exact", "mapped", "reprefilled")
+_WINDOW_MARGIN = 16
+"""Tokens a default chunk window leaves spare (a suffix laid out with other upstream text may be longer)."""
+_MAX_ROUNDS = 8
+"""Reduce rounds before a reduce that does not converge is given up."""
+
 _MOVED = ("kv_bytes_moved", "kv_bytes_moved_across_nodes", "result_bytes_to_driver")
 """Executor counters the run report carries (what this run moved between processes)."""
 
 
-def _step_event(run_id: str, agent: str | None, step: CacheStep) -> ev.Event:
+def _step_event(run_id: str, agent: str | None, step: CacheStep, chunk: int | None = None) -> ev.Event:
     """Gate and fallback steps keep their own event kinds; every other step is a `cache_step` event."""
     if step.step in ("gate", "shadow") and agent is not None:
         return ev.GateResult(run_id=run_id, agent=agent, model=step.member, passed=bool(step.passed),
-                             reason=step.reason or "", metrics=step.metrics)
+                             reason=step.reason or "", metrics=step.metrics, chunk=chunk)
     if step.step == "fallback" and agent is not None:
-        return ev.Fallback(run_id=run_id, agent=agent, model=step.member, reason=step.reason or "")
-    return ev.CacheStepEvent(run_id=run_id, agent=agent, step=step)
+        return ev.Fallback(run_id=run_id, agent=agent, model=step.member, reason=step.reason or "", chunk=chunk)
+    return ev.CacheStepEvent(run_id=run_id, agent=agent, step=step, chunk=chunk)
+
+
+def _chunk_summaries(run: _Run) -> list[ChunkSummary]:
+    return [ChunkSummary(index=p.chunk.index, label=p.label, anchor=p.chunk.anchor, start=p.chunk.start,
+                         end=p.chunk.end, tokens=len(p.ids), paths=run.chunk_paths.get(p.chunk.index, {}),
+                         source_prefill_s=run.source_prefill.get(p.chunk.index, 0.0)) for p in run.chunks or []]
 
 
 def _unavailable(upstream: str, missing: dict[str, str]) -> str:

@@ -212,6 +212,18 @@ class _Asker:
             return "", f"{type(exc).__name__}: {exc}"
         return out.text.strip(), None
 
+    def answer_plain(self, member: str, window_text: str, window_tokens: int, qs: list[QAQuestion]) -> list[QAAnswer]:
+        """`qs` asked the plain way over `window_text`, scored."""
+        from orchestra.bench.qa import is_correct
+
+        out = []
+        for q in qs:
+            text, err = self.ask_plain(member, window_text, q)
+            out.append(QAAnswer(question=q.id, member=member, condition="plain", window_tokens=window_tokens,
+                                prefix_tokens=0, path="own", prediction=text,
+                                correct=err is None and is_correct(text, q.answers), error=err))
+        return out
+
     def ask(self, member: str, lease: CacheLease, prefix: list[int], q: QAQuestion) -> tuple[str, str | None]:
         from agents import generate
         from agents.errors import AgentError
@@ -339,13 +351,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
         return out
 
     def plain(member: str, pid: str, tokens: int, n: int, qs: list[QAQuestion]) -> list[QAAnswer]:
-        out = []
-        for q in qs:
-            text, err = asker.ask_plain(member, texts[(pid, tokens)], q)
-            out.append(QAAnswer(question=q.id, member=member, condition="plain", window_tokens=n, prefix_tokens=0,
-                                path="own", prediction=text, correct=err is None and is_correct(text, q.answers),
-                                error=err))
-        return out
+        return asker.answer_plain(member, texts[(pid, tokens)], n, qs)
 
     gate_log: dict[str, list[CacheLease]] = {m: [] for m in members}
     answers: list[QAAnswer] = []
@@ -361,8 +367,6 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
         prefix_lengths.append(len(prefix))
         with cache.acquire_sync(source, prefix) as lease:
             answers += answer(source, "source", lease, prefix, n, qs)
-        if config.plain:
-            answers += plain(source, pid, config.window_tokens, n, qs)
         for m in members:
             # Order matters: the exact (own) entry is built last, or the mapped requests would find it and hit it.
             with cache.acquire_sync(m, prefix, gate=open_gate, tail_tokens=config.tail_tokens) as lease:
@@ -374,25 +378,31 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
                 gate_log[m].append(lease)
             with cache.acquire_sync(m, prefix, allow_mapped=False) as lease:
                 answers += answer(m, "own", lease, prefix, n, qs)
-            if config.plain:
-                answers += plain(m, pid, config.window_tokens, n, qs)
+        for m in [source, *members] if config.plain else []:
+            answers += plain(m, pid, config.window_tokens, n, qs)
         cache.clear()  # windows share nothing: keep memory flat
     section.answers = answers
     section.mean_prefix_tokens = sum(prefix_lengths) / len(prefix_lengths) if prefix_lengths else 0.0
-    for m in members:
-        own = {a.question: a for a in answers if a.member == m and a.condition == "own"}
-        for condition in ("own", "mapped", "mapped+repair", *(("plain",) if config.plain else ())):
-            rows = [a for a in answers if a.member == m and a.condition == condition]
-            section.scores.append(_score(m, condition, rows, own))
-        section.gates.append(_gate_summary(m, gate_log[m]))
-    section.scores.append(_score(source, "source", [a for a in answers if a.condition == "source"], None))
-    if config.plain:
-        section.scores.append(_score(source, "plain", [a for a in answers if a.member == source
-                                                       and a.condition == "plain"], None))
+    _fill_scores(section, members, gate_log)
     for length in config.lengths:
         section.lengths.append(_length_row(length, source, groups, window, asker, cache, answer, progress,
                                            plain if config.plain else None))
     return section
+
+
+def _fill_scores(section: TaskSection, members: list[str], gate_log: dict[str, list[CacheLease]]) -> None:
+    """Each member's and the source's scores per condition, and the gates' summary, from `section.answers`."""
+    answers, source, plain = section.answers, section.config.source, section.config.plain
+    for m in members:
+        own = {a.question: a for a in answers if a.member == m and a.condition == "own"}
+        for condition in ("own", "mapped", "mapped+repair", *(("plain",) if plain else ())):
+            rows = [a for a in answers if a.member == m and a.condition == condition]
+            section.scores.append(_score(m, condition, rows, own))
+        section.gates.append(_gate_summary(m, gate_log[m]))
+    section.scores.append(_score(source, "source", [a for a in answers if a.condition == "source"], None))
+    if plain:
+        section.scores.append(_score(source, "plain", [a for a in answers if a.member == source
+                                                       and a.condition == "plain"], None))
 
 
 _Answer = Callable[[str, Condition, "CacheLease", list[int], int, list["QAQuestion"]], list[QAAnswer]]

@@ -139,7 +139,8 @@ async def test_stream_yields_typed_events(fam, mapstore):
 
 
 async def test_bad_documents(fam, mapstore):
-    orch = Orchestra(_pipeline(fam, [_spec("a", "base")]), mappings=mapstore)
+    # chunking.mode never: a document longer than the context is refused (auto chunks it: test_chunking.py)
+    orch = Orchestra(_pipeline(fam, [_spec("a", "base")], chunking={"mode": "never"}), mappings=mapstore)
     with pytest.raises(DocumentError, match="empty"):
         await orch.run("   ")
     with pytest.raises(DocumentError, match="takes at most 512"):
