@@ -83,11 +83,14 @@ _register_commands()
 def demo(
     home: Annotated[Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or ~/.cache/orchestra).")] = None,
     report: Annotated[Path | None, typer.Option("--report", help="Also write the run report JSON here.")] = None,
+    long: Annotated[bool, typer.Option("--long", help="A document 2.3x the model's context (four licences), cut into "
+                                       "chunks each prefilled once; agents map over the chunks, a report reduces.")]
+    = False,
 ) -> None:
     """The main job: build or reuse the bundled family, then run the long-document analysis pipeline."""
     from orchestra.commands.run import demo_command
 
-    demo_command(home, report)
+    demo_command(home, report, long)
 
 
 def main() -> None:

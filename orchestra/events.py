@@ -62,6 +62,8 @@ class DocumentPrefilled(Event):
 class CacheReady(Event):
     kind: Literal["cache_ready"] = "cache_ready"
     model: str
+    agent: str | None = None
+    """The agent the cache is for (None: the run's own prefill of the document or a chunk on the source)."""
     path: CachePath
     seconds: float
     store_hit: bool

@@ -46,17 +46,23 @@ def fallback_reason_label(reason: str | None) -> str:
     return "other"
 
 
+def _require_prometheus() -> None:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError as exc:
+        from agents.errors import MissingDependencyError
+
+        raise MissingDependencyError("pipeline metrics need prometheus-client: pip install 'orchestra-kv[serve]'"
+                                     ) from exc
+
+
 class PipelineMetrics:
     """The pipeline series, registered once in `registry` (default: prometheus_client's global one)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        try:
-            from prometheus_client import REGISTRY, Counter, Histogram
-        except ImportError as exc:
-            from agents.errors import MissingDependencyError
+        _require_prometheus()
+        from prometheus_client import REGISTRY, Counter, Histogram
 
-            raise MissingDependencyError("pipeline metrics need prometheus-client: pip install 'orchestra-kv[serve]'"
-                                         ) from exc
         r = registry if registry is not None else REGISTRY
         self.registry = r
         self.runs = Counter("orchestra_pipeline_runs", "Pipeline runs finished, by outcome", ["pipeline", "status"],
@@ -77,6 +83,14 @@ class PipelineMetrics:
                               "token", ["model_name"], buckets=_TTFT_BUCKETS, registry=r)
         self.generated = Counter("orchestra_pipeline_generated_tokens", "Tokens the agents generated", ["model_name"],
                                  registry=r)
+
+    @classmethod
+    def own(cls) -> PipelineMetrics:
+        """The series in a registry of their own (a batch job's textfile holds only them)."""
+        _require_prometheus()
+        from prometheus_client import CollectorRegistry
+
+        return cls(CollectorRegistry())
 
     def sink(self, pipeline: str) -> RunMetricsSink:
         """An event sink (``on_event``) for one run of `pipeline`."""

@@ -609,7 +609,8 @@ class Orchestra:
         self._record_cache(run, scratch, lease)
         if prompt.own_reason is not None and self.share_prefill and scratch.fallback_reason is None:
             scratch.cache_path, scratch.fallback_reason = "reprefilled", prompt.own_reason
-        await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model, path=scratch.cache_path or lease.path,
+        await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model, agent=name,
+                                     path=scratch.cache_path or lease.path,
                                      seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair, chunk=chunk))
         where: dict[str, str] = {}
         try:
@@ -691,7 +692,7 @@ class Orchestra:
                     report.cache_path, report.fallback_reason = "reprefilled", prompt.own_reason
                     await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=agent.model,
                                                reason=prompt.own_reason))
-                await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model,
+                await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model, agent=name,
                                              path=report.cache_path or lease.path, seconds=lease.seconds,
                                              store_hit=lease.hit, repair=lease.repair))
                 where: dict[str, str] = {}

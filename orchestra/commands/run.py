@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from orchestra.commands._output import console
+
+if TYPE_CHECKING:
+    from orchestra.metrics import PipelineMetrics
+    from orchestra.serve._ui import RunLog, RunView
 
 app = typer.Typer()
 
@@ -98,12 +103,41 @@ AGENTS_FAILED_EXIT = 3
 """Exit code of `orchestra run` (and `demo`) when the run finished but an agent failed or was skipped."""
 
 
+@dataclass(frozen=True)
+class ViewOptions:
+    """`orchestra run --ui`: serve the run's live web view on 127.0.0.1 (docs/web-view.md)."""
+
+    port: int = 0
+    wait: bool = False
+    """Keep serving after the run finished, until Ctrl-C (else the command exits when the run does)."""
+
+
+def view_options(ui: bool, ui_wait: bool, ui_port: int) -> ViewOptions | None:
+    """The --ui options, checked before anything loads (a mistake is exit 2 naming the fix)."""
+    if not ui:
+        given = "--ui-wait" if ui_wait else "--ui-port" if ui_port else None
+        if given is not None:
+            from orchestra.errors import OrchestraError
+
+            raise OrchestraError(f"{given} only applies to the web view: add --ui")
+        return None
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        from agents.errors import MissingDependencyError
+
+        raise MissingDependencyError(f"--ui serves the web view with {' and '.join(missing)}, which a core install "
+                                     "leaves out: pip install 'orchestra-kv[serve]'", name=missing[0])
+    return ViewOptions(port=ui_port, wait=ui_wait)
+
+
 def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, report_out: Path | None,
                       stream: bool | str | None = False, encoding: str | None = None, executor: str | None = None,
                       ray_address: str | None = None, inputs: list[str] | None = None, kv_store: bool | None = None,
-                      resume: str | None = None):
+                      resume: str | None = None, view: ViewOptions | None = None, metrics_out: Path | None = None):
     """Validate the file (as deeply as `orchestra graph`) and the ``--input NAME=VALUE`` items, then run it
-    through the Python API's `Pipeline`."""
+    through the Python API's `Pipeline`; with `metrics_out`, write the run's Prometheus metrics there."""
     from orchestra.builder import Pipeline
     from orchestra.inputs import parse_input_args, resolve_inputs
 
@@ -120,14 +154,34 @@ def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, re
         if stream != "jsonl":
             console.print(f"[dim]this run cannot be resumed: {exc}[/dim]")
     values = resolve_inputs(pipeline.spec.inputs, parse_input_args(inputs or []))  # before any model loads
+    metrics = None
+    if metrics_out is not None:  # a missing prometheus-client is said now, not after the run
+        from orchestra.metrics import PipelineMetrics
+
+        metrics = (PipelineMetrics.own(), metrics_out)
     try:  # a ray executor's actors and placement group go away with the run, Ctrl-C included
-        return _run_pipeline(pipeline, document, report_out, stream, encoding, values, resume)
+        return _run_pipeline(pipeline, document, report_out, stream, encoding, values, resume, view, metrics)
     finally:
         pipeline.close()
 
 
+def _open_view(stack: contextlib.ExitStack, pipeline, run_id: str, options: ViewOptions | None,
+               jsonl: bool) -> tuple[RunView, RunLog] | None:
+    """With --ui: the run's web view, served until `stack` closes (its URL printed); None without --ui."""
+    if options is None:
+        return None
+    from orchestra.serve._ui import open_run_view
+
+    server, log = stack.enter_context(open_run_view(pipeline.spec, pipeline.orchestra().cache, run_id,
+                                                    port=options.port))
+    hint = "" if options.wait else " (it closes when the run ends; --ui-wait keeps it open)"
+    typer.echo(f"web view: {server.url}{hint}", err=jsonl)  # under --jsonl stdout stays the events alone
+    return server, log
+
+
 def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: bool | str | None, encoding: str | None,
-                  inputs: dict[str, str] | None = None, resume: str | None = None):
+                  inputs: dict[str, str] | None = None, resume: str | None = None, view: ViewOptions | None = None,
+                  metrics: tuple[PipelineMetrics, Path] | None = None):
     import uuid
 
     import anyio
@@ -137,35 +191,49 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
 
     text = load_document(document, encoding=encoding).text
     jsonl = stream == "jsonl"  # stdout is the events, one JSON object per line, and nothing else
-    with quiet_library_output(console):
-        pipeline.orchestra()  # family, models and devices are checked here, before the event loop starts
-        run_id = resume or uuid.uuid4().hex[:12]
-        if resume is None and not jsonl:
-            console.print(f"[dim]run {run_id}: if it stops, `--resume {run_id}` continues it[/dim]")
-        rows = [(a.name, a.model) for a in pipeline.agents] + [(s.name, "step") for s in pipeline.spec.steps]
-        display = RunDisplay(console, rows, lines=bool(stream) and not jsonl)
+    with contextlib.ExitStack() as stack:  # the web view (--ui), closed however the command ends
+        with quiet_library_output(console):
+            pipeline.orchestra()  # family, models and devices are checked here, before the event loop starts
+            run_id = resume or uuid.uuid4().hex[:12]
+            if resume is None and not jsonl:
+                console.print(f"[dim]run {run_id}: if it stops, `--resume {run_id}` continues it[/dim]")
+            rows = [(a.name, a.model) for a in pipeline.agents] + [(s.name, "step") for s in pipeline.spec.steps]
+            display = RunDisplay(console, rows, lines=bool(stream) and not jsonl)
+            live = _open_view(stack, pipeline, run_id, view, jsonl)
+            counted = metrics[0].sink(pipeline.name) if metrics is not None else None
 
-        async def main():
-            finished = None
-            with contextlib.nullcontext() if jsonl else display:
-                async for event in pipeline.stream(text, inputs=inputs, run_id=run_id, resume=resume is not None):
-                    if jsonl:
-                        typer.echo(event.model_dump_json())
-                    else:
-                        display(event)
-                    if event.kind == "run_finished":
-                        finished = event.report  # this run's own report, whatever else runs in the process
-            return finished
+            async def main():
+                finished = None
+                with contextlib.nullcontext() if jsonl else display:
+                    async for event in pipeline.stream(text, inputs=inputs, run_id=run_id, resume=resume is not None):
+                        if jsonl:
+                            typer.echo(event.model_dump_json())
+                        else:
+                            display(event)
+                        if live is not None:
+                            live[1].append(event)
+                        if counted is not None:
+                            counted(event)
+                        if event.kind == "run_finished":
+                            finished = event.report  # this run's own report, whatever else runs in the process
+                return finished
 
-        report = anyio.run(main)
-    if not jsonl:
-        print_report(report)
-    if report_out is not None:
-        from orchestra.files import write_output
-
-        write_output(report_out, report.model_dump_json(indent=2))
+            report = anyio.run(main)
+            if live is not None:
+                live[1].finish_with(report)
         if not jsonl:
-            console.print(f"report written to {report_out}")
+            print_report(report)
+        if metrics is not None:
+            metrics[0].write_textfile(metrics[1])
+        if report_out is not None:
+            from orchestra.files import write_output
+
+            write_output(report_out, report.model_dump_json(indent=2))
+            if not jsonl:
+                console.print(f"report written to {report_out}")
+        if live is not None and view is not None and view.wait:
+            typer.echo(f"the run is over; the web view stays at {live[0].url} until Ctrl-C", err=jsonl)
+            live[0].serve_until_interrupted()
     return report
 
 
@@ -212,6 +280,16 @@ def run(
         bool | None, typer.Option("--kv-store/--no-kv-store", help="Read and keep document caches on disk "
                                   "(<home>/kv) across runs (default: the pipeline's kv_store, on).")
     ] = None,
+    ui: Annotated[bool, typer.Option("--ui", help="Serve a live web view of the run on 127.0.0.1 (its URL is printed): "
+                                     "the DAG, each agent's state, cache path, gates and tokens. Needs the `serve` "
+                                     "extra.")] = False,
+    ui_wait: Annotated[bool, typer.Option("--ui-wait", help="With --ui: keep serving the view after the run finished, "
+                                          "until Ctrl-C (the exit code is still the run's).")] = False,
+    ui_port: Annotated[int, typer.Option("--ui-port", min=0, max=65535, help="With --ui: the view's port (default: a "
+                                         "free one).")] = 0,
+    metrics_out: Annotated[Path | None, typer.Option("--metrics", help="Write the run's Prometheus metrics here "
+                                                     "(text format, for node_exporter's textfile collector; the "
+                                                     "`serve` extra).")] = None,
 ) -> None:
     """Run a pipeline over a document: prefill once, map to every member, run the agents, print the report.
 
@@ -222,11 +300,12 @@ def run(
     with pipeline_errors():
         from orchestra.tracing import configure_from_env
 
+        view = view_options(ui, ui_wait, ui_port)  # before anything loads
         configure_from_env()  # OTEL_EXPORTER_OTLP_ENDPOINT: the run's spans go there
         result = run_pipeline_file(pipeline, document, home, report, stream="jsonl" if jsonl else events,
                                    encoding=encoding,
                                    executor=executor, ray_address=ray_address, inputs=inputs, kv_store=kv_store,
-                                   resume=resume)
+                                   resume=resume, view=view, metrics_out=metrics_out)
     exit_on_failed_agents(result)
 
 
@@ -246,12 +325,14 @@ def graph(
     typer.echo(text, nl=False)
 
 
-def _demo_paths() -> tuple[Path, Path]:
+def _demo_paths(long: bool = False) -> tuple[Path, Path]:
     root = Path(__file__).resolve().parents[2] / "examples" / "long_document_analysis"
+    if long:  # four licences, 2.3x the bundled model's context, chunked (long.yaml says how)
+        return root / "long.yaml", root / "licences.md"
     return root / "pipeline.yaml", root / "document.txt"
 
 
-def demo_command(home: Path | None, report_out: Path | None) -> None:
+def demo_command(home: Path | None, report_out: Path | None, long: bool = False) -> None:
     from agents.constrained import require_grammar
     from orchestra.commands._output import family_table
     from orchestra.errors import PipelineFileError
@@ -260,7 +341,7 @@ def demo_command(home: Path | None, report_out: Path | None) -> None:
     require_grammar()  # the demo's key_facts agent is a JSON agent: refuse now, not after a 25-minute build
     manifest = build_family(home, log=console.print)
     console.print(family_table(manifest))
-    pipeline_file, document = _demo_paths()
+    pipeline_file, document = _demo_paths(long)
     if not pipeline_file.is_file():
         raise PipelineFileError(
             f"the demo pipeline {pipeline_file} is missing: run `orchestra demo` from a source checkout "

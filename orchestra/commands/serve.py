@@ -12,6 +12,7 @@ app = typer.Typer(no_args_is_help=False)
 
 @app.command("serve")
 def serve(
+    ctx: typer.Context,
     home: Annotated[Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or ~/.cache/orchestra).")] = None,
     host: Annotated[str, typer.Option("--host", envvar="ORCHESTRA_HOST", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", envvar="ORCHESTRA_PORT", min=0, max=65535, help="Port to listen on.")] = 8000,
@@ -49,8 +50,18 @@ def serve(
                                           "executor mapping as JSON/YAML, e.g. '{kind: ray, members: {root: {replicas: 2}}}'.")] = "local",
     ray_address: Annotated[str | None, typer.Option("--ray-address", envvar="ORCHESTRA_RAY_ADDRESS", help="ray: 'local' (a private Ray), 'auto' "
                                                     "(the cluster on this machine) or 'ray://host:port'.")] = None,
+    cors_origins: Annotated[str | None, typer.Option("--cors-origins", envvar="ORCHESTRA_CORS_ORIGINS", help="Comma-separated browser "
+                                                     "origins allowed to call the API (CORS), or '*'.")] = None,
+    config_file: Annotated[Path | None, typer.Option("--config", envvar="ORCHESTRA_CONFIG", help="A YAML or TOML file of these options "
+                                                "(flags and ORCHESTRA_* variables win over it).")] = None,
 ) -> None:
     """Serve the family over the OpenAI chat-completions API; a prompt cached on one member serves them all."""
+    if config_file is not None:
+        from orchestra.commands._config_file import file_settings
+
+        assert ctx.command.callback is not None
+        ctx.invoke(ctx.command.callback, **{**ctx.params, **file_settings(ctx, config_file), "config_file": None})
+        return
     import signal
 
     import structlog
@@ -75,8 +86,11 @@ def serve(
                              batch_decode=batch, max_batch=max_batch, inline_tail_tokens=inline_tail,
                              on_missing_mapping=on_missing_mapping, kv_store=kv_store, kv_store_mb=kv_store_mb,
                              pipelines_dir=pipelines, max_runs=max_runs,
+                             cors_origins=[o.strip() for o in (cors_origins or "").split(",") if o.strip()],
                              executor=_executor_spec(executor, ray_address), repair=_ladder(repair_ladder))
         config.api_key()  # a missing key is a start-up mistake, said before anything loads
+        # what the flags, ORCHESTRA_* variables and --config file came to (the key's variable name, never the key)
+        structlog.get_logger("orchestra.serve").info("settings", **config.model_dump(mode="json"))
         engine = ServeEngine(config)  # a missing family is refused here, not in the first request
         app_ = create_app(engine=engine)
     except ValidationError as exc:

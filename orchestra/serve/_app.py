@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -49,6 +50,10 @@ from orchestra.serve._schemas import (
     Usage,
 )
 from orchestra.serve._tools import read_tool_reply
+from orchestra.serve._ui import add_ui, is_ui_path
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["create_app"]
 
@@ -145,7 +150,8 @@ class _ApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope) if scope["type"] == "http" else None
-        if request is None or _local_path(request) in OPEN_PATHS:
+        # the web view's own files are public (its JSON routes are not): the page asks for the key
+        if request is None or _local_path(request) in OPEN_PATHS or is_ui_path(_local_path(request)):
             return await self.app(scope, receive, send)
         given = request.headers.get("authorization", "")
         kind, _, token = given.partition(" ")
@@ -227,8 +233,10 @@ class _EngineSlot:
             self.engine.metrics.requests.labels(route=route, status=str(status)).inc()
 
 
-def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None = None) -> FastAPI:
-    """The ASGI app; pass an engine to share loaded models (tests, embedding), or a config to build one at start."""
+def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None = None,
+               tracer_provider: TracerProvider | None = None) -> FastAPI:
+    """The ASGI app; pass an engine to share loaded models (tests, embedding), or a config to build one at start.
+    `tracer_provider`: where the request spans go (default: OpenTelemetry's global provider)."""
     config = engine.config if engine is not None else (config or ServeConfig())
     api_key = config.api_key()
     slot = _EngineSlot(config, engine)
@@ -248,7 +256,8 @@ def create_app(config: ServeConfig | None = None, *, engine: ServeEngine | None 
     _add_error_handlers(app, slot)
     _add_probe_routes(app, slot)
     _add_api_routes(app, slot)
-    return _wrap(app, config)
+    add_ui(app, slot.get, auth=api_key is not None)  # the web view at /ui (docs/web-view.md)
+    return _wrap(app, config, tracer_provider)
 
 
 def _add_error_handlers(app: FastAPI, slot: _EngineSlot) -> None:
@@ -457,10 +466,30 @@ def _wants_usage(gen: Generation) -> bool:
     return bool(options and options.include_usage)
 
 
-def _wrap(app: FastAPI, config: ServeConfig) -> FastAPI:
+def _wrap(app: FastAPI, config: ServeConfig, tracer_provider: TracerProvider | None = None) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    if config.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # outside the key check: a browser's preflight (OPTIONS) carries no Authorization header
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["authorization", "content-type", "x-request-id"],
+                           expose_headers=["x-request-id", "retry-after"], max_age=600)
     app.add_middleware(_AccessLog)
+    _instrument(app, tracer_provider)
     return app
+
+
+def _instrument(app: FastAPI, tracer_provider: TracerProvider | None) -> None:
+    """A server span per HTTP request (OpenTelemetry's FastAPI instrumentation, the ``tracing`` extra), parent of
+    the spans of the pipeline runs it starts; spans go to the global tracer provider, a no-op until one is set
+    (``OTEL_EXPORTER_OTLP_ENDPOINT``: `orchestra.tracing.configure_from_env`). Without the package: nothing."""
+    try:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+    except ImportError:
+        return
+    # /metrics and the probes are scraped every few seconds: spans of them would drown the requests
+    FastAPIInstrumentor.instrument_app(app, tracer_provider=tracer_provider, excluded_urls="metrics,healthz,readyz")
 
 
 def _local_path(request: Request) -> str:

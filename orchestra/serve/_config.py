@@ -67,6 +67,9 @@ class ServeConfig(BaseModel):
     """A folder for the disk tier: caches built are written there and read back after a restart (None: memory only)."""
     kv_store_mb: int = Field(8192, ge=1)
     """Bytes the disk tier may hold, MiB (least recently used go first)."""
+    cors_origins: list[str] = Field(default_factory=list)
+    """Browser origins allowed to call the API from their pages (CORS), e.g. ``https://app.example.com``; ``*``
+    for any; empty: no CORS headers (same-origin pages, such as the web view at /ui, need none)."""
     on_missing_mapping: Literal["refuse", "calibrate"] = "refuse"
     """A pair without a calibrated mapping is re-prefilled (refuse) or calibrated inside the request (minutes)."""
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec)

@@ -119,6 +119,10 @@ class RunManager:
         self.keep = keep
         self._runs: OrderedDict[str, _Run] = OrderedDict()
 
+    def list(self) -> list[_Run]:
+        """The runs kept (running and finished), oldest first."""
+        return list(self._runs.values())
+
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self, body: RunRequest) -> RunStatus:
         spec = self._spec(body)

@@ -153,3 +153,16 @@ async def test_concurrent_runs_each_get_their_own_report_in_run_finished(fam, ma
             tg.start_soon(one, question)
     assert {q: r.inputs["question"] for q, r in finished.items()} == {q: q for q in ("Who?", "What?", "Why?")}
     pipeline.close()
+
+
+def test_a_run_writes_its_prometheus_metrics_for_the_textfile_collector(fam, mapstore, tmp_path):
+    yaml = (f"name: qa\nmodels: {{base: '{fam.parent}'}}\nsource: base\ndefault_device: cpu\n"
+            f"mapping: {{directory: '{mapstore.directory}'}}\n"
+            "agents:\n  - {name: answer, model: base, spec: {task: 'Answer.', generation: {max_new_tokens: 3}}}\n")
+    target = tmp_path / "textfile" / "orchestra.prom"
+    code, _, out = run_pipeline_text(tmp_path, yaml, DOC, "--metrics", str(target))
+    assert code == 0, out
+    text = target.read_text()
+    assert 'orchestra_pipeline_runs_total{pipeline="qa",status="succeeded"} 1.0' in text
+    assert 'orchestra_pipeline_cache_paths_total{model_name="base",path="exact"} 1.0' in text
+    assert "orchestra_pipeline_agent_ttft_seconds_count" in text and "vllm:" not in text  # the run's series alone

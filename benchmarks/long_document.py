@@ -1,0 +1,194 @@
+"""A document longer than the model's context, chunked: what prefilling each chunk once saves, and what
+answering over retrieved chunks costs in accuracy.
+
+    python benchmarks/long_document.py [--window 2048] [--questions 24] [--skip-cost] [--skip-qa]
+
+The document is examples/long_document_analysis/licences.md: four licences (GPL-3, Apache-2.0, MPL-2.0,
+GFDL-1.3) under Markdown headings, ~18,900 tokens, 2.3x the bundled family's 8,192-token context, cut into
+`--window`-token chunks on its structure (`orchestra.chunking`).
+
+- *cost*: three agents on three members (root, finetuned, int8), each over every chunk, run twice on fresh
+  caches: prefill once (each chunk prefilled on the root, mapped into the other two behind the gates) and
+  per-agent re-prefill (every agent prefills every chunk on its own member, `share_prefill=False`). Prefill
+  tokens computed, prefill seconds, maps, wall seconds, and the ratio.
+- *qa*: the bundled QA set's questions on these licences, asked of the root by the `question_answerer`
+  built-in over the whole long document (the 2 chunks most relevant to the question by BM25, `chunks: 2`)
+  and over the one chunk holding the answer's passage (the oracle: what retrieval could at best reach).
+  Correct = a reference answer occurs in what the agent returned (normalised).
+
+Writes results/long_document.json and .md. The disk tier is off (every number is this process's compute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ["ORCHESTRA_KV_STORE"] = "off"
+DOCUMENT = ROOT / "examples" / "long_document_analysis" / "licences.md"
+MEMBERS = ("root", "finetuned", "int8")
+
+
+def _spec(chunking: dict[str, Any], agents: list[dict[str, Any]], inputs: list[str] | None = None) -> Any:
+    from orchestra import PipelineSpec
+
+    return PipelineSpec.model_validate({
+        "name": "long-document-bench", "models": {m: m for m in MEMBERS}, "source": "root",
+        "chunking": chunking, "agents": agents, "inputs": inputs or [],
+        "gate": {"offline": {"max_kl": 0.1}, "probe": {"tokens": 32, "max_excess_nll": 0.25, "max_excess_kl": 0.1}},
+        "mapping": {"on_missing": "refuse"}})
+
+
+def cost(manifest: Any, document: str, window: int, share: bool) -> dict[str, Any]:
+    """The three-agent run on fresh caches; what it computed."""
+    from orchestra import Orchestra
+
+    agents = [{"name": f"notes_{m}", "model": m, "per_chunk": True,
+               "spec": {"task": "Name the licence this part of the document belongs to.",
+                        "generation": {"max_new_tokens": 8}}} for m in MEMBERS]
+    orch = Orchestra(_spec({"mode": "always", "window_tokens": window}, agents), family=manifest, share_prefill=share)
+    for m in MEMBERS:
+        orch.cache.executor.model(m)  # weights loaded outside the timing
+    t0 = time.perf_counter()
+    report = orch.run_sync(document)
+    wall = time.perf_counter() - t0
+    calls = [c for a in report.agents for c in a.chunks]
+    computed = sum(c.prefix_tokens for c in calls if c.cache_path in ("exact", "reprefilled") and c.prefill_s_spent > 0)
+    if share:
+        computed = sum(ch.tokens for ch in report.chunks) + sum(
+            c.prefix_tokens for c in calls if c.cache_path == "reprefilled")
+    paths: dict[str, int] = {}
+    for a in report.agents:
+        for c in a.chunks:
+            key = f"{a.model}:{c.cache_path}"
+            paths[key] = paths.get(key, 0) + 1
+    out = {"share_prefill": share, "chunks": len(report.chunks), "document_tokens": sum(ch.tokens for ch in report.chunks),
+           "agents": {a.name: a.status for a in report.agents}, "calls": len(calls), "paths": paths,
+           "prefill_tokens_computed": computed, "prefill_s": report.prefill_s_spent, "wall_s": wall,
+           "prefill_s_every_chunk_estimate": report.prefill_s_every_chunk,
+           "maps": sum(1 for c in calls if c.cache_path == "mapped")}
+    orch.close()
+    return out
+
+
+def _asker_task() -> dict[str, Any]:
+    """question_answerer's own role and task, its question read from the run's `question` input."""
+    from agents import BUILTINS
+
+    spec = BUILTINS["question_answerer"](question="QQQ", max_new_tokens=48)
+    return {"role": spec.role, "task": spec.task.replace("QQQ", "{question}"),
+            "generation": spec.generation.model_dump()}
+
+
+def qa(manifest: Any, document: str, window: int, limit: int) -> dict[str, Any]:
+    from orchestra import Orchestra
+    from orchestra.bench import is_correct, load_qa
+
+    agent = {"name": "answer", "model": "root", "chunks": 2, "spec": _asker_task()}
+    long_run = Orchestra(_spec({"mode": "always", "window_tokens": window}, [agent], ["question"]), family=manifest)
+    oracle = Orchestra(_spec({"mode": "never"}, [{**agent, "chunks": "all"}], ["question"]), cache=long_run.cache)
+    qaset = load_qa()
+    rows = []
+    for q in qaset.questions:
+        passage = " ".join(qaset.passage_text(q.passage).split())
+        if len(rows) >= limit:
+            break
+        t0 = time.perf_counter()
+        report = long_run.run_sync(document, inputs={"question": q.question})
+        long_s = time.perf_counter() - t0
+        flat = [(ch, " ".join(document[ch.start:ch.end].split())) for ch in report.chunks]
+        holding = [ch for ch, text in flat if passage in text]
+        if not holding:  # the passage straddles two chunks: no one chunk holds it
+            continue
+        chunk = holding[0]
+        answer = report.agent("answer")
+        asked = [c.index for c in answer.chunks]
+        best = oracle.run_sync(document[chunk.start:chunk.end], inputs={"question": q.question}).agent("answer")
+        rows.append({"question": q.id, "answers": q.answers, "chunk": chunk.index, "retrieved": asked,
+                     "retrieved_right_chunk": any(h.index in asked for h in holding),
+                     "long": answer.output, "long_correct": answer.status == "succeeded" and is_correct(
+                         answer.output or "", q.answers),
+                     "oracle": best.output, "oracle_correct": best.status == "succeeded" and is_correct(
+                         best.output or "", q.answers), "long_s": long_s})
+    long_run.close()
+    n = len(rows)
+    return {"n": n, "long_correct": sum(r["long_correct"] for r in rows),
+            "oracle_correct": sum(r["oracle_correct"] for r in rows),
+            "retrieval_hits": sum(r["retrieved_right_chunk"] for r in rows), "rows": rows}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = ["# A document longer than the context, chunked (bundled SmolLM2 family, CPU)", "",
+             f"Command: `{result['command']}`. Machine: {m['cpu']} CPUs, torch {m['torch']}. Document: "
+             f"`examples/long_document_analysis/licences.md`, {result['document_chars']:,} characters; chunks of "
+             f"{result['window']:,} tokens.", ""]
+    if result.get("cost"):
+        once, each = result["cost"]["once"], result["cost"]["per_agent"]
+        lines += ["## Prefill once vs per-agent re-prefill", "",
+                  f"Three agents (on root, finetuned and int8), each over all {once['chunks']} chunks "
+                  f"({once['document_tokens']:,} prefix tokens in all), on fresh caches.", "",
+                  "| run | prefill tokens computed | prefill s | maps | cache paths (calls) | wall s | agents |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in (("prefill once", once), ("per-agent re-prefill", each)):
+            paths = ", ".join(f"{k} {v}" for k, v in sorted(r["paths"].items()))
+            agents = ", ".join(f"{k} {v}" for k, v in r["agents"].items())
+            lines.append(f"| {name} | {r['prefill_tokens_computed']:,} | {r['prefill_s']:.1f} | {r['maps']} | {paths} | "
+                         f"{r['wall_s']:.1f} | {agents} |")
+        lines += ["", f"**Prefill tokens: {each['prefill_tokens_computed'] / max(1, once['prefill_tokens_computed']):.2f}x "
+                  f"fewer; prefill seconds {each['prefill_s'] / max(1e-9, once['prefill_s']):.2f}x fewer; wall "
+                  f"{each['wall_s'] / max(1e-9, once['wall_s']):.2f}x faster** with each chunk prefilled once.", ""]
+    if result.get("qa"):
+        q = result["qa"]
+        lines += ["## Answering over the long document vs over the chunk that holds the answer", "",
+                  f"{q['n']} questions of the bundled QA set (those whose passage lies inside one chunk), "
+                  "`question_answerer` on root, greedy.", "",
+                  "| asked over | correct | accuracy |", "|---|---|---|",
+                  f"| the whole document, the 2 chunks BM25 ranks first | {q['long_correct']}/{q['n']} | "
+                  f"{q['long_correct'] / max(1, q['n']):.0%} |",
+                  f"| the one chunk holding the answer (oracle) | {q['oracle_correct']}/{q['n']} | "
+                  f"{q['oracle_correct'] / max(1, q['n']):.0%} |", "",
+                  f"BM25 put the answer's chunk among the 2 asked for {q['retrieval_hits']}/{q['n']} questions.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import json
+
+    import torch
+
+    from mappings.atomic import write_atomic
+    from orchestra.family.manifest import load_family
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--window", type=int, default=2048)
+    parser.add_argument("--questions", type=int, default=24)
+    parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--skip-qa", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    manifest = load_family(None)
+    document = DOCUMENT.read_text(encoding="utf-8")
+    result: dict[str, Any] = {
+        "command": "python benchmarks/long_document.py " + " ".join(sys.argv[1:]), "window": args.window,
+        "document_chars": len(document), "machine": {"cpu": os.cpu_count(), "torch": torch.__version__}}
+    if not args.skip_cost:
+        result["cost"] = {"once": cost(manifest, document, args.window, True),
+                          "per_agent": cost(manifest, document, args.window, False)}
+        print(json.dumps(result["cost"], indent=1), flush=True)
+    if not args.skip_qa:
+        result["qa"] = qa(manifest, document, args.window, args.questions)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "long_document.json", json.dumps(result, indent=2, default=str) + "\n")
+    write_atomic(args.out / "long_document.md", markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
