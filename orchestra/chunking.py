@@ -249,7 +249,7 @@ def select_chunks(texts: list[str], query: str, k: int) -> list[int]:
         from agents.errors import MissingDependencyError
 
         raise MissingDependencyError("choosing an agent's k most relevant chunks (chunks: k) needs rank-bm25, which "
-                                     "is not installed: pip install 'orchestra-kv[documents]' (or set chunks: all)"
+                                     "is not installed: pip install rank-bm25 (a core dependency; or set chunks: all)"
                                      ) from exc
     words = [re.findall(r"\w+", text.lower()) or [""] for text in texts]
     scores = BM25Plus(words).get_scores(re.findall(r"\w+", query.lower()))

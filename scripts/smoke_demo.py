@@ -5,8 +5,9 @@ install that misses something the demo needs fails CI instead of a user's first 
 demo's own preflight (the grammar library for its JSON agent, the family builder's libraries), builds
 a family home whose four members derive from a tiny llama model (the bundled builder's real write
 path, not the 25-minute GGUF build), and runs ``orchestra run`` on the demo's pipeline file over the
-start of the demo's document. Exit 0 only when the command exits 0, which it does only when every
-agent succeeded.
+start of the demo's document, then the long demo's chunked pipeline (``demo --long``: BM25 chunk choice,
+map and reduce agents) over the start of its document. Exit 0 only when both commands exit 0, which they
+do only when every agent succeeded.
 
     python scripts/smoke_demo.py [--keep DIR]
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "long_document_analysis"
 DOCUMENT_CHARS = 1500  # about as many tokens under the tiny tokenizer: the document, then each agent's reply
+LONG_CHARS = 6000  # `orchestra demo --long`'s pipeline over the start of its document: a few 2,048-token chunks
 CONTEXT = 4096  # the tiny models are made with 512 positions; RoPE takes more, and the report agent needs them
 
 
@@ -77,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         print("+", " ".join(cmd), flush=True)
         code = subprocess.call(cmd, env={**os.environ, "ORCHESTRA_HOME": str(home)})
         print(f"smoke: orchestra run exited {code}", flush=True)
+        if code:
+            return code
+        long_doc = scratch / "licences.md"
+        long_doc.write_text((EXAMPLE / "licences.md").read_text(encoding="utf-8")[:LONG_CHARS], encoding="utf-8")
+        cmd = [exe, "run", str(EXAMPLE / "long.yaml"), "--home", str(home), "--document", str(long_doc),
+               "--report", str(scratch / "long-report.json")]
+        print("+", " ".join(cmd), flush=True)
+        code = subprocess.call(cmd, env={**os.environ, "ORCHESTRA_HOME": str(home)})
+        print(f"smoke: the long demo's pipeline exited {code}", flush=True)
         return code
     finally:
         if args.keep is None:
