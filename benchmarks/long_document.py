@@ -90,7 +90,7 @@ def qa(manifest: Any, document: str, window: int, limit: int) -> dict[str, Any]:
     from orchestra import Orchestra
     from orchestra.bench import is_correct, load_qa
 
-    agent = {"name": "answer", "model": "root", "chunks": 2, "spec": _asker_task()}
+    agent = {"name": "answer", "model": "root", "chunks": 2, "query": "{question}", "spec": _asker_task()}
     long_run = Orchestra(_spec({"mode": "always", "window_tokens": window}, [agent], ["question"]), family=manifest)
     oracle = Orchestra(_spec({"mode": "never"}, [{**agent, "chunks": "all"}], ["question"]), cache=long_run.cache)
     qaset = load_qa()

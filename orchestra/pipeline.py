@@ -262,8 +262,12 @@ class AgentNode(_Validated):
         None, description="Chunked runs: run once per document chunk (true), or once over the combined outputs of "
         "its upstream agents (false); unset: per chunk when it has no upstream agents.")
     chunks: Literal["all"] | Annotated[int, Field(ge=1)] = Field(
-        "all", description="Chunked runs, per-chunk agents: every chunk, or the k chunks most relevant to its task "
-        "(BM25; needs the documents extra).")
+        "all", description="Chunked runs, per-chunk agents: every chunk, or the k chunks most relevant to `query` "
+        "(BM25).")
+    query: str | None = Field(
+        None, description="With chunks: k, what the chunks are ranked against (a template over the run's inputs and "
+        "upstream outputs, as the task is); unset: a question_answerer's question, else the agent's task (whose "
+        "instructions, e.g. 'the document above', also count as words to match).")
 
     _agent_spec: AgentSpec | None = PrivateAttr(None)
     _when_fn: Callable[[Mapping[str, str]], bool] | None = PrivateAttr(None)

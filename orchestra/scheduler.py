@@ -33,13 +33,14 @@ from orchestra.gates import CircuitBreaker
 from orchestra.graph import build_graph
 from orchestra.mapstore import MappingStore
 from orchestra.paths import resolve_home
-from orchestra.pipeline import PipelineSpec
+from orchestra.pipeline import AgentNode, PipelineSpec
 from orchestra.registry import ModelRegistry
 from orchestra.report import AgentReport, ChunkCall, ChunkSummary, ModelCacheReport, RunReport
 from orchestra.steps import StepNode, WhenLike, call_step, condition_holds
 
 if TYPE_CHECKING:
     from agents.runner import AgentResult
+    from agents.spec import AgentSpec
     from orchestra.checkpoint import Checkpointer, RunCheckpoint
     from orchestra.family.manifest import FamilyManifest
 
@@ -559,7 +560,7 @@ class Orchestra:
         if agent.chunks != "all":
             from orchestra.chunking import select_chunks
 
-            chosen = select_chunks([p.chunk.text for p in parts], self.specs[name].render_task(upstream),
+            chosen = select_chunks([p.chunk.text for p in parts], _retrieval_query(agent, self.specs[name], upstream),
                                    int(agent.chunks))
             parts = [parts[i] for i in chosen]
         results = await self._map(run, name, report, parts, upstream, on_token)
@@ -849,6 +850,20 @@ _MAX_ROUNDS = 8
 
 _MOVED = ("kv_bytes_moved", "kv_bytes_moved_across_nodes", "result_bytes_to_driver")
 """Executor counters the run report carries (what this run moved between processes)."""
+
+
+def _retrieval_query(agent: AgentNode, spec: AgentSpec, values: Mapping[str, object]) -> str:
+    """What `chunks: k` ranks the chunks against: the node's `query`, a question_answerer's question, else its task.
+
+    A built-in's task wraps the question in instructions ("answer ... from the document above"), and their words
+    would pull the chunks that say "document" most (a licence for documentation, say) above the one that answers.
+    """
+    if agent.query is not None:
+        return type(spec)(name=spec.name, task=agent.query).render_task(values)
+    question = agent.args.get("question") if agent.builtin == "question_answerer" else None
+    if isinstance(question, str):  # the built-in takes its question literally (never as a template)
+        return question
+    return spec.render_task(values)
 
 
 def _step_event(run_id: str, agent: str | None, step: CacheStep, chunk: int | None = None) -> ev.Event:

@@ -214,7 +214,7 @@ def test_choosing_k_chunks_without_rank_bm25_names_the_install(monkeypatch):
     from agents.errors import MissingDependencyError
 
     monkeypatch.setitem(sys.modules, "rank_bm25", None)
-    with pytest.raises(MissingDependencyError, match=r"pip install 'orchestra-kv\[documents\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install rank-bm25"):
         select_chunks(["a", "b", "c"], "a", 1)
 
 
@@ -222,3 +222,27 @@ async def test_a_window_too_wide_for_the_agents_prompts_is_refused_before_any_pr
     orch = Orchestra(_pipeline(fam, [_agent("a", "base", max_new_tokens=200)], window_tokens=400), mappings=mapstore)
     with pytest.raises(DocumentError, match="chunking.window_tokens is 400.*lower it to"):
         await orch.run(_document())
+
+
+def test_k_chunks_are_ranked_against_the_question_not_the_built_ins_instructions():
+    """A question_answerer's instructions say "the document above": over a licence for *documentation*, ranking by
+    the whole task would pick its chunks over the one that answers; the question alone (or `query`) picks right."""
+    from orchestra.pipeline import AgentNode
+    from orchestra.scheduler import _retrieval_query
+
+    texts = ["The Document is a manual. The Document may be copied. A Document is published by its publisher; to use "
+             "this License in a document, put the document above the notice.",
+             "The Apache License, Version 2.0, January 2004, was published by the Apache Software Foundation.",
+             "Document means the manual. Copies of the Document, in three or more sentences, may be published in "
+             "quantity if the document says so."]
+    node = AgentNode.model_validate({"builtin": "question_answerer", "model": "m",
+                                     "args": {"question": "When was the Apache License published?"}})
+    spec = node.agent_spec()
+    assert select_chunks(texts, spec.render_task({}), 1) == [2]  # the task's "document" words win: the wrong chunk
+    assert _retrieval_query(node, spec, {}) == "When was the Apache License published?"
+    assert select_chunks(texts, _retrieval_query(node, spec, {}), 1) == [1]
+    custom = AgentNode.model_validate({"name": "a", "model": "m", "query": "{topic} release",
+                                       "spec": {"task": "Answer about {topic} from the document above."}})
+    assert _retrieval_query(custom, custom.agent_spec(), {"topic": "Apache"}) == "Apache release"
+    plain = AgentNode.model_validate({"name": "b", "model": "m", "spec": {"task": "Summarise {topic}."}})
+    assert _retrieval_query(plain, plain.agent_spec(), {"topic": "Apache"}) == "Summarise Apache."
