@@ -369,3 +369,16 @@ def test_a_ui_option_without_ui_is_exit_2_naming_the_fix(tmp_path: Path, args: l
     done = CliRunner().invoke(app, ["run", str(tmp_path / "p.yaml"), "--document", str(tmp_path / "doc.txt"), *args])
     assert done.exit_code == 2 and fix in done.output
     assert len([line for line in done.output.splitlines() if line.strip()]) == 1, done.output
+
+
+@pytest.mark.real_model
+def test_on_the_bundled_family_a_run_from_the_page_shows_its_exact_and_mapped_nodes(
+        real_family, server_factory, pipelines: Path, page: WebDriver) -> None:
+    """The same page against `orchestra serve` on the bundled SmolLM2 family (a subprocess, as users start it):
+    the root's agent runs on its own cache, the fine-tuned member's on the root's cache mapped into it."""
+    server = server_factory(real_family.home, "--pipelines", str(pipelines))
+    page.get(f"{server.base_url}/ui/")
+    start_from_the_page(page)
+    wait_succeeded(page, "summary", "check")
+    assert_exact_and_mapped(page)
+    assert_no_console_errors(page)
