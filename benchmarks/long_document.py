@@ -45,6 +45,15 @@ def _spec(chunking: dict[str, Any], agents: list[dict[str, Any]], inputs: list[s
         "mapping": {"on_missing": "refuse"}})
 
 
+def _run(orch: Any, document: str, **kwargs: Any) -> Any:
+    """One run of `orch` (an `Orchestra`, whose `run` is async) from this synchronous script."""
+    import functools
+
+    import anyio
+
+    return anyio.run(functools.partial(orch.run, document, **kwargs))
+
+
 def cost(manifest: Any, document: str, window: int, share: bool) -> dict[str, Any]:
     """The three-agent run on fresh caches; what it computed."""
     from orchestra import Orchestra
@@ -56,7 +65,7 @@ def cost(manifest: Any, document: str, window: int, share: bool) -> dict[str, An
     for m in MEMBERS:
         orch.cache.executor.model(m)  # weights loaded outside the timing
     t0 = time.perf_counter()
-    report = orch.run_sync(document)
+    report = _run(orch, document)
     wall = time.perf_counter() - t0
     calls = [c for a in report.agents for c in a.chunks]
     computed = sum(c.prefix_tokens for c in calls if c.cache_path in ("exact", "reprefilled") and c.prefill_s_spent > 0)
@@ -100,7 +109,7 @@ def qa(manifest: Any, document: str, window: int, limit: int) -> dict[str, Any]:
         if len(rows) >= limit:
             break
         t0 = time.perf_counter()
-        report = long_run.run_sync(document, inputs={"question": q.question})
+        report = _run(long_run, document, inputs={"question": q.question})
         long_s = time.perf_counter() - t0
         flat = [(ch, " ".join(document[ch.start:ch.end].split())) for ch in report.chunks]
         holding = [ch for ch, text in flat if passage in text]
@@ -109,7 +118,7 @@ def qa(manifest: Any, document: str, window: int, limit: int) -> dict[str, Any]:
         chunk = holding[0]
         answer = report.agent("answer")
         asked = [c.index for c in answer.chunks]
-        best = oracle.run_sync(document[chunk.start:chunk.end], inputs={"question": q.question}).agent("answer")
+        best = _run(oracle, document[chunk.start:chunk.end], inputs={"question": q.question}).agent("answer")
         rows.append({"question": q.id, "answers": q.answers, "chunk": chunk.index, "retrieved": asked,
                      "retrieved_right_chunk": any(h.index in asked for h in holding),
                      "long": answer.output, "long_correct": answer.status == "succeeded" and is_correct(
