@@ -290,24 +290,27 @@ def test_run_on_a_read_only_home(tiny_family_home, tmp_path, monkeypatch):
 async def test_too_many_new_tokens_says_lower_max_new_tokens(fam):
     from orchestra.errors import PipelineError
 
+    # the refusals' messages (chunking: auto would chunk such a document instead, making room for the reply)
+    NEVER = {"mode": "never"}  # noqa: N806
+
     big = [{"name": "a", "model": "base", "spec": {"task": "S.", "generation": {"max_new_tokens": 60000}}}]
     with pytest.raises(PipelineError) as refused:  # the issue's 60000: refused before any model loads
         _pipeline(fam, big)
     assert "max_new_tokens" in str(refused.value) and "shorten" not in str(refused.value)
     agents = [{"name": "a", "model": "base", "spec": {"task": "Summarise.", "generation": {"max_new_tokens": 600}}}]
-    orch = Orchestra(_pipeline(fam, agents), mappings=MappingStore(Path("/nonexistent"), on_missing="refuse"))
+    orch = Orchestra(_pipeline(fam, agents, chunking=NEVER), mappings=MappingStore(Path("/nonexistent"), on_missing="refuse"))
     with pytest.raises(DocumentError) as err:
         await orch.run(DOC[:200])
     message = str(err.value)
     assert "lower the agent's max_new_tokens to at most" in message and "shorten" not in message
     # a document that does not fit by itself: shorten it
     agents[0]["spec"]["generation"]["max_new_tokens"] = 4
-    orch = Orchestra(_pipeline(fam, agents), mappings=MappingStore(Path("/nonexistent"), on_missing="refuse"))
+    orch = Orchestra(_pipeline(fam, agents, chunking=NEVER), mappings=MappingStore(Path("/nonexistent"), on_missing="refuse"))
     with pytest.raises(DocumentError, match="shorten the document by"):
         await orch.run(data_text("gpl-3.txt")[:4000])
     # both fixes work: both are named, with numbers that fit
     agents[0]["spec"]["generation"]["max_new_tokens"] = 300
-    orch = Orchestra(_pipeline(fam, agents), mappings=MappingStore(Path("/nonexistent"), on_missing="refuse"))
+    orch = Orchestra(_pipeline(fam, agents, chunking=NEVER), mappings=MappingStore(Path("/nonexistent"), on_missing="refuse"))
     with pytest.raises(DocumentError, match=r"at most \d+, or shorten the document by \d+ tokens"):
         await orch.run(DOC[:200])
 

@@ -77,7 +77,8 @@ def test_tasks_answer_questions_on_mapped_and_own_caches(tiny_results):
     assert k is not None and k.config.source == "base" and k.config.members == ["child"]
     assert k.questions == 2 and not k.skipped
     assert {(s.member, s.condition) for s in k.scores} == {("child", "own"), ("child", "mapped"),
-                                                           ("child", "mapped+repair"), ("base", "source")}
+                                                           ("child", "mapped+repair"), ("base", "source"),
+                                                           ("child", "plain"), ("base", "plain")}
     assert k.score("child", "mapped").paths == {"mapped": 2} and k.score("child", "own").paths == {"exact": 2}
     for s in k.scores:
         assert s.n == 2 and 0.0 <= s.accuracy <= 1.0
