@@ -95,6 +95,8 @@ class TokenEvent(Event):
     agent: str
     text: str
     index: int
+    chunk: int | None = None
+    """The document chunk this token's call reads (chunked runs: an agent's calls may stream at once)."""
 
 
 class GateResult(Event):

@@ -171,6 +171,9 @@ class ChunkingPolicy(BaseModel):
         None, ge=32, description="Tokens of each chunk's prefix (default: what the smallest member's context leaves "
         "after the largest agent suffix and its max_new_tokens).")
     overlap_tokens: int = Field(64, ge=0, description="Trailing tokens of a chunk repeated at the next one's start.")
+    parallel_calls: int | None = Field(
+        None, ge=1, le=64, description="Chunk calls of one agent in flight at once (default: its member's replicas "
+        "under the ray executor, else 1, since calls in one process take turns on the model).")
 
 
 class MemberResources(BaseModel):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 import anyio.from_thread
 import structlog
 
@@ -48,7 +49,7 @@ __all__ = ["Orchestra"]
 
 log = structlog.get_logger("orchestra")
 EventSink = Callable[[ev.Event], Awaitable[None] | None]
-TokenSink = Callable[[Any], Awaitable[None]]
+TokenSink = Callable[..., Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -596,8 +597,32 @@ class Orchestra:
 
     async def _map(self, run: _Run, name: str, report: AgentReport, parts: list[Part], upstream: dict[str, str],
                    on_token: TokenSink) -> list[tuple[Part, AgentResult]]:
-        """One call per part, in order (parallelism is across agents, as in unchunked runs)."""
-        return [(part, await self._chunk_call(run, name, report, part, upstream, on_token)) for part in parts]
+        """One call per part, up to `chunking.parallel_calls` at once (default: as many as the executor can run
+        on the member); results, and the report's calls, in the parts' order whatever order they finish in."""
+        agent = self.pipeline.agent(name)
+        limit = self.pipeline.chunking.parallel_calls or self.cache.executor.parallelism(agent.model)
+        results: list[AgentResult | None] = [None] * len(parts)
+        limiter = anyio.CapacityLimiter(max(1, limit))
+
+        failed: list[Exception] = []
+
+        async def call(i: int, tg: anyio.abc.TaskGroup) -> None:
+            async with limiter:
+                try:
+                    results[i] = await self._chunk_call(run, name, report, parts[i], upstream, on_token)
+                except Exception as exc:  # the first failed call is the agent's error, as when calls run in turn
+                    failed.append(exc)
+                    tg.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(parts)):
+                    tg.start_soon(call, i, tg)
+        finally:
+            report.chunks.sort(key=lambda c: (c.round, c.index))
+        if failed:
+            raise failed[0]
+        return [(part, result) for part, result in zip(parts, results, strict=True) if result is not None]
 
     async def _chunk_call(self, run: _Run, name: str, report: AgentReport, part: Part, upstream: dict[str, str],
                           on_token: TokenSink) -> AgentResult:
@@ -617,7 +642,8 @@ class Orchestra:
         try:
             result = await self.cache.executor.generate(agent.model, self.specs[name], prefix_ids=prompt.ids,
                                                         prefix_cache=lease.cache, upstream=upstream,
-                                                        on_token=on_token, placement=where)
+                                                        on_token=functools.partial(on_token, chunk=chunk),
+                                                        placement=where)
         except Exception as exc:
             raise ChunkCallError(f"agent {name!r} failed on {part.label}: {type(exc).__name__}: {exc}") from exc
         finally:
@@ -674,11 +700,7 @@ class Orchestra:
                 return
             await run.emit(ev.AgentStarted(run_id=run.run_id, agent=name, model=agent.model))
             first_token: list[float] = []
-
-            async def on_token(token) -> None:
-                if not first_token:
-                    first_token.append(time.perf_counter())
-                await run.emit(ev.TokenEvent(run_id=run.run_id, agent=name, text=token.text, index=token.index))
+            on_token = _token_sink(run, name, first_token)
 
             scope = anyio.fail_after(agent.timeout_s) if agent.timeout_s else contextlib.nullcontext()
             if run.chunks is not None:
@@ -874,6 +896,17 @@ def _step_event(run_id: str, agent: str | None, step: CacheStep, chunk: int | No
     if step.step == "fallback" and agent is not None:
         return ev.Fallback(run_id=run_id, agent=agent, model=step.member, reason=step.reason or "", chunk=chunk)
     return ev.CacheStepEvent(run_id=run_id, agent=agent, step=step, chunk=chunk)
+
+
+def _token_sink(run: _Run, name: str, first_token: list[float]) -> TokenSink:
+    """The agent's token events (with the chunk its call reads, in chunked runs); notes when the first came."""
+
+    async def on_token(token: Any, chunk: int | None = None) -> None:
+        if not first_token:
+            first_token.append(time.perf_counter())
+        await run.emit(ev.TokenEvent(run_id=run.run_id, agent=name, text=token.text, index=token.index, chunk=chunk))
+
+    return on_token
 
 
 def _chunk_summaries(run: _Run) -> list[ChunkSummary]:

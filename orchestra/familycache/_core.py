@@ -122,6 +122,13 @@ class CacheLease:
         if release is not None:
             release()
 
+    def close(self) -> None:
+        """Release the pin and let go of the cache: for a holder done with it that may itself live on (a finished
+        request's record). Once released, an entry may be evicted; its tensors are freed only when nothing
+        refers to them, and the budget no longer counts them, so a lingering lease must not keep them."""
+        self.release()
+        self.cache = cast("CacheRef", None)
+
     def __enter__(self) -> CacheLease:
         return self
 
@@ -204,6 +211,8 @@ class FamilyCache:
         self.breaker = breaker or CircuitBreaker()
         self.pool = EntryPool(self.policy.budget_bytes, self.policy.block_tokens)
         self._flights: set[_Flight] = set()
+        self._token_bytes: dict[str, float] = {}
+        """Member -> K/V bytes per cached token, from its first entry (what a build of it will hold)."""
         self._flight_lock = threading.Lock()
         self._loaded_mappings: dict[tuple[str, str], MappingRef] = {}
         self._rates: dict[str, float] = {}
@@ -762,17 +771,25 @@ class FamilyCache:
 
     def _run_flight(self, req: _Request, flight: _Flight, build: Callable[[], Entry]) -> Entry:
         """Build the registered `flight`'s entry, store it (pinned for the request), and let its waiters go."""
+        held = self._build_bytes(req.member, len(flight.ids))
+        self.pool.hold(held)  # the build's K/V are memory before they are an entry: decoding rows must not take it
         try:
-            entry = build()
-            if self.policy.store:
-                evicted = self.pool.add(entry, pin=True)
+            try:
+                entry = build()
+            except BaseException:
+                self.pool.release(held)
+                raise
+            self._token_bytes.setdefault(req.member, entry.nbytes / max(1, len(entry.tokens)))
+            if not self.policy.store:
+                self.pool.release(held)
+                entry.pins += 1
+            else:
+                evicted = self.pool.add(entry, pin=True, held=held)
                 for victim in evicted:
                     req.step(CacheStep(step="evict", member=victim.member, tokens=len(victim.tokens),
                                        detail={"bytes": victim.nbytes, "kind": victim.namespace.kind}))
                 if self.disk is not None and not entry.on_disk:
                     self._write_behind(entry)
-            else:
-                entry.pins += 1
             req.pinned.append(entry)
             flight.entry = entry
             return entry
@@ -781,6 +798,10 @@ class FamilyCache:
             raise
         finally:
             self._land(flight)
+
+    def _build_bytes(self, member: str, tokens: int) -> int:
+        """What a `tokens`-long entry of `member` holds, from the first one built (0 before: nothing to go by)."""
+        return int(self._token_bytes.get(member, 0.0) * tokens)
 
     def _land(self, flight: _Flight) -> None:
         """The flight is over (built, failed or given up): no new request finds it, its waiters plan again."""

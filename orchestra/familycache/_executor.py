@@ -96,6 +96,11 @@ class Executor(ABC):
         """What the run report calls this executor (``local``, ``ray``); for reports only, never to branch on."""
         return "local"
 
+    def parallelism(self, member: str) -> int:
+        """How many calls on `member` can make progress at once: 1 in process (they take turns on its lock);
+        a remote executor with several replicas of the member says how many."""
+        return 1
+
     @property
     def in_process(self) -> bool:
         """Whether the models live in this process: `model()` works and callers may decode beside a lease.

@@ -213,13 +213,16 @@ class EntryPool:
             return {e.namespace for e in self._entries.values() if e.namespace.member_fingerprint == member_fingerprint}
 
     # -- changes ----------------------------------------------------------------------------
-    def add(self, entry: Entry, *, pin: bool = True) -> list[Entry]:
+    def add(self, entry: Entry, *, pin: bool = True, held: int = 0) -> list[Entry]:
         """Store `entry` (pinned by default), evicting LRU unpinned entries; returns what was evicted.
 
         When the pinned entries leave no room, the entry is not stored (`entry.stored` stays False)
-        and the caller's lease owns it alone.
+        and the caller's lease owns it alone. `held`: bytes `hold` counted while it was built, given back
+        in the same step (no reservation can take them in between).
         """
         with self._lock:
+            self._reserved = max(0, self._reserved - held)
+            self.stats.reserved_bytes = self._reserved
             entry.id = next(self._ids)
             if pin:
                 entry.pins += 1
@@ -265,8 +268,24 @@ class EntryPool:
             self.stats.reserved_bytes = self._reserved
             return True
 
+    def hold(self, nbytes: int) -> None:
+        """Count `nbytes` of work in progress (a cache being built) against the budget, whether or not they fit:
+        the memory is being used either way. Evicts LRU unpinned entries to make what room it can, so that
+        reservations (`reserve`) see less room while the build runs. Give it back with `release`."""
+        with self._lock:
+            if nbytes <= 0:
+                return
+            for victim in [e for e in self._entries.values() if not e.pins]:
+                if self._used + self._outside + self._reserved + nbytes <= self.budget_bytes:
+                    break
+                self._remove(victim)
+                self.stats.evictions += 1
+                self.stats.evicted_bytes += victim.nbytes
+            self._reserved += nbytes
+            self.stats.reserved_bytes = self._reserved
+
     def release(self, nbytes: int) -> None:
-        """Give back `nbytes` held by `reserve`."""
+        """Give back `nbytes` held by `reserve` or `hold`."""
         with self._lock:
             self._reserved = max(0, self._reserved - nbytes)
             self.stats.reserved_bytes = self._reserved

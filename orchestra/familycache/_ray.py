@@ -550,6 +550,10 @@ class RayExecutor(Executor):
         """False: the models live in the actors; callers stream work to them."""
         return False
 
+    def parallelism(self, member: str) -> int:
+        """The member's replicas: calls go to the least busy actor, so that many run at once."""
+        return self.spec.resources(member).replicas
+
     @property
     def registry(self) -> ModelRegistry:
         """The driver's registry: configs and tokenizers, never weights."""

@@ -52,7 +52,7 @@ def batchable(cache: object) -> bool:
 
 @dataclass
 class _Job:
-    prefix_cache: KVCache
+    prefix_cache: KVCache | None
     prefix_len: int
     new_ids: list[int]
     stream: TokenStream
@@ -202,6 +202,7 @@ class BatchDecoder:
                 # one copy of the prefix, with room for the tail: the tail's pass writes in place
                 cache = room_cache(cache_layers(job.prefix_cache), len(job.new_ids) + ROOM_CHUNK,
                                    dtype=model_dtype(model), device=model_device(model))
+                job.prefix_cache = None  # copied: the row must not keep the lease's cache alive after it is released
             else:
                 cache = cast("DynamicCache", new_cache(model))
             with self.lock:
@@ -232,8 +233,10 @@ class BatchDecoder:
             return
         assert self._mask is not None
         width = max(self._mask.shape[1], length)
-        self._cache = add_row(self._cache, cache_layers(cache))
+        layers = cache_layers(cache)
+        cache.layers = []  # the batch takes each layer in turn: the joining copy is freed as it goes, not at the end
         del cache
+        self._cache = add_row(self._cache, layers)
         old = self._mask.new_zeros(self._mask.shape[0], width)
         old[:, width - self._mask.shape[1]:] = self._mask
         row = ones.new_zeros(1, width)

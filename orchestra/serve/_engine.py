@@ -361,7 +361,9 @@ class ServeEngine:
                                  f"{self.config.request_timeout_s:g} s timeout") from exc
         finally:
             if lease is not None:
-                lease.release()
+                # the Generation can outlive the request (the response object refers to it): it must not keep
+                # K/V alive that the budget stopped counting when the entry was unpinned and evicted
+                lease.close()
             self.metrics.running.dec()
             self.metrics.vllm_running.labels(model_name=member).dec()
             self._slots.release()

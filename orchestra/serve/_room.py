@@ -139,6 +139,8 @@ def add_row(batch: DynamicCache | None, layers: list[tuple[torch.Tensor, torch.T
     One copy of each row straight into a buffer with `room` spare positions: the rows are neither
     concatenated first nor copied again before the next step. `batch` is updated in place layer by
     layer, so the old and new buffers coexist for one layer at a time, never for the whole cache.
+    `layers` is emptied as its layers are copied, so a caller holding no other reference to the new
+    row's tensors frees each as soon as the batch has it (the row is not held twice while it joins).
     Padding positions are zeros (the caller's attention mask hides them).
     """
     old = [] if batch is None else [_room_layer(layer) for layer in batch.layers]
@@ -146,7 +148,8 @@ def add_row(batch: DynamicCache | None, layers: list[tuple[torch.Tensor, torch.T
     out = batch if batch is not None else DynamicCache()
     if batch is None:
         out.layers = []
-    for i, (k, v) in enumerate(layers):
+    for i in range(len(layers)):
+        k, v = layers.pop(0)
         rows = old[i].capacity_rows if old else 0
         bk = k.new_zeros(rows + 1, k.shape[1], width + room, k.shape[-1])
         bv = v.new_zeros(rows + 1, v.shape[1], width + room, v.shape[-1])

@@ -9,7 +9,7 @@ import pytest
 from orchestra._mapreduce import merge_json
 from orchestra.chunking import Chunk, prefix_tokens, select_chunks, split_document
 from orchestra.errors import DocumentError
-from orchestra.events import CacheReady, CacheStepEvent, DocumentPrefilled
+from orchestra.events import CacheReady, CacheStepEvent, DocumentPrefilled, TokenEvent
 from orchestra.family.corpus import data_text
 from orchestra.pipeline import PipelineSpec
 from orchestra.scheduler import Orchestra
@@ -169,8 +169,10 @@ async def test_mode_never_refuses_the_long_document_with_its_fix(fam, mapstore):
         await orch.run(data_text("gpl-3.txt")[:3000])
 
 
-async def test_a_chunk_call_failure_names_the_chunk_and_spares_other_agents(fam, mapstore):
-    pipe = _pipeline(fam, [_agent("ok", "base"), _agent("bad", "base")])
+@pytest.mark.parametrize("parallel", [None, 4], ids=["in-turn", "parallel"])
+async def test_a_chunk_call_failure_names_the_chunk_and_spares_other_agents(fam, mapstore, parallel):
+    extra = {"parallel_calls": parallel} if parallel else {}
+    pipe = _pipeline(fam, [_agent("ok", "base"), _agent("bad", "base")], **extra)
     orch = Orchestra(pipe, mappings=mapstore)
     generate = orch.cache.executor.generate
     calls = {"bad": 0}
@@ -186,7 +188,76 @@ async def test_a_chunk_call_failure_names_the_chunk_and_spares_other_agents(fam,
     report = await orch.run(_document())
     assert report.agent("ok").status == "succeeded"
     bad = report.agent("bad")
-    assert bad.status == "failed" and bad.error_type == "ChunkCallError" and "[chunk 2/" in bad.error
+    assert bad.status == "failed" and bad.error_type == "ChunkCallError" and "RuntimeError: boom" in bad.error
+    assert bad.error.startswith("agent 'bad' failed on [chunk ")
+    if parallel is None:  # in turn, the second call is the second chunk's
+        assert "[chunk 2/" in bad.error
+
+
+async def _in_flight_per_agent(orch) -> dict[str, int]:
+    """Wraps the executor's generate to record the most calls of each agent in flight at once."""
+    generate = orch.cache.executor.generate
+    now: Counter[str] = Counter()
+    most: dict[str, int] = {}
+
+    async def counted(member, spec, **kwargs):
+        now[spec.name] += 1
+        most[spec.name] = max(most.get(spec.name, 0), now[spec.name])
+        try:
+            return await generate(member, spec, **kwargs)
+        finally:
+            now[spec.name] -= 1
+
+    orch.cache.executor.generate = counted  # type: ignore[method-assign]
+    return most
+
+
+async def test_parallel_chunk_calls_overlap_and_report_in_document_order(fam, mapstore):
+    pipe = _pipeline(fam, [_agent("notes", "base", max_new_tokens=6)], parallel_calls=3)
+    orch = Orchestra(pipe, mappings=mapstore)
+    most = await _in_flight_per_agent(orch)
+    events: list[object] = []
+    report = await orch.run(_document(), on_event=events.append)
+    notes = report.agent("notes")
+    assert notes.status == "succeeded", notes.error
+    n = len(report.chunks)
+    assert n >= 4 and most["notes"] == 3
+    assert [c.index for c in notes.chunks] == list(range(n))
+    labels = [line for line in notes.output.splitlines() if line.startswith("[chunk ")]
+    assert [label.split("/")[0] for label in labels] == [f"[chunk {i + 1}" for i in range(n)]
+    tokens = [e for e in events if isinstance(e, TokenEvent) and e.agent == "notes"]
+    assert {e.chunk for e in tokens} == set(range(n))  # calls in flight at once: each token says its chunk
+
+
+async def test_chunk_calls_default_to_what_the_executor_can_run_at_once(fam, mapstore):
+    orch = Orchestra(_pipeline(fam, [_agent("notes", "base", max_new_tokens=4)]), mappings=mapstore)
+    assert orch.cache.executor.parallelism("base") == 1
+    most = await _in_flight_per_agent(orch)
+    orch.cache.executor.parallelism = lambda member: 2  # type: ignore[method-assign]
+    report = await orch.run(_document())
+    assert report.agent("notes").status == "succeeded" and most["notes"] == 2
+
+
+async def test_a_pdf_of_many_windows_is_read_per_page_and_each_chunk_prefilled_once(fam, mapstore, tmp_path):
+    from orchestra.documents import load_document
+    from tests.orchestra.test_documents import _pdf
+
+    text = data_text("gpl-3.txt")
+    pdf = tmp_path / "long.pdf"
+    pdf.write_bytes(_pdf([text[i * 700:(i + 1) * 700] for i in range(6)]))
+    document = load_document(pdf)
+    orch = Orchestra(_pipeline(fam, [_agent("notes", "child")]), mappings=mapstore)
+    events: list[object] = []
+    report = await orch.run(document.text, on_event=events.append)
+    assert report.agent("notes").status == "succeeded"
+    n = len(report.chunks)
+    assert n >= 6 and len(document.text) > 0
+    assert all(c.anchor is not None and c.anchor.startswith("[page ") for c in report.chunks)
+    assert {c.anchor for c in report.chunks} == {f"[page {i}]" for i in range(1, 7)}
+    prefills = Counter(e.chunk for e in events if isinstance(e, CacheStepEvent) and e.step.step == "prefill"
+                       and e.step.member == "base" and e.chunk is not None)
+    assert prefills == Counter(range(n))  # every chunk once on the source, mapped into the agent's member
+    assert {c.paths["child"] for c in report.chunks} == {"mapped"}
 
 
 def test_chunking_is_declared_in_yaml_and_in_the_builder(fam, tmp_path):

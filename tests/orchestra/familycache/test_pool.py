@@ -99,3 +99,25 @@ def test_an_entry_that_did_not_fit_counts_against_the_budget_while_a_lease_holds
     assert not pool.reserve(1)  # 200 stored + 150 held outside > 300
     pool.unpin(big)
     assert pool.outside_bytes == 0 and pool.reserve(100)
+
+
+def test_a_build_in_progress_holds_budget_that_reservations_cannot_take():
+    pool = EntryPool(300, block_tokens=4)
+    loose = _entry(range(8), nbytes=100)
+    pool.add(loose, pin=False)
+    pool.hold(250)  # a cache being built: its bytes are memory already, fitting or not
+    assert not loose.stored and pool.reserved_bytes == 250  # the unpinned entry made room for it
+    assert not pool.reserve(100)  # a decoding row waits while the build runs
+    built = _entry(range(20, 40), nbytes=250)
+    pool.add(built, pin=True, held=250)  # the hold becomes the entry in one step
+    assert built.stored and pool.reserved_bytes == 0 and pool.used_bytes == 250
+    assert pool.reserve(50) and not pool.reserve(1)
+
+
+def test_a_hold_is_counted_even_when_pinned_entries_leave_no_room():
+    pool = EntryPool(200, block_tokens=4)
+    pool.add(_entry(range(8), nbytes=150), pin=True)
+    pool.hold(100)
+    assert pool.reserved_bytes == 100 and not pool.reserve(1)
+    pool.release(100)
+    assert pool.reserve(50)

@@ -328,3 +328,17 @@ async def test_vllm_named_series_count_tokens_latency_and_prefix_hits(client):
     assert delta["vllm:prefix_cache_hits_total"] >= again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert delta["vllm:e2e_request_latency_seconds_count"] == delta["vllm:time_to_first_token_seconds_count"] == 2
     assert sample(after, "vllm:num_requests_running", model_name="root") == 0
+
+
+async def test_a_finished_request_keeps_no_k_v_the_budget_stopped_counting(tiny_serve_family):
+    import weakref
+
+    engine = tiny_engine(tiny_serve_family)
+    req = ChatCompletionRequest.model_validate(BODY)
+    async with engine.open(req) as gen:
+        await gen.text()
+        keys = weakref.ref(gen.lease.local_cache().layers[0].keys)
+    assert gen.lease.cache is None  # the Generation lives on here, as a response object's may
+    engine.cache.pool.clear()  # the entry leaves the budget (evicted): its K/V must go with it
+    assert keys() is None
+    engine.close()
