@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,40 +41,26 @@ class Server:
     """`python -m orchestra serve` on a free port, with its RSS sampled every 100 ms."""
 
     def __init__(self, log: Path, *args: str) -> None:
-        import httpx
         import psutil
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", *args]
-        self.log = log
-        self.process = subprocess.Popen([sys.executable, "-m", "orchestra", "serve", *self.args], cwd=ROOT,
-                                        stdout=log.open("w"), stderr=subprocess.STDOUT)
+        from orchestra.serve import start_server
+
+        self._t0 = time.monotonic()
+        started = start_server(["--device", "cpu", *args], log=log, cwd=ROOT)
+        self.process, self.base_url, self.log = started.process, started.base_url, log
         self.ps = psutil.Process(self.process.pid)
         self.peak_rss = 0
         self.held = 0
-        """The server's cache bytes + bytes decoding rows hold (its /metrics), sampled every second."""
+        """Cache bytes + decoding rows' bytes + entries in use beyond the budget (the server's /metrics), each second."""
         self.peak_held = 0
         self.held_at_peak = 0
         """`held` when RSS peaked: what of the peak the cache budget accounts for."""
         self.idle_rss = 0
+        self.idle_kinds: dict[str, float] = {}
         """RSS once every member is loaded and warm, before any document: the models and the runtime."""
+        self.timeline: list[dict[str, float]] = []
+        """One sample a second: seconds since start, RSS and what the budget accounts for (cache, rows, outside)."""
         self._stop = threading.Event()
-        deadline = time.monotonic() + 300
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"orchestra serve exited {self.process.returncode}: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.base_url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError("orchestra serve was not ready in 300 s")
-            time.sleep(0.2)
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
 
@@ -85,8 +70,12 @@ class Server:
             if tick % 10 == 0:
                 try:
                     m = self.metrics(timeout=2)
-                    self.held = int(m.get("orchestra_cache_bytes", 0) + m.get("orchestra_decode_reserved_bytes", 0))
+                    parts = {key: m.get(f"orchestra_{key}_bytes", 0.0)
+                             for key in ("cache", "decode_reserved", "cache_outside")}
+                    self.held = int(sum(parts.values()))
                     self.peak_held = max(self.peak_held, self.held)
+                    self.timeline.append({"t": round(time.monotonic() - self._t0, 1),
+                                          "rss": float(self.ps.memory_info().rss), **self.rss_kinds(), **parts})
                 except Exception:  # busy or gone: keep the last reading
                     pass
             tick += 1
@@ -98,11 +87,24 @@ class Server:
                 self.peak_rss, self.held_at_peak = rss, self.held
             time.sleep(0.1)
 
+    def rss_kinds(self) -> dict[str, float]:
+        """Resident bytes by kind (Linux): anonymous (heap, tensors) and file-backed (mapped model weights)."""
+        kinds: dict[str, float] = {}
+        try:
+            for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile"):
+                    kinds[key[3:].lower()] = float(value.split()[0]) * 1024
+        except OSError:
+            pass
+        return kinds
+
     def rss(self) -> int:
         return self.ps.memory_info().rss
 
     def reset_peak(self) -> None:
         self.peak_rss, self.peak_held, self.held_at_peak = self.rss(), self.held, self.held
+        self.timeline.clear()
 
     def metrics(self, timeout: float = 30) -> dict[str, float]:
         """Every Prometheus sample, by its full name with labels."""
@@ -258,7 +260,7 @@ QUESTIONS = [
 async def warm(server: Server, models: list[str]) -> None:
     async with client_for(server) as client:
         for model in models:  # load the weights (seconds each) outside any timing
-            await ask(client, model, [{"role": "user", "content": "Hello."}], 1)
+            await ask(client, model, [{"role": "user", "content": "Hello."}], 4)  # a prefill and decode steps
 
 
 async def headline(server: Server, document: str, source: str, target: str, repeats: int) -> dict[str, Any]:
@@ -315,7 +317,7 @@ async def load(server: Server, document: str, clients: int, models: list[str], m
                 "by_model": {m: summary([a for a in everything if a.model == m], wall) for m in models},
                 "rss_before_bytes": before, "rss_peak_bytes": server.peak_rss, "rss_after_bytes": server.rss(),
                 "cache_and_rows_peak_bytes": server.peak_held, "cache_and_rows_at_rss_peak_bytes": server.held_at_peak,
-                "rss_idle_models_bytes": server.idle_rss})
+                "rss_idle_models_bytes": server.idle_rss, "rss_idle_kinds": server.idle_kinds, "timeline": list(server.timeline)})
     for part in ("first_turn", "second_turn", *[f"by_model.{m}" for m in models]):
         target = out[part] if "." not in part else out["by_model"][part.split(".", 1)[1]]
         target.pop("failed", None)
@@ -514,7 +516,7 @@ def main() -> None:
     server = Server(logs / "server.log", *server_args)
     try:
         asyncio.run(warm(server, ["root", "finetuned"]))
-        server.idle_rss = server.rss()
+        server.idle_rss, server.idle_kinds = server.rss(), server.rss_kinds()
         if args.load_only and args.skip_headline:
             result["headline"] = None
         else:

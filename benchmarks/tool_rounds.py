@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,32 +30,15 @@ LOOKUP = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve(home: str | None, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _port()
-    cmd = [sys.executable, "-m", "orchestra", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-           "--max-tokens-limit", "256", "--cache-mb", "2048"] + (["--home", home] if home else [])
-    env = {**os.environ, "ORCHESTRA_KV_STORE": "off"}
-    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
+    from orchestra.serve import ServerStartError, start_server
 
-    for _ in range(900):
-        if process.poll() is not None:
-            raise SystemExit(f"orchestra serve exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit("orchestra serve was not ready")
+    args = ["--device", "cpu", "--max-tokens-limit", "256", "--cache-mb", "2048"] + (["--home", home] if home else [])
+    try:
+        server = start_server(args, log=log, env={"ORCHESTRA_KV_STORE": "off"}, cwd=ROOT, timeout=180)
+    except ServerStartError as exc:
+        raise SystemExit(str(exc)) from None
+    return server.process, server.base_url
 
 
 def conversation(client: Any, document: str, rounds: int, model: str, then: str | None) -> list[dict[str, Any]]:

@@ -19,15 +19,12 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import httpx
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -39,33 +36,18 @@ FINISHED_PNG = "web-view-finished.png"
 WIDTH = 1500
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(home: Path, pipelines: Path, tiny: bool, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "orchestra", "serve", "--home", str(home), "--port", str(port), "--device", "cpu",
-           "--pipelines", str(pipelines), "--log-format", "console"]
+    from orchestra.serve import ServerStartError
+    from orchestra.serve import start_server as launch
+
+    args = ["--home", str(home), "--device", "cpu", "--pipelines", str(pipelines), "--log-format", "console"]
     if tiny:  # a fresh tiny home has no mappings: calibrate them in the run (seconds on tiny models)
-        cmd += ["--on-missing-mapping", "calibrate"]
-    process = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"orchestra serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                return process, base
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise SystemExit(f"orchestra serve was not ready in 300 s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+        args += ["--on-missing-mapping", "calibrate"]
+    try:
+        server = launch(args, log=log, cwd=ROOT)
+    except ServerStartError as exc:
+        raise SystemExit(str(exc)) from None
+    return server.process, server.base_url
 
 
 def open_browser() -> WebDriver:

@@ -33,10 +33,10 @@ from orchestra.bench.pipeline import (
     pipeline_markdown,
     run_pipeline,
 )
-from orchestra.bench.qa import QASet, is_correct, load_qa, normalize
+from orchestra.bench.qa import QASet, is_correct, load_qa, normalize, passage_window, token_offsets
 from orchestra.bench.quality import QualityConfig, QualitySection, run_quality
 from orchestra.bench.report import BenchResults, render_markdown, write_plots, write_results
-from orchestra.bench.tasks import TaskConfig, TaskSection, rouge_l, run_tasks
+from orchestra.bench.tasks import QAAsker, TaskConfig, TaskSection, plain_prompt_ids, rouge_l, run_tasks
 from orchestra.bench.timing import TimingConfig, TimingSection, run_timing
 
 __all__ = [
@@ -45,7 +45,8 @@ __all__ = [
     "ALL_PROJECTIONS", "make_lora_adapter", "distinct_bytes", "hub_repo",
     "QualityConfig", "QualitySection", "run_quality",
     "TimingConfig", "TimingSection", "run_timing",
-    "TaskConfig", "TaskSection", "run_tasks", "rouge_l", "QASet", "load_qa", "normalize", "is_correct",
+    "TaskConfig", "TaskSection", "run_tasks", "rouge_l", "QAAsker", "plain_prompt_ids",
+    "QASet", "load_qa", "normalize", "is_correct", "passage_window", "token_offsets",
     "PipelineConfig", "PipelineSection", "PipelineComparison", "compare_pipeline", "run_pipeline",
     "pipeline_markdown",
     "CalibrationBenchConfig", "CalibrationSection", "run_calibration",

@@ -172,17 +172,22 @@ def rouge_l(reference: str, candidate: str) -> float:
 
 
 # -- running ----------------------------------------------------------------------------------------
-class _Asker:
-    """Answers questions with the question_answerer built-in over a lease's cache; memoises exact caches."""
+class QAAsker:
+    """Answers questions with an agent (the question_answerer built-in unless `agent` is given) over a lease's
+    cache, or the plain way; memoises answers on exact caches."""
 
-    def __init__(self, fam: BenchFamily, cache: FamilyCache, max_new_tokens: int, stop: list[str]) -> None:
+    def __init__(self, fam: BenchFamily, cache: FamilyCache, max_new_tokens: int, stop: list[str],
+                 agent: Callable[[str, int], AgentSpec] | None = None) -> None:
         self.fam, self.cache, self.max_new, self.stop = fam, cache, max_new_tokens, tuple(stop)
+        self.agent = agent
+        """(question, max_new_tokens) -> the agent that answers (None: the question_answerer built-in)."""
         self._memo: dict[tuple[str, tuple[int, ...], str], tuple[str, str | None]] = {}
 
     def spec(self, q: QAQuestion) -> AgentSpec:
         from agents import BUILTINS
 
-        spec = BUILTINS["question_answerer"](question=q.question, max_new_tokens=self.max_new)
+        make = self.agent or (lambda question, n: BUILTINS["question_answerer"](question=question, max_new_tokens=n))
+        spec = make(q.question, self.max_new)
         if not self.stop:
             return spec
         return spec.model_copy(update={"generation": spec.generation.model_copy(update={"stop": self.stop})})
@@ -327,7 +332,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
     cache = fam.family_cache(source, tail_tokens=config.tail_tokens, repair_costs=config.repair_costs)
     open_gate = GatePolicy(offline=None, probe=None)
     repair = RepairPolicy(budget=config.repair_budget)
-    asker = _Asker(fam, cache, config.max_new_tokens, config.stop)
+    asker = QAAsker(fam, cache, config.max_new_tokens, config.stop)
     offsets: dict[str, list[tuple[int, int]]] = {}
     texts: dict[tuple[str, int], str] = {}
 
@@ -412,7 +417,7 @@ _Plain = Callable[[str, str, int, int, list["QAQuestion"]], list[QAAnswer]]
 
 
 def _length_row(length: int, member: str, groups: dict[str, list[QAQuestion]],
-                window: Callable[[str, int], tuple[list[int], int]], asker: _Asker, cache: FamilyCache,
+                window: Callable[[str, int], tuple[list[int], int]], asker: QAAsker, cache: FamilyCache,
                 answer: _Answer, progress: bool, plain: _Plain | None = None) -> LengthRow:
     from tqdm.auto import tqdm
 

@@ -66,6 +66,11 @@ __all__ = ["FamilyCache", "CacheLease", "CachePath", "StepSink"]
 
 log = structlog.get_logger("orchestra.cache")
 
+BUILD_MEMORY_FACTOR = 3.0
+"""A build's peak memory over the K/V it leaves: the forward pass's activations live beside the growing cache
+until it returns (`benchmarks/build_memory.py`: prefills of 1k to 4k tokens peak at 1.7x to 2.8x on CPU, maps at
+up to 1.7x)."""
+
 CachePath = Literal["exact", "mapped", "reprefilled"]
 StepSink = Callable[[CacheStep], None]
 
@@ -492,7 +497,8 @@ class FamilyCache:
         seed = _Request(route.source, self.executor.info(route.source), req.ids, req.gate, req.repair, req.tail,
                         req.step, cancel=req.cancel)
         try:
-            self._run_flight(seed, flight, self._exact_build(seed, flight.member_ns, route.base, route.start))
+            self._run_flight(seed, flight, self._exact_build(seed, flight.member_ns, route.base, route.start),
+                             computed=len(req.ids) - route.start)
         finally:
             req.pinned.extend(seed.pinned)  # kept until the request ends: the next plan maps this build
             req.prefill_s += seed.prefill_s
@@ -523,7 +529,8 @@ class FamilyCache:
         else:
             assert flight is not None
             base, start = (route.base, route.start) if isinstance(route, Extend) else (None, 0)
-            entry, reused = self._run_flight(req, flight, self._exact_build(req, flight.member_ns, base, start)), start
+            build = self._exact_build(req, flight.member_ns, base, start)
+            entry, reused = self._run_flight(req, flight, build, computed=n - start), start
         if refused is not None:
             req.step(CacheStep(step="fallback", member=req.member, tokens=n, reason=refused))
             log.info("cache_fallback", member=req.member, reason=refused)
@@ -769,9 +776,10 @@ class FamilyCache:
         req.step(CacheStep(step="join", member=req.member, tokens=len(ids), reused_tokens=len(ids)))
         return flight.entry, True
 
-    def _run_flight(self, req: _Request, flight: _Flight, build: Callable[[], Entry]) -> Entry:
-        """Build the registered `flight`'s entry, store it (pinned for the request), and let its waiters go."""
-        held = self._build_bytes(req.member, len(flight.ids))
+    def _run_flight(self, req: _Request, flight: _Flight, build: Callable[[], Entry], computed: int | None = None) -> Entry:
+        """Build the registered `flight`'s entry, store it (pinned for the request), and let its waiters go.
+        `computed`: the tokens the build runs the model over (None: all of them)."""
+        held = self._build_bytes(req.member, len(flight.ids), len(flight.ids) if computed is None else computed)
         self.pool.hold(held)  # the build's K/V are memory before they are an entry: decoding rows must not take it
         try:
             try:
@@ -779,7 +787,8 @@ class FamilyCache:
             except BaseException:
                 self.pool.release(held)
                 raise
-            self._token_bytes.setdefault(req.member, entry.nbytes / max(1, len(entry.tokens)))
+            if req.member not in self._token_bytes and entry.tokens:  # K/V alone: kept logits do not grow per token
+                self._token_bytes[req.member] = self._nbytes(entry.cache) / len(entry.tokens)
             if not self.policy.store:
                 self.pool.release(held)
                 entry.pins += 1
@@ -799,9 +808,16 @@ class FamilyCache:
         finally:
             self._land(flight)
 
-    def _build_bytes(self, member: str, tokens: int) -> int:
-        """What a `tokens`-long entry of `member` holds, from the first one built (0 before: nothing to go by)."""
-        return int(self._token_bytes.get(member, 0.0) * tokens)
+    def _build_bytes(self, member: str, tokens: int, computed: int) -> int:
+        """What building a `tokens`-long entry of `member` over `computed` new tokens takes: the entry's K/V (per
+        token as the member's first entry held; before one, from its config at 4 bytes an element) and the
+        working memory of the forward pass over the computed tokens."""
+        per_token = self._token_bytes.get(member)
+        if per_token is None:
+            from mappings.cache_io import kv_token_bytes
+
+            per_token = float(kv_token_bytes(self.executor.info(member).config, 4))
+        return int(per_token * (tokens + (BUILD_MEMORY_FACTOR - 1) * min(computed, tokens)))
 
     def _land(self, flight: _Flight) -> None:
         """The flight is over (built, failed or given up): no new request finds it, its waiters plan again."""
@@ -862,7 +878,8 @@ class FamilyCache:
                     entry = route.entry
                 elif isinstance(route, Extend):
                     assert flight is not None
-                    entry = self._run_flight(req, flight, self._extend_mapped(req, route.base, route.start))
+                    entry = self._run_flight(req, flight, self._extend_mapped(req, route.base, route.start),
+                                             computed=len(req.ids) - route.start)
                 else:
                     assert flight is not None
                     entry = self._run_flight(req, flight, self._map_build(req, source, route.source_entry,

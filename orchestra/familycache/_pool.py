@@ -13,7 +13,7 @@ import itertools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -135,7 +135,18 @@ class EntryPool:
         self._used = 0
         self._reserved = 0
         self._outside = 0
+        self._listeners: list[Callable[[], None]] = []
         self.stats = PoolStats()
+
+    def on_free(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (no arguments; in the freeing thread, outside the pool's lock) whenever budget may
+        have come free: a reservation or hold given back, an entry unpinned. Whoever waits for room re-checks."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _freed(self) -> None:
+        for listener in list(self._listeners):
+            listener()
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -220,6 +231,12 @@ class EntryPool:
         and the caller's lease owns it alone. `held`: bytes `hold` counted while it was built, given back
         in the same step (no reservation can take them in between).
         """
+        evicted = self._add(entry, pin=pin, held=held)
+        if held:  # a build's working memory is free now, beside its entry
+            self._freed()
+        return evicted
+
+    def _add(self, entry: Entry, *, pin: bool, held: int) -> list[Entry]:
         with self._lock:
             self._reserved = max(0, self._reserved - held)
             self.stats.reserved_bytes = self._reserved
@@ -289,6 +306,7 @@ class EntryPool:
         with self._lock:
             self._reserved = max(0, self._reserved - nbytes)
             self.stats.reserved_bytes = self._reserved
+        self._freed()
 
     def pin(self, entry: Entry) -> None:
         with self._lock:
@@ -310,7 +328,8 @@ class EntryPool:
                     evicted.append(victim)
                     self.stats.evictions += 1
                     self.stats.evicted_bytes += victim.nbytes
-            return evicted
+        self._freed()
+        return evicted
 
     def _remove(self, entry: Entry) -> None:
         self._entries.pop(entry.id, None)

@@ -25,6 +25,7 @@ from orchestra.serve._errors import (
     Unavailable,
 )
 from orchestra.serve._metrics import ServeMetrics
+from orchestra.serve._process import ServerProcess, ServerStartError, free_port, start_server
 from orchestra.serve._schemas import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage
 
 __all__ = [
@@ -34,6 +35,10 @@ __all__ = [
     "Generation",
     "CacheInfo",
     "ServeMetrics",
+    "ServerProcess",
+    "ServerStartError",
+    "start_server",
+    "free_port",
     "render_messages",
     "tune_allocator",
     "ChatCompletionRequest",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -34,8 +35,18 @@ class WorkingMemory(Protocol):
     def reserve(self, nbytes: int) -> bool:
         """Hold `nbytes`, making room if the budget can; False (nothing held) when it cannot."""
 
+    def hold(self, nbytes: int) -> None:
+        """Count `nbytes` in use whether or not they fit (a row that must decode although the budget is full)."""
+
     def release(self, nbytes: int) -> None:
-        """Give back `nbytes` held by `reserve`."""
+        """Give back `nbytes` held by `reserve` or `hold`."""
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes held now by reservations and builds (every member's): 0 when nothing decodes or builds."""
+
+    def on_free(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever budget may have come free (a release, an unpin)."""
 
 
 def batchable(cache: object) -> bool:
@@ -78,15 +89,20 @@ class BatchDecoder:
         self.lock = lock
         self.max_batch = max_batch
         self.memory = memory
-        """Rows join only while their K/V fit this budget (one row always may, so replies never stall)."""
+        """Rows join only while their K/V fit this budget; a row that does not fit waits for room, unless nothing
+        holds any (no row decodes and nothing builds, on any member): then it joins alone, so replies never stall."""
         self.over_budget_rows = 0
-        """Rows admitted alone although the budget had no room for them (nothing else was decoding)."""
+        """Rows admitted alone although the budget had no room for them (nothing else held any)."""
+        self._stalled = False
+        """The first waiting row found no room and nothing here decodes: sleep until the budget frees some."""
         self._waiting: list[_Job] = []
         self._rows: list[_Job] = []
         self._mask: torch.Tensor | None = None
         self._cache: DynamicCache | None = None
         """The batch's cache: `RoomLayer`s with a row per job (a step writes its token in place)."""
         self._cv = threading.Condition()
+        if memory is not None:
+            memory.on_free(self._room_freed)
         self._thread: threading.Thread | None = None
         self._closed = False
         self.steps = 0
@@ -116,17 +132,27 @@ class BatchDecoder:
             self._closed = True
             self._cv.notify()
 
+    def _room_freed(self) -> None:
+        with self._cv:
+            if self._stalled:
+                self._stalled = False
+                self._cv.notify()
+
     # -- the loop (decoder thread) ----------------------------------------------------------------
     def _loop(self) -> None:
         import torch
 
         while True:
             with self._cv:
-                while not self._waiting and not self._rows and not self._closed:
-                    self._cv.wait()
+                while not self._rows and not self._closed and (not self._waiting or self._stalled):
+                    # a stalled row is woken by freed budget; the timeout only looks for cancelled waiting rows
+                    self._cv.wait(timeout=1.0 if self._stalled else None)
+                    if self._stalled and any(job.cancel.is_set() for job in self._waiting):
+                        break
                 if self._closed and not self._waiting and not self._rows:
                     return
                 joining = self._admit()
+                self._stalled = bool(self._waiting) and not joining and not self._rows
             try:
                 with torch.no_grad():
                     for job in joining:
@@ -141,16 +167,24 @@ class BatchDecoder:
 
     def _admit(self) -> list[_Job]:
         """The waiting jobs that join now (called with `_cv` held): as many as the batch has rows for and, in
-        arrival order, the memory budget has room for; when nothing decodes, the first joins regardless."""
+        arrival order, the memory budget has room for; when nothing holds any of it (no row, no build, on any
+        member), the first joins regardless."""
+        cancelled = [job for job in self._waiting if job.cancel.is_set()]
+        if cancelled:  # gone before they joined: they hold nothing, and must not wait for room they no longer need
+            self._waiting = [job for job in self._waiting if not job.cancel.is_set()]
+            for job in cancelled:
+                self._finish(job, cancelled=True)
         room = max(0, self.max_batch - len(self._rows))
         joining: list[_Job] = []
         for job in self._waiting[:room]:
             need = self._row_bytes(job)
             if self.memory is None or self.memory.reserve(need):
                 job.reserved = need if self.memory is not None else 0
-            elif self._rows or joining:
-                break  # it waits for a row to leave and give its bytes back
-            else:
+            elif self._rows or joining or (self.memory.reserved_bytes > 0 and not self._closed):
+                break  # it waits for a row (here or on another member) or a build to give its bytes back
+            else:  # counted all the same: while it decodes, no other member's row may join over the budget too
+                self.memory.hold(need)
+                job.reserved = need
                 self.over_budget_rows += 1
             joining.append(job)
         self._waiting = self._waiting[len(joining):]
@@ -158,17 +192,12 @@ class BatchDecoder:
 
     def _row_bytes(self, job: _Job) -> int:
         """A row's K/V once decoding: its prompt and a chunk of reply, at least as wide as the batch's rows."""
+        from mappings.cache_io import kv_token_bytes, model_dtype
         from orchestra.serve._room import ROOM_CHUNK
-
-        config = self.model.model.config
-        text = getattr(config, "text_config", None) or config
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        from mappings.cache_io import model_dtype
 
         element = model_dtype(self.model.model).itemsize  # the K/V's dtype, not a quantized weight's
         width = max(job.prefix_len + len(job.new_ids), self._mask.shape[1] if self._mask is not None else 0)
-        return int(text.num_hidden_layers * 2 * heads * head_dim * element * (width + ROOM_CHUNK))
+        return kv_token_bytes(self.model.model.config, element) * (width + ROOM_CHUNK)
 
     def _give_back(self, job: _Job) -> None:
         if job.reserved and self.memory is not None:

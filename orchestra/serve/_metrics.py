@@ -80,11 +80,14 @@ class ServeMetrics:
                                   registry=r)
         self.decode_bytes = Gauge("orchestra_decode_reserved_bytes",
                                   "Bytes of the cache budget held by decoding rows (their K/V)", registry=r)
+        self.outside_bytes = Gauge("orchestra_cache_outside_bytes", "Bytes of cache entries in use that the budget "
+                                   "had no room to store (held by requests until they end)", registry=r)
 
     def bind_cache(self, cache: FamilyCache) -> None:
         self.cache_bytes.set_function(lambda: float(cache.used_bytes))
         self.cache_budget.set(cache.pool.budget_bytes)
         self.decode_bytes.set_function(lambda: float(cache.pool.reserved_bytes))
+        self.outside_bytes.set_function(lambda: float(cache.pool.outside_bytes))
         disk = cache.disk
         if disk is not None:
             self.disk_bytes.set_function(lambda: float(disk.used_bytes))

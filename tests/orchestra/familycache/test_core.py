@@ -422,3 +422,32 @@ def test_seeding_off_prefills_a_cold_request_on_its_own_member(registry, mapstor
     with cache.acquire_sync("child", doc) as lease:
         assert lease.path == "exact"
         assert [(s.step, s.member) for s in lease.steps if s.step in ("prefill", "map")] == [("prefill", "child")]
+
+
+def test_a_build_holds_its_k_v_and_working_memory_against_the_budget_until_it_becomes_an_entry(registry, mapstore):
+    """While a build runs, the budget counts the entry it will leave and its forward pass's working memory
+    (`BUILD_MEMORY_FACTOR`) over the tokens it computes: a prefill over all of them, an extension over its new
+    ones only. Per token from the model's shape before any entry exists, then from the first entry's K/V."""
+    from mappings.cache_io import kv_token_bytes
+    from orchestra.familycache._core import BUILD_MEMORY_FACTOR
+
+    cache = _family_cache(registry, mapstore)
+    doc = _ids(registry, data_text("gpl-3.txt")[:300])
+    longer = doc + _ids(registry, " The next paragraph follows the first one here.")
+    seen: list[int] = []
+    hook = registry.load("base").model.register_forward_pre_hook(lambda *_: seen.append(cache.pool.reserved_bytes))
+    try:
+        with cache.acquire_sync("base", doc):
+            pass
+        first = list(seen)
+        seen.clear()
+        with cache.acquire_sync("base", longer) as lease:
+            assert lease.reused_tokens == len(doc)  # an extension of the first entry
+    finally:
+        hook.remove()
+    per_token = kv_token_bytes(registry.info("base").config, 4)  # the tiny family's K/V is float32
+    extra = BUILD_MEMORY_FACTOR - 1
+    assert first and first[0] == int(per_token * (len(doc) + extra * len(doc)))
+    new = len(longer) - len(doc)
+    assert seen and seen[0] == int(per_token * (len(longer) + extra * new))
+    assert cache.pool.reserved_bytes == 0 and cache.pool.used_bytes >= per_token * (len(doc) + len(longer))

@@ -121,3 +121,19 @@ def test_a_hold_is_counted_even_when_pinned_entries_leave_no_room():
     assert pool.reserved_bytes == 100 and not pool.reserve(1)
     pool.release(100)
     assert pool.reserve(50)
+
+
+def test_whoever_waits_for_room_hears_of_every_release_unpin_and_finished_build():
+    pool = EntryPool(300, block_tokens=4)
+    heard: list[int] = []
+    pool.on_free(lambda: heard.append(pool.reserved_bytes))
+    pinned = _entry(range(8), nbytes=100)
+    pool.add(pinned, pin=True)
+    assert pool.reserve(100) and heard == []  # taking budget frees nothing
+    pool.release(100)
+    assert heard == [0]
+    pool.hold(150)
+    pool.add(_entry(range(20, 40), nbytes=60), pin=True, held=150)  # a build's working memory comes free
+    assert heard == [0, 0]
+    pool.unpin(pinned)
+    assert heard == [0, 0, 0] and pool.reserve(200)  # the unpinned entry is evicted for the reservation

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +17,8 @@ from orchestra.family.manifest import FamilyManifest, MemberRecord
 from orchestra.familycache import CachePolicy, FamilyCache
 from orchestra.mapstore import MappingStore
 from orchestra.registry import ModelRegistry
-from orchestra.serve import ServeConfig, ServeEngine
+from orchestra.serve import ServeConfig, ServeEngine, ServerProcess
+from orchestra.serve import start_server as launch
 from tests.tiny_family import build_tiny_family
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -62,17 +59,8 @@ def tiny_engine(family: TinyServeFamily, **config) -> ServeEngine:
 
 
 # -- a live server over the bundled family ---------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class LiveServer:
-    process: subprocess.Popen
-    base_url: str
-    log: Path
+class LiveServer(ServerProcess):
+    """The server process with the probes tests use: its metrics, waiting for idle."""
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a Prometheus sample over the series matching `labels`."""
@@ -93,39 +81,12 @@ class LiveServer:
             assert time.monotonic() < deadline, "the server still runs a generation"
             time.sleep(0.05)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise
-
 
 def start_server(home: str | os.PathLike[str], log: Path, *args: str, env: dict[str, str] | None = None,
                  timeout: float = 180.0) -> LiveServer:
-    """`python -m orchestra serve` on a free 127.0.0.1 port, once /readyz answers 200."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "orchestra", "serve", "--home", str(home), "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", *args]
-    out = log.open("w")
-    process = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
-    server = LiveServer(process, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"orchestra serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{server.base_url}/readyz", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"orchestra serve was not ready in {timeout:g} s:\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
+    """`python -m orchestra serve` over `home` on a free 127.0.0.1 port, once /readyz answers 200."""
+    started = launch(["--home", str(home), "--device", "cpu", *args], log=log, env=env, cwd=ROOT, timeout=timeout)
+    return LiveServer(started.process, started.base_url, started.log)
 
 
 @pytest.fixture

@@ -139,12 +139,32 @@ async def test_concurrent_questions_about_one_system_document_prefill_it_once(ti
     engine.close()
 
 
-async def test_rows_wait_for_room_in_the_cache_budget_and_still_get_their_solo_replies(tiny_serve_family, solo):
-    """Decoding rows hold their K/V against the cache budget: with no room, each row decodes alone, in turn."""
+async def test_rows_wait_for_room_in_the_cache_budget_and_still_get_their_solo_replies(tiny_serve_family, solo,
+                                                                                          monkeypatch):
+    """Decoding rows hold their K/V against the cache budget: with no room, one row decodes at a time, on either
+    member (a row over the budget is counted, so the other member's rows wait for it)."""
+    from orchestra.serve._batch import BatchDecoder
+
+    decoding: set[int] = set()
+    most = [0]
+    merge, finish = BatchDecoder._merge, BatchDecoder._finish
+
+    def merged(self, job, cache):
+        decoding.add(id(job))
+        most[0] = max(most[0], len(decoding))
+        return merge(self, job, cache)
+
+    def finished(self, job, **kwargs):
+        decoding.discard(id(job))
+        return finish(self, job, **kwargs)
+
+    monkeypatch.setattr(BatchDecoder, "_merge", merged)
+    monkeypatch.setattr(BatchDecoder, "_finish", finished)
     engine = tiny_engine(tiny_serve_family, batch_decode=True, max_concurrent=8, max_batch=8)
-    engine.cache.pool.budget_bytes = 1  # no row fits: one at a time, admitted only when nothing else decodes
+    engine.cache.pool.budget_bytes = 1  # no row fits: one at a time, admitted only when nothing else holds budget
     batched = await replies(engine, [request(m, t) for m, t in PROMPTS])
     assert batched == solo
+    assert most[0] == 1, "rows of both members decoded over the budget at once"
     for member in ("root", "finetuned"):
         decoder = engine._batchers[member]
         assert decoder.steps > 0 and decoder.rows_stepped == decoder.steps, "two rows decoded over the budget"

@@ -26,8 +26,7 @@ from orchestra.familycache import CachePolicy, FamilyCache, make_executor
 from orchestra.gates import GatePolicy
 from orchestra.mapstore import MappingStore
 from orchestra.pipeline import ExecutorSpec
-from orchestra.serve import ServeConfig, ServeEngine, create_app
-from tests.orchestra.serve.conftest import free_port
+from orchestra.serve import ServeConfig, ServeEngine, create_app, free_port
 
 ray = pytest.importorskip("ray")
 uvicorn = pytest.importorskip("uvicorn")
