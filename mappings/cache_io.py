@@ -49,7 +49,6 @@ __all__ = [
     "prefill",
     "model_device",
     "model_dtype",
-    "kv_token_bytes",
     "sync_device",
     "ForwardOutputs",
 ]
@@ -301,20 +300,6 @@ def model_device(model: Module) -> torch.device:
         return next(model.parameters()).device
     except StopIteration:
         raise UnsupportedModelError(f"{type(model).__name__} has no parameters: cannot tell its device") from None
-
-
-def kv_token_bytes(config: object, itemsize: int) -> int:
-    """Bytes one token's keys and values take over every layer, for a model config (a transformers config
-    object or its config.json as a dict; a multimodal one's text part), at `itemsize` bytes an element."""
-    def number(source: object, key: str) -> int:
-        value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
-        return int(value) if isinstance(value, (int, float)) else 0
-
-    text = (config.get("text_config") if isinstance(config, dict) else getattr(config, "text_config", None)) or config
-    attention_heads = number(text, "num_attention_heads")
-    heads = number(text, "num_key_value_heads") or attention_heads
-    head_dim = number(text, "head_dim") or number(text, "hidden_size") // max(1, attention_heads)
-    return number(text, "num_hidden_layers") * 2 * heads * head_dim * itemsize
 
 
 def model_dtype(model: Module) -> torch.dtype:

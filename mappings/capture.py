@@ -9,9 +9,10 @@ applied); :mod:`mappings.rope` strips it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, cast
 
 from mappings.cache_io import cache_layers, forward_with_cache, model_device
@@ -32,6 +33,7 @@ __all__ = [
     "make_windows",
     "decoder_layers",
     "kv_shape",
+    "kv_token_bytes",
     "KVShape",
 ]
 
@@ -64,6 +66,16 @@ def kv_shape(config: ModelConfig) -> KVShape:
         config = config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return KVShape(int(config.num_hidden_layers), int(heads), head_dim_of(config))
+
+
+def kv_token_bytes(config: ModelConfig | Mapping[str, object], itemsize: int) -> int:
+    """Bytes one token's keys and values take over every layer at `itemsize` bytes an element, for a model
+    config or its config.json as read (a dict; a multimodal one's ``text_config`` part)."""
+    if isinstance(config, Mapping):
+        text = config.get("text_config") or config
+        config = cast("ModelConfig", SimpleNamespace(**dict(cast("Mapping[str, object]", text))))
+    shape = kv_shape(config)
+    return 2 * shape.num_layers * shape.width * itemsize
 
 
 @dataclass

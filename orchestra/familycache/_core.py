@@ -814,7 +814,7 @@ class FamilyCache:
         working memory of the forward pass over the computed tokens."""
         per_token = self._token_bytes.get(member)
         if per_token is None:
-            from mappings.cache_io import kv_token_bytes
+            from mappings.capture import kv_token_bytes
 
             per_token = float(kv_token_bytes(self.executor.info(member).config, 4))
         return int(per_token * (tokens + (BUILD_MEMORY_FACTOR - 1) * min(computed, tokens)))

@@ -263,6 +263,12 @@ class EntryPool:
         evictable = sum(e.nbytes for e in self._entries.values() if not e.pins)
         if self._used - evictable + self._outside + self._reserved + nbytes > self.budget_bytes:
             return False
+        evicted += self._evict_lru(nbytes)
+        return True
+
+    def _evict_lru(self, nbytes: int) -> list[Entry]:
+        """Evict unpinned entries, least recently used first, until `nbytes` more fit (or none is left)."""
+        evicted: list[Entry] = []
         for victim in [e for e in self._entries.values() if not e.pins]:
             if self._used + self._outside + self._reserved + nbytes <= self.budget_bytes:
                 break
@@ -270,7 +276,7 @@ class EntryPool:
             evicted.append(victim)
             self.stats.evictions += 1
             self.stats.evicted_bytes += victim.nbytes
-        return True
+        return evicted
 
     def reserve(self, nbytes: int) -> bool:
         """Hold `nbytes` of the budget for working memory (a decoding row's K/V), evicting LRU unpinned entries
@@ -292,12 +298,7 @@ class EntryPool:
         with self._lock:
             if nbytes <= 0:
                 return
-            for victim in [e for e in self._entries.values() if not e.pins]:
-                if self._used + self._outside + self._reserved + nbytes <= self.budget_bytes:
-                    break
-                self._remove(victim)
-                self.stats.evictions += 1
-                self.stats.evicted_bytes += victim.nbytes
+            self._evict_lru(nbytes)
             self._reserved += nbytes
             self.stats.reserved_bytes = self._reserved
 
@@ -319,15 +320,7 @@ class EntryPool:
             if entry.held_outside and not entry.pins:
                 entry.held_outside = False
                 self._outside -= entry.nbytes
-            evicted: list[Entry] = []
-            if self._used + self._outside + self._reserved > self.budget_bytes:
-                for victim in [e for e in self._entries.values() if not e.pins]:
-                    if self._used + self._outside + self._reserved <= self.budget_bytes:
-                        break
-                    self._remove(victim)
-                    evicted.append(victim)
-                    self.stats.evictions += 1
-                    self.stats.evicted_bytes += victim.nbytes
+            evicted = self._evict_lru(0)
         self._freed()
         return evicted
 

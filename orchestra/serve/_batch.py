@@ -192,7 +192,8 @@ class BatchDecoder:
 
     def _row_bytes(self, job: _Job) -> int:
         """A row's K/V once decoding: its prompt and a chunk of reply, at least as wide as the batch's rows."""
-        from mappings.cache_io import kv_token_bytes, model_dtype
+        from mappings.cache_io import model_dtype
+        from mappings.capture import kv_token_bytes
         from orchestra.serve._room import ROOM_CHUNK
 
         element = model_dtype(self.model.model).itemsize  # the K/V's dtype, not a quantized weight's

@@ -428,7 +428,7 @@ def test_a_build_holds_its_k_v_and_working_memory_against_the_budget_until_it_be
     """While a build runs, the budget counts the entry it will leave and its forward pass's working memory
     (`BUILD_MEMORY_FACTOR`) over the tokens it computes: a prefill over all of them, an extension over its new
     ones only. Per token from the model's shape before any entry exists, then from the first entry's K/V."""
-    from mappings.cache_io import kv_token_bytes
+    from mappings.capture import kv_token_bytes
     from orchestra.familycache._core import BUILD_MEMORY_FACTOR
 
     cache = _family_cache(registry, mapstore)
