@@ -264,7 +264,8 @@ def _user_message(spec: AgentSpec, upstream: Mapping[str, object] | None) -> str
 
 
 def _plain_suffix(spec: AgentSpec, user: str, repairs: Sequence[RepairTurn]) -> str:
-    text = f"\n### Instructions\n{spec.role.strip()}\n\n### Task\n{user}\n\n### Response\n"
+    role = spec.role.strip()
+    text = (f"\n### Instructions\n{role}\n" if role else "") + f"\n### Task\n{user}\n\n### Response\n"
     for turn in repairs:
         text += f"{turn.previous_output}\n\n### Correction\n{turn.instruction}\n\n### Response\n"
     return text

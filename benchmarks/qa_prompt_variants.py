@@ -1,6 +1,6 @@
 """Which wording of the question answerer answers best: prompt variants against the plain-prompt baseline.
 
-    python benchmarks/qa_prompt_variants.py [--variants current,nopen,...] [--windows 512] [--limit N]
+    python benchmarks/qa_prompt_variants.py [--variants before,nopen,...] [--windows 512] [--limit N]
 
 The bundled QA set (60 extractive questions over the licences, `orchestra bench --sections tasks`), each asked
 over a window of document tokens around its passage, on the bundled family, CPU, greedy, the bench's stops and
@@ -24,43 +24,56 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONDITIONS = ("root:own", "finetuned:own")
+# mapped before own: once the member's own entry exists, a mapped request would find it and reuse it
+CONDITIONS = ("root:own", "finetuned:mapped", "finetuned:own")
+COLUMNS = ("root:own", "finetuned:own", "finetuned:mapped")
 
 
 def variants() -> dict[str, tuple[str, Callable[[str, int], Any]]]:
     """Name -> (what it changes, a factory of the question answerer's spec for (question, max_new_tokens))."""
     from agents import BUILTINS
-    from agents.spec import GenerationSettings, escape_template
+    from agents.spec import AgentSpec, GenerationSettings, escape_template
 
-    base = BUILTINS["question_answerer"]
+    shipped = BUILTINS["question_answerer"]
+    # the wording shipped before this benchmark chose its successor, written out so its row stays what it was
+    role = "You answer questions about documents. Use only what the document says."
+    penalty = {"repetition_penalty": 1.15, "no_repeat_ngram_size": 6}
 
-    def change(q: str, max_new: int, *, role: str | None = None, task: str | None = None, penalty: bool = True) -> Any:
-        spec = base(question=q, max_new_tokens=max_new)
-        update: dict[str, Any] = {}
-        if role is not None:
-            update["role"] = role
-        if task is not None:
-            update["task"] = task
-        if not penalty:
-            update["generation"] = GenerationSettings(max_new_tokens=max_new)
-        # validated afresh, not `model_copy`: a spec parses its task into template segments when it is validated
-        return type(spec)(**{**{name: getattr(spec, name) for name in type(spec).model_fields}, **update})
+    def spec(q: str, max_new: int, *, task: str, role: str = "", penalty: dict[str, Any] | None = None) -> AgentSpec:
+        return AgentSpec(name="answer", role=role, task=task,
+                         generation=GenerationSettings(max_new_tokens=max_new, **(penalty or {})))
+
+    def before(q: str) -> str:
+        return (f"Question: {escape_template(q)}\n\nAnswer this question from the document above in one to three "
+                "sentences. If the document does not answer it, say so.")
+
+    def short(q: str, extra: str = "") -> str:
+        return f"Question: {escape_template(q)}\nAnswer it from the document above, briefly.{extra}"
 
     return {
-        "current": ("the built-in as shipped", lambda q, n: change(q, n)),
-        "nopen": ("no repetition penalty or n-gram ban", lambda q, n: change(q, n, penalty=False)),
+        "before": ("the built-in before: a role, 'Question: <q>', 1-3 sentences or say so; penalty",
+                    lambda q, n: spec(q, n, role=role, task=before(q), penalty=penalty)),
+        "nopen": ("the built-in before, without its repetition penalty or n-gram ban",
+                  lambda q, n: spec(q, n, role=role, task=before(q))),
         "bare": ("no role; the task is the question alone; no penalty",
-                 lambda q, n: change(q, n, role="", task=escape_template(q), penalty=False)),
+                 lambda q, n: spec(q, n, task=escape_template(q))),
         "q_then_hint": ("no role; the question, then 'Answer from the document above.'; no penalty",
-                        lambda q, n: change(q, n, role="", task=f"{escape_template(q)}\nAnswer from the document above.",
-                                            penalty=False)),
+                        lambda q, n: spec(q, n, task=f"{escape_template(q)}\nAnswer from the document above.")),
         "hint_then_q": ("no role; 'Answer from the document above: <question>'; no penalty",
-                        lambda q, n: change(q, n, role="", task=f"Answer from the document above: {escape_template(q)}",
-                                            penalty=False)),
+                        lambda q, n: spec(q, n, task=f"Answer from the document above: {escape_template(q)}")),
         "short_role": ("no role; 'Question: <q>' then 'Answer it from the document above, briefly.'; no penalty",
-                       lambda q, n: change(q, n, role="", penalty=False,
-                                           task=f"Question: {escape_template(q)}\nAnswer it from the document above, "
-                                                "briefly.")),
+                       lambda q, n: spec(q, n, task=short(q))),
+        "short_ngram": ("short_role with a 6-token n-gram ban (no penalty)",
+                        lambda q, n: spec(q, n, task=short(q), penalty={"no_repeat_ngram_size": 6})),
+        "short_say_so": ("short_role, then 'If it does not, say so.'",
+                         lambda q, n: spec(q, n, task=short(q, " If it does not, say so."))),
+        "brief": ("no role; 'Question: <q>' then 'Answer briefly.' (no 'document above' to describe); n-gram ban",
+                  lambda q, n: spec(q, n, task=f"Question: {escape_template(q)}\nAnswer briefly.",
+                                    penalty={"no_repeat_ngram_size": 6})),
+        "own_words": ("no role; 'Question: <q>' then 'Answer briefly, in the document's own words.'; n-gram ban",
+                      lambda q, n: spec(q, n, task=f"Question: {escape_template(q)}\nAnswer briefly, in the "
+                                                   "document's own words.", penalty={"no_repeat_ngram_size": 6})),
+        "shipped": ("the built-in as shipped now (brief)", lambda q, n: shipped(question=q, max_new_tokens=n)),
     }
 
 
@@ -76,7 +89,9 @@ def run(names: list[str], windows: list[int], limit: int | None, results: dict[s
         passage_window,
         token_offsets,
     )
+    from orchestra.gates import GatePolicy
 
+    open_gate = GatePolicy(offline=None, probe=None)
     table = variants()
     cfg = TaskConfig(source="root", members=["finetuned"])
     fam = BenchFamily.bundled(home)
@@ -107,7 +122,12 @@ def run(names: list[str], windows: list[int], limit: int | None, results: dict[s
                 todo = [(n, q) for n in names for q in qs if f"{n}|{window}|{member}|{how}|{q.id}" not in results]
                 if not todo:
                     continue
-                with cache.acquire_sync(member, prefix, allow_mapped=False) as lease:
+                # mapped: the root's cache mapped into the member, gates open, as the tasks bench's `mapped`
+                how_kw = ({"gate": open_gate, "tail_tokens": cfg.tail_tokens} if how == "mapped"
+                          else {"allow_mapped": False})
+                if how == "mapped":  # the source's own entry, to map from
+                    cache.acquire_sync("root", prefix, allow_mapped=False).release()
+                with cache.acquire_sync(member, prefix, **how_kw) as lease:
                     for name, q in todo:
                         reply, _ = askers[name].ask(member, lease, prefix, q)
                         results[f"{name}|{window}|{member}|{how}|{q.id}"] = [reply, is_correct(reply, q.answers)]
@@ -115,7 +135,7 @@ def run(names: list[str], windows: list[int], limit: int | None, results: dict[s
             save()
 
 
-def markdown(results: dict[str, list[Any]], command: str) -> str:
+def markdown(results: dict[str, list[Any]], commands: list[str]) -> str:
     table = variants()
     counts: dict[tuple[str, str, str], list[int]] = {}
     for key, (_, ok) in results.items():
@@ -125,18 +145,20 @@ def markdown(results: dict[str, list[Any]], command: str) -> str:
         cell[1] += 1
     windows = sorted({w for _, w, _ in counts}, key=int)
     lines = ["# Question-answerer wordings against the plain prompt", "",
-             f"Command: `{command}`. Correct answers out of the questions asked (a reference answer occurs in the "
+             "Commands (each added rows): " + "; ".join(f"`{c}`" for c in commands) + ". Correct answers out of the questions asked (a reference answer occurs in the "
              "reply, normalised); greedy, 24 new tokens, stops at a blank line or `Question:`. *plain*: the window "
              "then the question in one user turn of the member's chat template, on its own prefill (no shared "
-             "prefix). Every other row keeps orchestra's shared document prefix.", ""]
+             "prefix). Every other row keeps orchestra's shared document prefix, on the member's own prefill or, "
+             "*finetuned mapped*, on the root's cache mapped into it (gates open, the tail recomputed: the tasks "
+             "bench's `mapped`); the plain prompt's fine-tuned cell is its baseline too.", ""]
     for window in windows:
         lines += [f"## {window}-token windows", "",
-                  "| variant | what it changes | root | finetuned |", "|---|---|---|---|"]
-        plain = [counts.get(("plain", window, f"{m}:plain")) for m in ("root", "finetuned")]
+                  "| variant | what it changes | root | finetuned | finetuned mapped |", "|---|---|---|---|---|"]
+        plain = [counts.get(("plain", window, f"{m}:plain")) for m in ("root", "finetuned", "finetuned")]
         lines.append("| plain | the baseline | "
                      + " | ".join(f"{c[0]}/{c[1]}" if c else "-" for c in plain) + " |")
         for name, (what, _) in table.items():
-            cells = [counts.get((name, window, c)) for c in CONDITIONS]
+            cells = [counts.get((name, window, c)) for c in COLUMNS]
             if any(cells):
                 lines.append(f"| {name} | {what} | " + " | ".join(f"{c[0]}/{c[1]}" if c else "-" for c in cells) + " |")
         lines.append("")
@@ -162,16 +184,18 @@ def main() -> None:
     path = args.out / "qa_prompt_variants.json"
     stored = json.loads(path.read_text()) if path.exists() else {}
     results: dict[str, list[Any]] = stored.get("answers", {})
-    command = stored.get("command") if args.report_only else None
-    command = command or "python benchmarks/qa_prompt_variants.py " + " ".join(sys.argv[1:])
+    # the table holds every run's rows, so it names every command that added some
+    commands: list[str] = stored.get("commands") or ([stored["command"]] if "command" in stored else [])
+    if not args.report_only:
+        commands.append("python benchmarks/qa_prompt_variants.py " + " ".join(sys.argv[1:]))
 
     def save() -> None:
-        write_atomic(path, json.dumps({"command": command, "answers": results}, indent=0))
+        write_atomic(path, json.dumps({"commands": commands, "answers": results}, indent=0))
 
     if not args.report_only:
         run(names, [int(w) for w in args.windows.split(",")], args.limit, results, save, args.home)
         save()
-    write_atomic(args.out / "qa_prompt_variants.md", markdown(results, command))
+    write_atomic(args.out / "qa_prompt_variants.md", markdown(results, commands))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ def serve(
                                        "float32, bfloat16 or float16.")] = "auto",
     source: Annotated[str, typer.Option("--source", envvar="ORCHESTRA_SOURCE", help="Member whose mappings to the others are tried first.")] = "root",
     api_key_env: Annotated[str | None, typer.Option("--api-key-env", envvar="ORCHESTRA_API_KEY_ENV", help="Environment variable holding the Bearer key (unset: no auth).")] = None,
-    cache_mb: Annotated[int, typer.Option("--cache-mb", envvar="ORCHESTRA_CACHE_MB", min=1, help="Byte budget of the family-wide prefix cache, MiB.")] = 2048,
+    cache_mb: Annotated[int, typer.Option("--cache-mb", envvar="ORCHESTRA_CACHE_MB", min=1, help="Memory beyond the models, MiB: prefix cache, decoding replies and builds, and the runtime reserve.")] = 2048,
+    runtime_reserve_mb: Annotated[int, typer.Option("--runtime-reserve-mb", envvar="ORCHESTRA_RUNTIME_RESERVE_MB", min=0, help="Of --cache-mb, MiB kept for the server's own working memory (at most a quarter).")] = 128,
     max_concurrent: Annotated[int, typer.Option("--max-concurrent", envvar="ORCHESTRA_MAX_CONCURRENT", min=1, help="Generations running at once.")] = 8,
     max_queue: Annotated[int, typer.Option("--max-queue", envvar="ORCHESTRA_MAX_QUEUE", min=0, help="Requests waiting for a slot before 429.")] = 64,
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", envvar="ORCHESTRA_MAX_BODY_MB", min=0.001, help="Largest request body, MiB (413 beyond).")] = 4.0,
@@ -80,7 +81,7 @@ def serve(
     tune_allocator()  # before the models load: K/V memory freed under load goes back to the OS
     try:
         config = ServeConfig(home=home, device=device, dtype=dtype, source=source, api_key_env=api_key_env,
-                             cache_mb=cache_mb, max_concurrent=max_concurrent, max_queue=max_queue,
+                             cache_mb=cache_mb, runtime_reserve_mb=runtime_reserve_mb, max_concurrent=max_concurrent, max_queue=max_queue,
                              max_body_bytes=int(max_body_mb * (1 << 20)), request_timeout_s=request_timeout,
                              max_tokens_limit=max_tokens_limit, default_max_tokens=default_max_tokens,
                              batch_decode=batch, max_batch=max_batch, inline_tail_tokens=inline_tail,

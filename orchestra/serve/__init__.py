@@ -8,6 +8,8 @@ the same thing without HTTP, for async backends that call it directly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from orchestra.serve._app import create_app
 from orchestra.serve._config import ServeConfig
 from orchestra.serve._engine import CacheInfo, Generation, ServeEngine, render_messages, tune_allocator
@@ -27,6 +29,9 @@ from orchestra.serve._errors import (
 from orchestra.serve._metrics import ServeMetrics
 from orchestra.serve._process import ServerProcess, ServerStartError, free_port, start_server
 from orchestra.serve._schemas import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage
+
+if TYPE_CHECKING:
+    from orchestra.serve._room import ROOM_CHUNK, RoomLayer, add_row, room_cache
 
 __all__ = [
     "create_app",
@@ -57,3 +62,15 @@ __all__ = [
     "Unauthorized",
     "Unavailable",
 ]
+__all__ += ["RoomLayer", "room_cache", "add_row", "ROOM_CHUNK"]
+
+# the batch decoder's cache layers subclass a transformers class: imported only when asked for
+_LAZY = {"RoomLayer", "room_cache", "add_row", "ROOM_CHUNK"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from orchestra.serve import _room
+
+        return getattr(_room, name)
+    raise AttributeError(f"module 'orchestra.serve' has no attribute {name!r}")

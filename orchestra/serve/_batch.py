@@ -26,7 +26,11 @@ if TYPE_CHECKING:
     from mappings.types import KVCache
     from orchestra.registry import LoadedModel
 
-__all__ = ["BatchDecoder", "WorkingMemory", "batchable"]
+__all__ = ["BatchDecoder", "WorkingMemory", "batchable", "RowMemory"]
+
+PASS_MEMORY_FACTOR = 3.0
+"""Activations of a forward pass over new tokens, in multiples of their K/V (beside what attending to the prefix
+takes: `BatchDecoder.row_memory`)."""
 
 
 class WorkingMemory(Protocol):
@@ -78,6 +82,26 @@ class _Job:
     decode_started: float = 0.0
     reserved: int = 0
     """Bytes of the working-memory budget this row holds until it leaves the batch."""
+    joining: int = 0
+    """Of `reserved`, the bytes only its join needs (the tail's pass, the copy into the batch): given back once
+    it has merged."""
+
+
+@dataclass(frozen=True)
+class RowMemory:
+    """What a decoding row holds against the budget, in bytes."""
+
+    kv: int
+    """Its K/V in the batch (prompt and a chunk of reply, as wide as the batch), plus one layer of it: the batch
+    copies one layer at a time when rows leave or it grows."""
+    join: int
+    """Beside that, while it joins: the working memory of its prompt tail's forward pass (the keys and values
+    repeated to every query head, the activations) or of the copy of one batch layer that takes it in,
+    whichever is larger."""
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.join
 
 
 class BatchDecoder:
@@ -177,33 +201,53 @@ class BatchDecoder:
         room = max(0, self.max_batch - len(self._rows))
         joining: list[_Job] = []
         for job in self._waiting[:room]:
-            need = self._row_bytes(job)
-            if self.memory is None or self.memory.reserve(need):
-                job.reserved = need if self.memory is not None else 0
+            need = self.row_memory(job, len(self._rows) + len(joining) + 1)
+            if self.memory is None or self.memory.reserve(need.total):
+                job.reserved, job.joining = (need.total, need.join) if self.memory is not None else (0, 0)
             elif self._rows or joining or (self.memory.reserved_bytes > 0 and not self._closed):
                 break  # it waits for a row (here or on another member) or a build to give its bytes back
             else:  # counted all the same: while it decodes, no other member's row may join over the budget too
-                self.memory.hold(need)
-                job.reserved = need
+                self.memory.hold(need.total)
+                job.reserved, job.joining = need.total, need.join
                 self.over_budget_rows += 1
             joining.append(job)
         self._waiting = self._waiting[len(joining):]
         return joining
 
-    def _row_bytes(self, job: _Job) -> int:
-        """A row's K/V once decoding: its prompt and a chunk of reply, at least as wide as the batch's rows."""
+    def row_memory(self, job: _Job, rows: int) -> RowMemory:
+        """What `job` holds once it decodes in a batch of `rows` rows, and beside that while it joins."""
         from mappings.cache_io import model_dtype
-        from mappings.capture import kv_token_bytes
+        from mappings.capture import kv_shape, kv_token_bytes
         from orchestra.serve._room import ROOM_CHUNK
 
+        config = self.model.model.config
+        shape = kv_shape(config)
         element = model_dtype(self.model.model).itemsize  # the K/V's dtype, not a quantized weight's
+        per_token = kv_token_bytes(config, element)
         width = max(job.prefix_len + len(job.new_ids), self._mask.shape[1] if self._mask is not None else 0)
-        return kv_token_bytes(self.model.model.config, element) * (width + ROOM_CHUNK)
+        row = per_token * (width + ROOM_CHUNK)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = int(getattr(text, "num_attention_heads", shape.kv_heads))
+        tail = len(job.new_ids)
+        # one layer's keys and values repeated to every query head, the layer's attention scores (float32),
+        # and the activations of the new tokens (build_memory --ops join: 11, 16 and 34 MiB for 64 tokens over
+        # 1k, 2k and 4k; this gives 16, 22 and 36)
+        tail_pass = (row * max(1, heads // shape.kv_heads) // shape.num_layers + heads * tail * width * 4
+                     + int(PASS_MEMORY_FACTOR * per_token * tail))
+        batch_layer = row * rows // shape.num_layers
+        return RowMemory(kv=row + row // shape.num_layers, join=max(tail_pass, batch_layer))
+
+    def _joined(self, job: _Job) -> None:
+        """`job` is in the batch: what only its join needed goes back to the budget."""
+        if job.joining and self.memory is not None:
+            self.memory.release(job.joining)
+            job.reserved -= job.joining
+        job.joining = 0
 
     def _give_back(self, job: _Job) -> None:
         if job.reserved and self.memory is not None:
             self.memory.release(job.reserved)
-        job.reserved = 0
+        job.reserved = job.joining = 0
 
     def _finish(self, job: _Job, *, cancelled: bool = False) -> None:
         self._give_back(job)
@@ -247,6 +291,7 @@ class BatchDecoder:
         if job.stream.finish is not None:
             return self._finish(job)
         self._merge(job, cache)
+        self._joined(job)
 
     def _merge(self, job: _Job, cache: DynamicCache) -> None:
         import torch

@@ -31,7 +31,12 @@ class ServeConfig(BaseModel):
     api_key_env: str | None = None
     """Name of the environment variable holding the Bearer key; unset: no authentication."""
     cache_mb: int = Field(2048, ge=1)
-    """Bytes the family-wide prefix cache may hold (K/V, logits and hidden states all counted), MiB."""
+    """Memory the server may use beyond its models, MiB: the family-wide prefix cache (K/V, logits and hidden
+    states all counted), the replies decoding and the caches being built, less `runtime_reserve_mb`."""
+    runtime_reserve_mb: int = Field(128, ge=0)
+    """Of `cache_mb`, MiB kept for the server's own working memory, which no cache entry or row accounts for
+    (request and connection buffers, threads, allocator slack; at most a quarter of `cache_mb`).
+    `benchmarks/serve_load.py` measures what it takes under 50 conversations: 87 MiB at the RSS peak."""
     max_concurrent: int = Field(8, ge=1)
     """Generations running at once; the rest wait in the queue."""
     max_queue: int = Field(64, ge=0)
@@ -76,6 +81,11 @@ class ServeConfig(BaseModel):
     """Where the models run: ``local`` (this process) or ``ray`` (one actor per member and replica, the
     caches in Ray's object store, each reply decoded and batched in its member's actor); the same shape
     as a pipeline's ``executor:`` (``{kind: ray, address: auto, members: {finetuned: {num_gpus: 1}}}``)."""
+
+    def cache_budget_bytes(self) -> int:
+        """What the cache, the decoding rows and the builds may hold together: `cache_mb` less the runtime's
+        reserve (never more than a quarter of it, so a small budget still caches)."""
+        return (self.cache_mb << 20) - (min(self.runtime_reserve_mb, self.cache_mb // 4) << 20)
 
     def api_key(self) -> str | None:
         """The configured key, read from the environment now (so it is never logged or stored)."""

@@ -234,7 +234,7 @@ class ServeEngine:
 
                 disk = KVStore(self.config.kv_store, self.config.kv_store_mb << 20)
             cache = FamilyCache(executor, store, source=self.config.source,
-                                policy=CachePolicy(budget_bytes=self.config.cache_mb << 20, gate=self.config.gate,
+                                policy=CachePolicy(budget_bytes=self.config.cache_budget_bytes(), gate=self.config.gate,
                                                    tail_tokens=self.config.tail_tokens, repair=self.config.repair),
                                 disk=disk)
         self.cache = cache

@@ -31,6 +31,17 @@ def test_builtins_render_with_their_inputs():
         report.render_task({"summarizer": "S"})
 
 
+def test_the_question_answerer_is_the_wording_its_benchmark_chose():
+    """The wording measured best against the plain prompt (results/qa_prompt_variants.md, brief): no role, the
+    question then a brief-answer instruction, no repetition penalty, a 6-token n-gram ban."""
+    qa = question_answerer("Who may copy it?")
+    assert qa.role == ""
+    assert qa.render_task() == "Question: Who may copy it?\nAnswer briefly."
+    assert qa.generation.repetition_penalty == 1.0 and qa.generation.no_repeat_ngram_size == 6
+    assert qa.generation.stop == ("\n\n", "\nQuestion:")
+    assert question_answerer("Who?", search=True).generation.stop == ("\nQuestion:",)
+
+
 def test_builtin_arguments_are_checked():
     with pytest.raises(ValueError):
         question_answerer("  ")

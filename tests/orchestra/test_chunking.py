@@ -296,8 +296,8 @@ async def test_a_window_too_wide_for_the_agents_prompts_is_refused_before_any_pr
 
 
 def test_k_chunks_are_ranked_against_the_question_not_the_built_ins_instructions():
-    """A question_answerer's instructions say "the document above": over a licence for *documentation*, ranking by
-    the whole task would pick its chunks over the one that answers; the question alone (or `query`) picks right."""
+    """An agent's instructions may say "the document above": over a licence for *documentation*, ranking by the
+    whole task would pick its chunks over the one that answers; the question alone (or `query`) picks right."""
     from orchestra.pipeline import AgentNode
     from orchestra.scheduler import _retrieval_query
 
@@ -309,7 +309,9 @@ def test_k_chunks_are_ranked_against_the_question_not_the_built_ins_instructions
     node = AgentNode.model_validate({"builtin": "question_answerer", "model": "m",
                                      "args": {"question": "When was the Apache License published?"}})
     spec = node.agent_spec()
-    assert select_chunks(texts, spec.render_task({}), 1) == [2]  # the task's "document" words win: the wrong chunk
+    worded = ("Question: When was the Apache License published?\n\nAnswer this question from the document above in "
+              "one to three sentences. If the document does not answer it, say so.")
+    assert select_chunks(texts, worded, 1) == [2]  # the instructions' "document" words win: the wrong chunk
     assert _retrieval_query(node, spec, {}) == "When was the Apache License published?"
     assert select_chunks(texts, _retrieval_query(node, spec, {}), 1) == [1]
     custom = AgentNode.model_validate({"name": "a", "model": "m", "query": "{topic} release",

@@ -54,7 +54,7 @@ def tiny_engine(family: TinyServeFamily, **config) -> ServeEngine:
     """A ServeEngine over the tiny family (models shared between engines, each with its own cache)."""
     cfg = ServeConfig(device="cpu", **config)
     cache = FamilyCache(family.registry, family.mappings, source="root",
-                        policy=CachePolicy(budget_bytes=cfg.cache_mb << 20, gate=cfg.gate, tail_tokens=cfg.tail_tokens))
+                        policy=CachePolicy(budget_bytes=cfg.cache_budget_bytes(), gate=cfg.gate, tail_tokens=cfg.tail_tokens))
     return ServeEngine(cfg, family=family.manifest, cache=cache)
 
 

@@ -190,3 +190,54 @@ async def test_rows_within_the_budget_hold_it_while_decoding_and_give_it_back(ti
     assert max(held) > 0 and pool.reserved_bytes == 0
     assert all(engine._batchers[m].over_budget_rows == 0 for m in ("root", "finetuned"))
     engine.close()
+
+
+async def test_a_joining_row_holds_its_tail_pass_memory_until_it_is_in_the_batch(tiny_serve_family, solo, monkeypatch):
+    """A row's join (its prompt tail's forward pass, the copy into the batch) needs memory beside its K/V: held
+    from admission until the row has merged, then given back, so decoding holds only the K/V and one layer."""
+    from orchestra.serve._batch import BatchDecoder
+
+    engine = tiny_engine(tiny_serve_family, batch_decode=True, max_concurrent=8, max_batch=8)
+    pool = engine.cache.pool
+    joins: list[tuple[int, int, int, int]] = []
+    join, joined = BatchDecoder._join, BatchDecoder._joined
+
+    def joining(self, job):
+        joins.append((job.reserved, job.joining, pool.reserved_bytes, 0))
+        return join(self, job)
+
+    def merged(self, job):
+        held = pool.reserved_bytes
+        joined(self, job)
+        joins.append((job.reserved, job.joining, held - pool.reserved_bytes, 1))
+
+    monkeypatch.setattr(BatchDecoder, "_join", joining)
+    monkeypatch.setattr(BatchDecoder, "_joined", merged)
+    batched = await replies(engine, [request(m, t) for m, t in PROMPTS])
+    assert batched == solo
+    before = [(r, j) for r, j, _, after in joins if after == 0]
+    after = [(r, j, freed) for r, j, freed, a in joins if a == 1]
+    assert before and all(j > 0 and r > j for r, j in before), "a joining row holds its K/V and its join's memory"
+    assert after and all(j == 0 and freed > 0 for _, j, freed in after), "a merged row gave its join's memory back"
+    assert pool.reserved_bytes == 0
+    engine.close()
+
+
+def test_a_rows_join_memory_grows_with_its_tail_and_with_the_batch(tiny_serve_family):
+    """The join's share covers the tail's pass (more new tokens, more memory) or the batch layer the row is
+    copied into (more rows, a wider copy), whichever is larger; the K/V share does not depend on either."""
+    import threading
+
+    from orchestra.serve._batch import BatchDecoder, _Job
+
+    engine = tiny_engine(tiny_serve_family, batch_decode=True)
+    decoder = BatchDecoder(engine.cache.executor.model("root"), threading.Lock())
+
+    def job(tail: int) -> _Job:
+        return _Job(None, 200, list(range(tail)), stream=None, cancel=threading.Event())  # type: ignore[arg-type]
+
+    short, long = decoder.row_memory(job(4), 1), decoder.row_memory(job(120), 1)
+    assert long.join > short.join and long.kv > short.kv
+    alone, crowded = decoder.row_memory(job(4), 1), decoder.row_memory(job(4), 64)
+    assert crowded.kv == alone.kv and crowded.join > alone.join
+    engine.close()

@@ -64,7 +64,7 @@ def _engine(family, directory: Path, executor) -> ServeEngine:
     config = ServeConfig(device="cpu", gate=GATE, max_batch=4)
     store = MappingStore(directory, tokens=TOKENS, corpus=CORPUS, on_missing="refuse")
     cache = FamilyCache(executor, store, source="root",
-                        policy=CachePolicy(budget_bytes=config.cache_mb << 20, gate=config.gate,
+                        policy=CachePolicy(budget_bytes=config.cache_budget_bytes(), gate=config.gate,
                                            tail_tokens=config.tail_tokens))
     return ServeEngine(config, family=family.manifest, cache=cache)
 
