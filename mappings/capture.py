@@ -58,14 +58,24 @@ class KVShape:
         return {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
 
 
+def _decoder_config(config: ModelConfig) -> ModelConfig:
+    """The decoder's part of a config (a multimodal one's text config; any other as it is)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def kv_shape(config: ModelConfig) -> KVShape:
     """The cache layout a config implies."""
     from mappings.rope import head_dim_of
 
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
+    config = _decoder_config(config)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return KVShape(int(config.num_hidden_layers), int(heads), head_dim_of(config))
+
+
+def query_groups(config: ModelConfig) -> int:
+    """Query heads per key/value head (grouped-query attention; 1 without it)."""
+    shape = kv_shape(config)
+    return max(1, int(getattr(_decoder_config(config), "num_attention_heads", shape.kv_heads)) // shape.kv_heads)
 
 
 def kv_token_bytes(config: ModelConfig | Mapping[str, object], itemsize: int) -> int:

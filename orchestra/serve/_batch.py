@@ -12,6 +12,7 @@ Token choice, stop strings, constraints and streaming text are each row's own `T
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -214,28 +215,31 @@ class BatchDecoder:
         self._waiting = self._waiting[len(joining):]
         return joining
 
-    def row_memory(self, job: _Job, rows: int) -> RowMemory:
-        """What `job` holds once it decodes in a batch of `rows` rows, and beside that while it joins."""
+    @functools.cached_property
+    def _layout(self) -> tuple[int, int, int, int]:
+        """The model's K/V bytes per token, layers, query heads, and query heads per K/V head (read once)."""
         from mappings.cache_io import model_dtype
-        from mappings.capture import kv_shape, kv_token_bytes
-        from orchestra.serve._room import ROOM_CHUNK
+        from mappings.capture import kv_shape, kv_token_bytes, query_groups
 
         config = self.model.model.config
-        shape = kv_shape(config)
+        shape, groups = kv_shape(config), query_groups(config)
         element = model_dtype(self.model.model).itemsize  # the K/V's dtype, not a quantized weight's
-        per_token = kv_token_bytes(config, element)
+        return kv_token_bytes(config, element), shape.num_layers, shape.kv_heads * groups, groups
+
+    def row_memory(self, job: _Job, rows: int) -> RowMemory:
+        """What `job` holds once it decodes in a batch of `rows` rows, and beside that while it joins."""
+        from orchestra.serve._room import ROOM_CHUNK
+
+        per_token, layers, heads, groups = self._layout
         width = max(job.prefix_len + len(job.new_ids), self._mask.shape[1] if self._mask is not None else 0)
         row = per_token * (width + ROOM_CHUNK)
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        heads = int(getattr(text, "num_attention_heads", shape.kv_heads))
         tail = len(job.new_ids)
         # one layer's keys and values repeated to every query head, the layer's attention scores (float32),
         # and the activations of the new tokens (build_memory --ops join: 11, 16 and 34 MiB for 64 tokens over
         # 1k, 2k and 4k; this gives 16, 22 and 36)
-        tail_pass = (row * max(1, heads // shape.kv_heads) // shape.num_layers + heads * tail * width * 4
-                     + int(PASS_MEMORY_FACTOR * per_token * tail))
-        batch_layer = row * rows // shape.num_layers
-        return RowMemory(kv=row + row // shape.num_layers, join=max(tail_pass, batch_layer))
+        tail_pass = row * groups // layers + heads * tail * width * 4 + int(PASS_MEMORY_FACTOR * per_token * tail)
+        batch_layer = row * rows // layers
+        return RowMemory(kv=row + row // layers, join=max(tail_pass, batch_layer))
 
     def _joined(self, job: _Job) -> None:
         """`job` is in the batch: what only its join needed goes back to the budget."""

@@ -199,24 +199,23 @@ async def test_a_joining_row_holds_its_tail_pass_memory_until_it_is_in_the_batch
 
     engine = tiny_engine(tiny_serve_family, batch_decode=True, max_concurrent=8, max_batch=8)
     pool = engine.cache.pool
-    joins: list[tuple[int, int, int, int]] = []
+    before: list[tuple[int, int]] = []
+    after: list[tuple[int, int, int]] = []
     join, joined = BatchDecoder._join, BatchDecoder._joined
 
     def joining(self, job):
-        joins.append((job.reserved, job.joining, pool.reserved_bytes, 0))
+        before.append((job.reserved, job.joining))
         return join(self, job)
 
     def merged(self, job):
         held = pool.reserved_bytes
         joined(self, job)
-        joins.append((job.reserved, job.joining, held - pool.reserved_bytes, 1))
+        after.append((job.reserved, job.joining, held - pool.reserved_bytes))
 
     monkeypatch.setattr(BatchDecoder, "_join", joining)
     monkeypatch.setattr(BatchDecoder, "_joined", merged)
     batched = await replies(engine, [request(m, t) for m, t in PROMPTS])
     assert batched == solo
-    before = [(r, j) for r, j, _, after in joins if after == 0]
-    after = [(r, j, freed) for r, j, freed, a in joins if a == 1]
     assert before and all(j > 0 and r > j for r, j in before), "a joining row holds its K/V and its join's memory"
     assert after and all(j == 0 and freed > 0 for _, j, freed in after), "a merged row gave its join's memory back"
     assert pool.reserved_bytes == 0
