@@ -31,6 +31,7 @@ from pydantic import (
 from agents.errors import InvalidTemplateError, UnknownUpstreamError
 from agents.schema import check_schema, schema_errors
 from agents.tools import Tool
+from mappings.repair import RepairPolicy
 
 __all__ = [
     "AGENT_NAME_PATTERN",
@@ -319,6 +320,9 @@ class AgentSpec(BaseModel):
     """Tool calls the agent may make; after them it must answer."""
     tool_choice: Literal["auto", "required"] = "auto"
     """auto: each round the agent calls a tool or answers; required: its first round must be a call."""
+    mapped_repair: RepairPolicy | None = None
+    """Repair of a mapped document cache before this agent reads it (None: the pipeline's `mapping.repair`);
+    an agent that quotes the document's details spends some of its member's own compute on them."""
 
     _segments: list[_Segment] = PrivateAttr(default_factory=list)
 

@@ -15,11 +15,12 @@ results/qa_prompt_variants.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _qa_runs import ResumableResults, chosen, passage_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -79,16 +80,7 @@ def variants() -> dict[str, tuple[str, Callable[[str, int], Any]]]:
 
 def run(names: list[str], windows: list[int], limit: int | None, results: dict[str, list[Any]], save: Callable[[], None],
         home: str | None) -> None:
-    from agents import DocumentPrompt
-    from orchestra.bench import (
-        BenchFamily,
-        QAAsker,
-        TaskConfig,
-        is_correct,
-        load_qa,
-        passage_window,
-        token_offsets,
-    )
+    from orchestra.bench import BenchFamily, QAAsker, TaskConfig, is_correct, load_qa
     from orchestra.gates import GatePolicy
 
     open_gate = GatePolicy(offline=None, probe=None)
@@ -96,21 +88,13 @@ def run(names: list[str], windows: list[int], limit: int | None, results: dict[s
     cfg = TaskConfig(source="root", members=["finetuned"])
     fam = BenchFamily.bundled(home)
     qa = load_qa(None)
-    chosen = list(qa.questions)[:limit] if limit else list(qa.questions)
-    groups = qa.by_passage(chosen)
+    questions = list(qa.questions)[:limit] if limit else list(qa.questions)
     tok = fam.loaded("root").tokenizer
     cache = fam.family_cache("root", tail_tokens=cfg.tail_tokens)
     plain = QAAsker(fam, cache, cfg.max_new_tokens, cfg.stop)
     askers = {name: QAAsker(fam, cache, cfg.max_new_tokens, cfg.stop, agent=table[name][1]) for name in names}
-    offsets: dict[str, list[tuple[int, int]]] = {}
     for window in windows:
-        for pid, qs in groups.items():
-            passage = qa.passage(pid)
-            doc = qa.document_text(passage.document)
-            if passage.document not in offsets:
-                offsets[passage.document] = token_offsets(doc, tok)
-            text, _ = passage_window(doc, passage.start, passage.end, window, tok, offsets[passage.document])
-            prefix = DocumentPrompt(text).token_ids(tok)
+        for _, qs, text, prefix in passage_windows(qa, questions, window, tok):
             for member in ("root", "finetuned"):
                 for q in qs:
                     key = f"plain|{window}|{member}|plain|{q.id}"
@@ -166,8 +150,6 @@ def markdown(results: dict[str, list[Any]], commands: list[str]) -> str:
 
 
 def main() -> None:
-    from mappings.atomic import write_atomic
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(variants()), help="comma-separated variant names")
     parser.add_argument("--windows", default="512", help="comma-separated window lengths, document tokens")
@@ -176,26 +158,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the Markdown from the JSON")
     args = parser.parse_args()
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(variants()))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; known: {', '.join(variants())}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "qa_prompt_variants.json"
-    stored = json.loads(path.read_text()) if path.exists() else {}
-    results: dict[str, list[Any]] = stored.get("answers", {})
+    names = chosen(parser, args.variants, variants(), "variants")
     # the table holds every run's rows, so it names every command that added some
-    commands: list[str] = stored.get("commands") or ([stored["command"]] if "command" in stored else [])
+    store = ResumableResults(args.out, "qa_prompt_variants", sys.argv[1:], record=not args.report_only)
+    results: dict[str, list[Any]] = store.data.setdefault("answers", {})
     if not args.report_only:
-        commands.append("python benchmarks/qa_prompt_variants.py " + " ".join(sys.argv[1:]))
-
-    def save() -> None:
-        write_atomic(path, json.dumps({"commands": commands, "answers": results}, indent=0))
-
-    if not args.report_only:
-        run(names, [int(w) for w in args.windows.split(",")], args.limit, results, save, args.home)
-        save()
-    write_atomic(args.out / "qa_prompt_variants.md", markdown(results, commands))
+        run(names, [int(w) for w in args.windows.split(",")], args.limit, results, store.save, args.home)
+        store.save()
+    store.write_markdown(markdown(results, store.commands))
 
 
 if __name__ == "__main__":

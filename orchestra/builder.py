@@ -482,10 +482,13 @@ class Pipeline:
         async for event in self.orchestra().stream(_text(document), inputs=inputs, run_id=run_id, resume=resume):
             yield event
 
-    def session(self, document: str | os.PathLike[str] | bytes | None = None, *, name: str | None = None) -> Session:
+    def session(self, document: str | os.PathLike[str] | bytes | None = None, *, name: str | None = None,
+                input_tokens: int | None = None) -> Session:
         """A session over ``document`` (text or a path): the document held on every member for many runs
         (``with p.session(doc) as s: s.ask(...)``). A ``name`` keeps it in the home (``sessions/<name>.json``);
-        ``p.session(name=...)`` without a document reopens it."""
+        ``p.session(name=...)`` without a document reopens it. A document longer than a window is held chunk
+        by chunk, cut for questions (input values) of up to ``input_tokens`` tokens each (default 64)."""
+        from orchestra.chunking import HOLD_INPUT_TOKENS
         from orchestra.paths import resolve_home
         from orchestra.session import Session, session_path
 
@@ -494,7 +497,10 @@ class Pipeline:
             if path is None:
                 raise SessionError("give the session a document, or the name of a session kept before")
             return Session.load(self, path, name or "")
-        return Session(self, _text(document), name=name, path=path)
+        if input_tokens is not None and input_tokens < 0:
+            raise SessionError(f"input_tokens is {input_tokens}: give the tokens to keep per question, 0 or more")
+        return Session(self, _text(document), name=name, path=path,
+                       input_tokens=HOLD_INPUT_TOKENS if input_tokens is None else input_tokens)
 
     def run_sync(self, document: str | os.PathLike[str] | bytes, *, on_event: EventSink | None = None,
                  inputs: Mapping[str, object] | None = None, run_id: str | None = None,

@@ -24,10 +24,13 @@ from typing import TYPE_CHECKING
 
 from orchestra.errors import DocumentError
 
+HOLD_INPUT_TOKENS = 64
+"""Tokens a held chunked document (a session's) keeps per input value, its question, when its chunks are cut."""
+
 if TYPE_CHECKING:
     from mappings.types import Tokenizer
 
-__all__ = ["Chunk", "split_document", "prefix_tokens", "select_chunks", "DEFAULT_OVERLAP_TOKENS"]
+__all__ = ["Chunk", "split_document", "prefix_tokens", "select_chunks", "DEFAULT_OVERLAP_TOKENS", "HOLD_INPUT_TOKENS"]
 
 DEFAULT_OVERLAP_TOKENS = 64
 

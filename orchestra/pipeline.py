@@ -254,6 +254,9 @@ class AgentNode(_Validated):
         "task template reads; list more to make this agent wait for them too.",
     )
     gate: GatePolicy | None = Field(None, description="Gate policy for this agent (default: the pipeline's).")
+    repair: RepairPolicy | None = Field(
+        None, description="Repair of the mapped document caches this agent reads (default: its spec's "
+        "`mapped_repair`, else the pipeline's `mapping.repair`).")
     timeout_s: float | None = Field(None, gt=0, description="Give up on this agent after this many seconds.")
     on_upstream_failure: Literal["skip", "run_with_available"] = Field(
         "skip", description="When an upstream failed, was skipped or was degenerate: skip this agent (default), or "

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ import structlog
 
 from orchestra import events as ev
 from orchestra._mapreduce import Combined, Part, combine, notes_document, pointer, round_label
+from orchestra.chunking import HOLD_INPUT_TOKENS
 from orchestra.errors import ChunkCallError, DocumentError, RunResumeError
 from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache, make_executor
 from orchestra.gates import CircuitBreaker
@@ -42,6 +44,7 @@ from orchestra.steps import StepNode, WhenLike, call_step, condition_holds
 if TYPE_CHECKING:
     from agents.runner import AgentResult
     from agents.spec import AgentSpec
+    from mappings.repair import RepairPolicy
     from orchestra.checkpoint import Checkpointer, RunCheckpoint
     from orchestra.family.manifest import FamilyManifest
 
@@ -74,10 +77,12 @@ class _Run:
     inputs: dict[str, str] = field(default_factory=dict)
     """The run's values of the pipeline's declared inputs (defaults filled in)."""
     prompts: dict[str, _MemberPrompt] = field(default_factory=dict)
+    """Each member's document prefix (laid out by its own tokenizer and chat template), once per run."""
     restored: dict[str, AgentReport] = field(default_factory=dict)
     """Agents a resumed run keeps from its checkpoint (their outputs are in `outputs` already)."""
     checkpointer: Checkpointer | None = None
-    """Each member's document prefix (laid out by its own tokenizer and chat template), once per run."""
+    input_room: int = 0
+    """Tokens kept per input value when the window is sized (a hold sizes it before any run's inputs exist)."""
     chunks: list[Part] | None = None
     """A chunked run's document chunks (None: the document fits and is one prefix, as always)."""
     window: int = 0
@@ -90,6 +95,10 @@ class _Run:
     """Document chunk -> seconds the source spent prefilling it."""
     every_chunk_s: float = 0.0
     """Estimated prefill seconds had every chunk call re-prefilled its chunk."""
+
+
+def _held_key(document: str) -> str:
+    return hashlib.sha256(document.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 _NOT_IN_RESULTS = {"kv_store", "executor", "store_budget_mb", "max_concurrency_per_device"}
@@ -149,6 +158,8 @@ class Orchestra:
         self.checkpointer = checkpointer
         """Where runs record each finished agent (None: runs are not durable and cannot be resumed)."""
         self.last_report: RunReport | None = None
+        self._held_windows: dict[str, list[int]] = {}
+        """Held documents' digests -> each hold's chunk window (runs over a held document cut its chunks)."""
 
     @staticmethod
     def cache_for(pipeline: PipelineSpec, registry: ModelRegistry, mappings: MappingStore, *,
@@ -226,31 +237,74 @@ class Orchestra:
         self.last_report = report
         return report
 
-    async def hold(self, document: str) -> list[CacheLease]:
+    async def hold(self, document: str, *, input_tokens: int = HOLD_INPUT_TOKENS) -> list[CacheLease]:
         """Obtain the document's cache on the source and on every agent's member, as a run would, and keep
-        them: until the leases are released no budget evicts them, so runs over `document` meanwhile compute
-        only their agents' own tokens (`Session` holds a document this way)."""
-        prefix_ids = await self._prefix_ids(document)
+        them: until the leases are released (`unhold`) no budget evicts them, so runs over `document` meanwhile
+        compute only their agents' own tokens (`Session` holds a document this way).
+
+        A document that needs chunks is held chunk by chunk (on the source and every member a per-chunk agent
+        runs on). The chunks are cut for inputs of up to `input_tokens` tokens each, and runs over the document
+        keep that cut until `unhold`, so their chunks are the held ones whatever their inputs' lengths.
+        """
+        prefix_ids = await self._prefix_ids(document, check=False)
 
         async def quiet(event: ev.Event) -> None:
             return None
 
-        run = _Run("hold", time.perf_counter(), prefix_ids, quiet, document=document)
+        run = _Run("hold", time.perf_counter(), prefix_ids, quiet, document=document,
+                   inputs={name: "" for name in self.pipeline.inputs}, input_room=input_tokens)
+        await self._plan_chunks(run)
         try:
-            held: set[str] = set()
-            if self.share_prefill:
-                await self._acquire(run, None, self.source_alias)
-                held.add(self.source_alias)
-            for agent in self.pipeline.agents:
-                if agent.model not in held:
-                    held.add(agent.model)
-                    await self._acquire(run, agent.name, agent.model, await self._prompt_for(run, agent.name,
-                                                                                              agent.model))
+            if run.chunks is None:
+                await self._hold_whole(run)
+            else:
+                await self._hold_chunks(run)
         except BaseException:
             for _, lease in run.leases:
                 lease.release()
             raise
+        if run.chunks is not None:
+            self._held_windows.setdefault(_held_key(document), []).append(run.window)
         return [lease for _, lease in run.leases]
+
+    def unhold(self, document: str, leases: Sequence[CacheLease]) -> None:
+        """Release what `hold` returned for `document` (its caches stay cached until the budget needs the room);
+        once no hold of it is left, runs over it cut their chunks for their own inputs again."""
+        for lease in leases:
+            lease.release()
+        windows = self._held_windows.get(_held_key(document))
+        if windows:
+            windows.pop()
+            if not windows:
+                del self._held_windows[_held_key(document)]
+
+    def _held_readers(self, agents: Sequence[AgentNode]) -> dict[tuple[str, str], str]:
+        """(member, repair) -> an agent reading that cache: one held cache per member and repair an agent asks for
+        (the source's exact cache is held as the source's)."""
+        readers: dict[tuple[str, str], str] = {}
+        for agent in agents:
+            repair = self._repair_for(agent.name)
+            key = (agent.model, repair.model_dump_json() if repair is not None else "")
+            if not (self.share_prefill and agent.model == self.source_alias):
+                readers.setdefault(key, agent.name)
+        return readers
+
+    async def _hold_whole(self, run: _Run) -> None:
+        if self.share_prefill:
+            await self._acquire(run, None, self.source_alias)
+        for (member, _), agent in self._held_readers(self.pipeline.agents).items():
+            await self._acquire(run, agent, member, await self._prompt_for(run, agent, member))
+
+    async def _hold_chunks(self, run: _Run) -> None:
+        # a reduce agent reads its upstreams' notes, which change every run: only the chunk readers' caches last
+        readers = self._held_readers([a for a in self.pipeline.agents
+                                      if (a.per_chunk if a.per_chunk is not None else not a.upstream)])
+        for part in run.chunks or []:
+            i = part.chunk.index
+            if self.share_prefill:
+                await self._acquire(run, None, self.source_alias, _MemberPrompt(part.ids), chunk=i)
+            for (member, _), agent in readers.items():
+                await self._acquire(run, agent, member, await self._chunk_prompt(run, member, part), chunk=i)
 
     def _resume_state(self, run_id: str, document: str, inputs: dict[str, str], resume: bool) -> RunCheckpoint | None:
         """The checkpoint the run continues (recording its identity when it is new); None without a checkpointer."""
@@ -413,13 +467,19 @@ class Orchestra:
             anyio.from_thread.run(run.emit, _step_event(run.run_id, agent, step, chunk))
 
         prompt = prompt or _MemberPrompt(run.prefix_ids)
+        repair = self._repair_for(agent) if agent is not None else None
         # a member whose prefix has other ids prefills it itself: the source's cache (or a map of the
         # source's prefill of these ids, which costs the same prefill again) cannot serve it better
-        lease = await self.cache.acquire(member, prompt.ids, gate=gate, on_step=on_step,
+        lease = await self.cache.acquire(member, prompt.ids, gate=gate, repair=repair, on_step=on_step,
                                          allow_mapped=self.share_prefill and prompt.own_reason is None and mapped,
                                          reuse=self.share_prefill)
         run.leases.append((agent, lease))
         return lease
+
+    def _repair_for(self, agent: str) -> RepairPolicy | None:
+        """How a mapped cache `agent` reads is repaired: its node's, else its spec's (None: the cache's policy)."""
+        node = self.pipeline.agent(agent)
+        return node.repair if node.repair is not None else self.specs[agent].mapped_repair
 
     async def _prompt_for(self, run: _Run, agent: str, member: str) -> _MemberPrompt:
         """The document prefix as `member`'s own tokenizer and chat template lay it out (once per member and run).
@@ -475,10 +535,15 @@ class Orchestra:
                 refused = exc
         self._check_chunk_agents()
         room = await anyio.to_thread.run_sync(self._default_window, run)
-        window = policy.window_tokens or room
+        held = self._held_windows.get(_held_key(run.document))
+        window = policy.window_tokens or (min(held) if held else None) or room
         if window is None:
             raise DocumentError("chunking.mode is always but no model bounds its context: set chunking.window_tokens")
         if room is not None and window > room:
+            if held and not policy.window_tokens:
+                raise DocumentError(f"the document is held (a session) in chunks of {window} tokens, but this run's "
+                                    f"inputs leave room for chunks of at most {room}: shorten the inputs, or hold "
+                                    "the document for longer ones (pipeline.session(..., input_tokens=...))")
             raise DocumentError(f"chunking.window_tokens is {window}, but the agents' prompts and replies leave room "
                                 f"for chunks of at most {room} tokens: lower it to {room} or less, or unset it")
         from orchestra.chunking import prefix_tokens, split_document
@@ -519,7 +584,9 @@ class Orchestra:
             values = {**{n: run.inputs[n] for n in self.pipeline.input_reads(agent.name)},
                       **{up: pointer(up) for up in agent.upstream}}
             suffix = build_suffix(self.cache.executor.tokenizer(agent.model), spec, values)
-            limits.append(info.max_positions - len(suffix.ids) - spec.generation.max_new_tokens - 1 - _WINDOW_MARGIN)
+            kept = run.input_room * len(self.pipeline.input_reads(agent.name))
+            limits.append(info.max_positions - len(suffix.ids) - spec.generation.max_new_tokens - 1 - _WINDOW_MARGIN
+                          - kept)
         return min(limits) if limits else None
 
     async def _prefill_chunks(self, run: _Run) -> None:

@@ -5,7 +5,8 @@
         s.run_sync(inputs={"question": "..."})  # the whole report
 
 While a session is open the document's caches (source and every agent's member: exact or mapped) are
-leased, so no budget evicts them between runs: each run computes only its agents' own tokens. A named
+leased, so no budget evicts them between runs: each run computes only its agents' own tokens. A document
+longer than a window is held chunk by chunk, cut once for questions of up to `input_tokens` tokens. A named
 session is kept in the home (``sessions/<name>.json``: the document and what was asked), and
 `Pipeline.session(name=...)` reopens it later, in this process or another; the disk tier then brings the
 document's caches back without a prefill.
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from orchestra.chunking import HOLD_INPUT_TOKENS
 from orchestra.errors import SessionError
 
 if TYPE_CHECKING:
@@ -56,9 +58,12 @@ class Session:
     """A document held on its pipeline's members for many runs; use it as a (sync or async) context manager."""
 
     def __init__(self, pipeline: SessionPipeline, document: str, *, name: str | None = None,
-                 path: Path | None = None, history: list[dict[str, object]] | None = None) -> None:
+                 path: Path | None = None, history: list[dict[str, object]] | None = None,
+                 input_tokens: int = HOLD_INPUT_TOKENS) -> None:
         self.pipeline = pipeline
         self.document = document
+        self.input_tokens = input_tokens
+        """Room kept per input value (the question) when a document longer than a window is cut into chunks."""
         self.name = name
         self.path = path
         self.history: list[dict[str, object]] = list(history or [])
@@ -78,15 +83,15 @@ class Session:
     async def open(self) -> Session:
         """Obtain and hold the document's caches (what entering the context does)."""
         if not self._open:
-            self._leases = await self.pipeline.orchestra().hold(self.document)
+            self._leases = await self.pipeline.orchestra().hold(self.document, input_tokens=self.input_tokens)
             self._open = True
             self._save()
         return self
 
     def close(self) -> None:
         """Let the document's caches go (they stay cached until the budget needs the room)."""
-        for lease in self._leases:
-            lease.release()
+        if self._open:
+            self.pipeline.orchestra().unhold(self.document, self._leases)
         self._leases = []
         self._open = False
 
@@ -174,7 +179,8 @@ class Session:
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps({"name": self.name, "pipeline": self.pipeline.spec.name,
-                                            "document": self.document, "history": self.history}))
+                                            "document": self.document, "input_tokens": self.input_tokens,
+                                            "history": self.history}))
 
     @classmethod
     def load(cls, pipeline: SessionPipeline, path: Path, name: str) -> Session:
@@ -183,10 +189,11 @@ class Session:
             data = json.loads(path.read_text(encoding="utf-8"))
             document = str(data["document"])
             history = list(data.get("history") or [])
+            input_tokens = int(data.get("input_tokens", HOLD_INPUT_TOKENS))
         except FileNotFoundError:
             raise SessionError(f"no session named {name!r} in {path.parent}: open it once with its document "
                                f"(pipeline.session(document, name={name!r}))") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SessionError(f"session file {path} is unreadable ({exc}): delete it and open the session again "
                                "with its document") from exc
-        return cls(pipeline, document, name=name, path=path, history=history)
+        return cls(pipeline, document, name=name, path=path, history=history, input_tokens=input_tokens)

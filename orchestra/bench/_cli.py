@@ -63,8 +63,9 @@ def bench(
                                                  "orchestra/bench/data/qa.json) instead of the bundled one.")] = None,
     qa_max_new_tokens: Annotated[int | None, typer.Option("--qa-max-new-tokens", min=1, help="Tasks: tokens per "
                                                           "answer (default 24).")] = None,
-    qa_repair_budget: Annotated[float, typer.Option("--qa-repair-budget", min=0.0, max=1.0, help="Tasks: repair "
-                                                    "budget of the mapped+repair condition.")] = 0.1,
+    qa_repair_budget: Annotated[float | None, typer.Option("--qa-repair-budget", min=0.0, max=1.0, help="Tasks: repair "
+                                                           "budget of the mapped+repair condition (default: the "
+                                                           "question answerer's own repair).")] = None,
     repair_costs: Annotated[Literal["measured", "compute"], typer.Option("--repair-costs", help="How repair budgets are priced: 'measured' "
                                               "(the target's timed passes on this machine) or 'compute' "
                                               "(multiply-adds).")] = "measured",

@@ -40,7 +40,8 @@ class BenchConfig(BaseModel):
     qa_limit: int | None = Field(None, ge=1, description="ask only the first N questions of the QA set")
     qa_questions: list[str] | None = Field(None, description="ask only these question ids")
     qa_file: str | None = Field(None, description="a QA set (JSON, the bundled one's format) instead of the bundled one")
-    qa_repair_budget: float = Field(0.1, gt=0.0, le=1.0, description="repair budget of the mapped+repair condition")
+    qa_repair_budget: float | None = Field(None, gt=0.0, le=1.0, description="repair budget of the mapped+repair "
+                                           "condition (None: the question answerer's own `mapped_repair`)")
     pipeline_agents: list[int] | None = None
     pipeline_tokens: int | None = Field(None, ge=16)
     pipeline_max_new_tokens: int | None = Field(None, ge=1)

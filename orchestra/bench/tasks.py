@@ -8,7 +8,8 @@ greedily on four caches, all from one :class:`orchestra.familycache.FamilyCache`
 - ``own``: each other member on its own prefill (``allow_mapped=False``);
 - ``mapped``: the source's cache mapped into the member, gates open (the pure map + the cache's
   recomputed tail: what an agent runs on when the gates pass);
-- ``mapped+repair``: the same map, repaired at ``repair_budget`` of a prefill;
+- ``mapped+repair``: the same map, repaired as the built-in asks (its ``mapped_repair``: what a pipeline
+  runs it with), or at ``repair_budget`` of a prefill when that is given;
 - ``plain``: the baseline a user would try first, no orchestra prompt at all: the member's chat template
   over one user turn holding the window and then the question, on its own prefill, greedy, with the same
   token budget and stop strings (``plain_prompt_ids``). The built-in must be at least as accurate as it.
@@ -33,6 +34,7 @@ from orchestra.gates import GatePolicy
 
 if TYPE_CHECKING:
     from agents.spec import AgentSpec
+    from mappings.repair import RepairPolicy
     from mappings.types import Tokenizer
     from orchestra.bench.qa import QAQuestion, QASet
     from orchestra.familycache import CacheLease, FamilyCache
@@ -54,7 +56,8 @@ class TaskConfig(_Model):
     window_tokens: int = Field(512, ge=16, description="document tokens around each passage (never fewer than it has)")
     max_new_tokens: int = Field(24, ge=1, description="tokens each answer may generate (greedy)")
     tail_tokens: int = Field(32, ge=2, description="prefix tokens the FamilyCache recomputes on the target after a map")
-    repair_budget: float = Field(0.1, gt=0.0, le=1.0, description="repair budget of the mapped+repair condition")
+    repair_budget: float | None = Field(None, gt=0.0, le=1.0, description="repair budget of the mapped+repair "
+                                        "condition (None: the built-in's own `mapped_repair`)")
     repair_costs: Literal["measured", "compute"] = Field(
         "measured", description="how that budget is priced: the target's timed passes, or multiply-adds")
     stop: list[str] = Field(default_factory=lambda: ["\n\n", "Question:"],
@@ -67,6 +70,13 @@ class TaskConfig(_Model):
     qa_file: str | None = Field(None, description="a QA set other than the bundled one")
     plain: bool = Field(True, description="also answer with a plain chat prompt (document then question in one user "
                                           "turn), the baseline the built-in must match")
+
+    def repair_policy(self) -> RepairPolicy:
+        """The mapped+repair condition's repair: `repair_budget` of a prefill, else the question answerer's own."""
+        from agents.builtin import QA_REPAIR
+        from mappings.repair import RepairPolicy
+
+        return RepairPolicy(budget=self.repair_budget) if self.repair_budget is not None else QA_REPAIR
 
 
 class QAAnswer(_Model):
@@ -128,6 +138,9 @@ class TaskSection(_Model):
     questions: int
     passages: int
     mean_prefix_tokens: float = 0.0
+    repair: dict[str, object] | None = Field(None, description="the mapped+repair condition's repair policy")
+    repair_costs: list[float] = Field(default_factory=list, description="its planned cost per window, a share of "
+                                      "one target prefill")
     scores: list[QAScore] = Field(default_factory=list)
     gates: list[GateSummary] = Field(default_factory=list)
     lengths: list[LengthRow] = Field(default_factory=list)
@@ -317,21 +330,20 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
     from tqdm.auto import tqdm
 
     from agents import DocumentPrompt
-    from mappings.repair import RepairPolicy
     from orchestra.bench.qa import is_correct, load_qa, passage_window, token_offsets
 
     qa = load_qa(config.qa_file)
     chosen = _chosen_questions(qa, config)
     groups = qa.by_passage(chosen)
+    repair = config.repair_policy()
     section = TaskSection(config=config, dataset=f"{qa.name} v{qa.version}", questions=len(chosen),
-                          passages=len(groups))
+                          passages=len(groups), repair=repair.model_dump(mode="json"))
     source = config.source
     tok = fam.loaded(source).tokenizer
     members = _mappable_members(fam, source, config.members, section.skipped)
     # Gates open for the measured conditions: the map itself is what is scored; `config.gate` is asked separately.
     cache = fam.family_cache(source, tail_tokens=config.tail_tokens, repair_costs=config.repair_costs)
     open_gate = GatePolicy(offline=None, probe=None)
-    repair = RepairPolicy(budget=config.repair_budget)
     asker = QAAsker(fam, cache, config.max_new_tokens, config.stop)
     offsets: dict[str, list[tuple[int, int]]] = {}
     texts: dict[tuple[str, int], str] = {}
@@ -378,6 +390,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
                 answers += answer(m, "mapped", lease, prefix, n, qs)
             with cache.acquire_sync(m, prefix, gate=open_gate, tail_tokens=config.tail_tokens, repair=repair) as lease:
                 answers += answer(m, "mapped+repair", lease, prefix, n, qs)
+                section.repair_costs += [float(str(lease.repair["cost"]))] if lease.repair else []
             # The gates on the same map (a re-prefill when they refuse it: that is then the own prefill, reused).
             with cache.acquire_sync(m, prefix, gate=config.gate, tail_tokens=config.tail_tokens) as lease:
                 gate_log[m].append(lease)
@@ -457,6 +470,17 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
 
 
+def _repair_words(k: TaskSection) -> str:
+    policy = k.repair or {"budget": k.config.repair_budget or 0.1}
+    whose = "the bench's" if k.config.repair_budget is not None else "the built-in's own `mapped_repair`"
+    interior = float(str(policy.get("scattered_share") or 0))
+    where = (f", {interior:.0%} of it on the interior tokens the source's last tokens read" if interior
+             else ", on sink and tail tokens")
+    spent = (f"; spent {sum(k.repair_costs) / len(k.repair_costs):.0%} of a prefill on average" if k.repair_costs
+             else "")
+    return f"{whose}: a {float(str(policy['budget'])):.0%} budget{where}{spent}"
+
+
 def tasks_markdown(k: TaskSection) -> list[str]:
     c = k.config
     source = next((s for s in k.scores if s.condition == "source"), None)
@@ -467,7 +491,7 @@ def tasks_markdown(k: TaskSection) -> list[str]:
         f"prompt prefix on average); `question_answerer`, greedy, up to {c.max_new_tokens} new tokens; correct = a "
         "reference answer occurs in the reply (normalised). Every cache is a FamilyCache lease: own = the member's "
         f"own prefill, mapped = {c.source}'s cache mapped (gates open, {c.tail_tokens}-token tail recomputed), "
-        f"mapped+repair = the same at a {c.repair_budget:.0%} repair budget, source = {c.source} answering on its own "
+        f"mapped+repair = the same repaired ({_repair_words(k)}), source = {c.source} answering on its own "
         "prefill. Retention = accuracy / own-prefill accuracy; agreement = answers identical to the own-prefill ones. "
         "plain = the baseline without orchestra's prompt: the member's chat template over one user turn, the window "
         "then the question, on its own prefill, same budget and stops (no shared prefix).",

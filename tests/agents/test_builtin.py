@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from agents import BUILTINS, UnknownUpstreamError
 from agents.builtin import KeyFacts, critic, key_facts, question_answerer, report_writer, summarizer
+from mappings.repair import RepairPolicy
 
 
 def test_builtins_render_with_their_inputs():
@@ -40,6 +41,13 @@ def test_the_question_answerer_is_the_wording_its_benchmark_chose():
     assert qa.generation.repetition_penalty == 1.0 and qa.generation.no_repeat_ngram_size == 6
     assert qa.generation.stop == ("\n\n", "\nQuestion:")
     assert question_answerer("Who?", search=True).generation.stop == ("\nQuestion:",)
+
+
+def test_the_question_answerer_asks_for_the_repair_its_benchmark_chose():
+    """On a mapped cache it asks for a quarter of a prefill, half on interior tokens (results/qa_repair_curve.md:
+    the cheapest setting at least as accurate as the member's own prefill); other built-ins ask for none."""
+    assert question_answerer("Who?").mapped_repair == RepairPolicy(budget=0.25, scattered_share=0.5)
+    assert summarizer().mapped_repair is None
 
 
 def test_builtin_arguments_are_checked():

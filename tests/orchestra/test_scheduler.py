@@ -249,6 +249,26 @@ async def test_repair_policy_repairs_mapped_caches_and_reports_it(fam, mapstore)
     assert not torch.allclose(rep_layers[0][0], map_layers[0][0])
 
 
+async def test_an_agent_that_asks_for_repair_reads_a_repaired_map_and_the_others_share_the_pure_one(fam, mapstore):
+    """The question answerer's own `mapped_repair` repairs the mapped cache it reads, a node's `repair` overrides
+    an agent's, and agents that ask for nothing read the pipeline's pure map: one entry per repair asked for."""
+    from agents.builtin import QA_REPAIR
+
+    qa = {"builtin": "question_answerer", "args": {"question": "Who may copy it?", "max_new_tokens": 4}}
+    agents = [_spec("a", "child"), _spec("b", "child"), {"name": "ask", "model": "child", **qa},
+              {"name": "cheap", "model": "child", "repair": {"budget": 0.1}, **qa}]
+    orch = Orchestra(_pipeline(fam, agents, gate={"offline": None, "probe": None},
+                               mapping={"repair_costs": "compute"}), mappings=mapstore)
+    report = await orch.run(DOC)
+    assert report.succeeded == ["a", "b", "ask", "cheap"]
+    mapped = [c for c in report.caches if c.model == "child"]
+    assert all(c.path == "mapped" for c in mapped)
+    policies = sorted((c.repair or {}).get("policy", {}).get("budget", 0.0) for c in mapped)
+    assert policies == [0.0, 0.1, QA_REPAIR.budget]  # a and b share the pure map; each repair is its own entry
+    asked = next(c.repair for c in mapped if c.repair and c.repair["policy"]["budget"] == QA_REPAIR.budget)
+    assert asked["scattered"] > 0 and asked["cost"] <= QA_REPAIR.budget  # interior tokens the source reads
+
+
 async def test_degenerate_output_is_reported_and_never_passed_downstream(fam, mapstore):
     from transformers import AutoTokenizer
 

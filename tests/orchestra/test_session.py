@@ -6,6 +6,7 @@ import anyio
 import pytest
 
 from orchestra import Pipeline, SessionError
+from orchestra.errors import DocumentError
 from orchestra.family.corpus import data_text
 from tests.orchestra.familycache.test_core import TokenCounter
 
@@ -81,4 +82,45 @@ def test_ask_needs_a_question_input(fam, mapstore, tmp_path):
                 .agent({"name": "a", "task": "Summarise.", "generation": {"max_new_tokens": 2}}, model="base"))
     with pipeline.session(DOC) as s, pytest.raises(SessionError, match="declare it"):
         s.ask("Who?")
+    pipeline.close()
+
+
+def _chunked(fam, mapstore, tmp_path) -> Pipeline:
+    return (Pipeline("long", source="base", models={"base": str(fam.parent), "child": str(fam.child)},
+                     mapping={"directory": str(mapstore.directory), "on_missing": "calibrate"}, default_device="cpu",
+                     home=str(tmp_path / "home"), kv_store={"enabled": False},
+                     gate={"offline": None, "probe": None}, chunking={"overlap_tokens": 16})
+            .with_input("question")
+            .agent({"name": "notes", "task": "Note what answers: {question}", "generation": {"max_new_tokens": 3}},
+                   model="child", per_chunk=True)
+            .agent({"name": "answer", "task": "Answer {question} from {notes}", "generation": {"max_new_tokens": 3}},
+                   model="base"))
+
+
+def test_a_session_holds_a_document_longer_than_a_window_chunk_by_chunk(fam, mapstore, tmp_path):
+    long_doc = data_text("gpl-3.txt")[:1500]  # several of the tiny models' 512-position windows
+    pipeline = _chunked(fam, mapstore, tmp_path)
+    with pipeline.session(long_doc, input_tokens=24) as s:
+        held = s.held
+        first = s.run_sync({"question": "Who?"})
+        chunks = len(first.chunks)
+        assert chunks >= 3
+        # each chunk on the source and on the per-chunk agent's member; the reduce agent's notes are per run
+        assert len(held) == 2 * chunks
+        longest = "And what may I copy?"  # within the 24 tokens the session keeps for a question
+        counter = TokenCounter(pipeline.orchestra().cache.executor.model("base").model)
+        try:
+            later = s.run_sync({"question": longest})  # a longer question: the held chunks still serve it
+        finally:
+            counter.remove()
+    for report in (first, later):
+        assert report.succeeded == ["notes", "answer"], [a.error for a in report.agents]
+        assert all(c.source_prefill_s == 0 for c in report.chunks)  # the held caches: nothing prefilled again
+        assert all(c.prefill_s_spent == 0 and c.cache_path == "mapped" for c in report.agent("notes").chunks)
+    assert [(c.start, c.end) for c in later.chunks] == [(c.start, c.end) for c in first.chunks]
+    assert max(counter.tokens) < min(c.tokens for c in later.chunks)  # no chunk computed again on the source
+    too_long = " ".join(["why"] * 200)
+    with pipeline.session(long_doc, input_tokens=24) as s, pytest.raises(DocumentError, match="held .* input_tokens"):
+        s.run_sync({"question": too_long})
+    assert not pipeline.orchestra()._held_windows  # closing the session lets the document's cut go
     pipeline.close()
