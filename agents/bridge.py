@@ -248,6 +248,9 @@ class ThreadStream(Generic[T, R]):
     async def __anext__(self) -> T:
         while True:
             if self._items:
+                # a step of the iteration is a cancel point even when the item is already buffered: a scope
+                # cancelled after item n must not receive item n + 1
+                await anyio.lowlevel.checkpoint_if_cancelled()
                 return self._items.popleft()
             if self._done:
                 if self._error is not None:

@@ -33,7 +33,15 @@ from orchestra.bench.pipeline import (
     pipeline_markdown,
     run_pipeline,
 )
-from orchestra.bench.qa import QASet, is_correct, load_qa, normalize, passage_window, token_offsets
+from orchestra.bench.qa import (
+    QAQuestion,
+    QASet,
+    is_correct,
+    load_qa,
+    normalize,
+    passage_window,
+    token_offsets,
+)
 from orchestra.bench.quality import QualityConfig, QualitySection, run_quality
 from orchestra.bench.report import BenchResults, render_markdown, write_plots, write_results
 from orchestra.bench.tasks import QAAsker, TaskConfig, TaskSection, plain_prompt_ids, rouge_l, run_tasks
@@ -46,7 +54,7 @@ __all__ = [
     "QualityConfig", "QualitySection", "run_quality",
     "TimingConfig", "TimingSection", "run_timing",
     "TaskConfig", "TaskSection", "run_tasks", "rouge_l", "QAAsker", "plain_prompt_ids",
-    "QASet", "load_qa", "normalize", "is_correct", "passage_window", "token_offsets",
+    "QAQuestion", "QASet", "load_qa", "normalize", "is_correct", "passage_window", "token_offsets",
     "PipelineConfig", "PipelineSection", "PipelineComparison", "compare_pipeline", "run_pipeline",
     "pipeline_markdown",
     "CalibrationBenchConfig", "CalibrationSection", "run_calibration",

@@ -92,6 +92,17 @@ async def test_a_cancelled_scope_cancels_and_joins_the_worker():
     assert work.steps == steps_at_exit
 
 
+async def test_a_cancelled_scope_gets_no_further_item_even_when_items_are_buffered():
+    received = []
+    async with ThreadStream(Steps(n=5, pause=0)) as stream:
+        await stream.wait()  # the work has ended: all five items wait in the buffer
+        with anyio.CancelScope() as scope:
+            async for item in stream:
+                received.append(item)
+                scope.cancel()
+    assert scope.cancelled_caught and received == [0]
+
+
 async def test_a_timeout_waiting_for_the_result_cancels_and_joins_the_worker():
     work = Steps()
     with pytest.raises(TimeoutError):
