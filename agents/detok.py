@@ -29,6 +29,8 @@ class TextAssembler:
     emitted: int = 0
     """How many characters of ``decoded`` have been handed out."""
     stopped: bool = False
+    stopped_by: str | None = None
+    """The stop string that ended the text (the earliest in it), once one has."""
     _prefix_offset: int = 0
     _read_offset: int = 0
 
@@ -53,9 +55,10 @@ class TextAssembler:
         if self.stop:
             longest = max(len(s) for s in self.stop)
             start = max(0, before - longest + 1)
-            hits = [i for i in (self.decoded.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.decoded.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
-                self.decoded = self.decoded[: min(hits)]
+                at, self.stopped_by = min(hits)
+                self.decoded = self.decoded[:at]
                 self.stopped = True
                 return self._emit(len(self.decoded))
             return self._emit(len(self.decoded) - self._partial_stop_length())

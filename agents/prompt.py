@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_PREAMBLE",
     "DOCUMENT_START",
     "DOCUMENT_END",
+    "FRAME_ECHOES",
     "SYSTEM_MESSAGE",
     "CHAT_DOCUMENT_INTRO",
     "DocumentPrompt",
@@ -60,6 +61,9 @@ DEFAULT_PREAMBLE = (
 )
 DOCUMENT_START = "=== DOCUMENT START ===\n"
 DOCUMENT_END = "\n=== DOCUMENT END ===\n"
+FRAME_ECHOES = (DOCUMENT_START.strip("= \n"), DOCUMENT_END.strip("= \n"))
+"""The document markers' words: a text reply that writes them has left its answer to copy its own prompt
+(a 135M reduce agent wrote "### DOCUMENT START ===" and its role text after a good summary), so they end it."""
 
 SYSTEM_MESSAGE = (
     "You are a careful assistant. You read the document the user gives you and follow the user's "

@@ -28,7 +28,7 @@ from agents.degenerate import Degeneracy, check_text
 from agents.errors import GenerationCancelledError
 from agents.grounding import Grounding
 from agents.kv import check_context, check_prefix_cache, forward_tokens
-from agents.prompt import RepairTurn, Suffix, build_suffix, document_span
+from agents.prompt import FRAME_ECHOES, RepairTurn, Suffix, build_suffix, document_span
 from agents.sampling import Sampler
 from agents.spec import AgentSpec, OutputSpec
 from agents.structured import JsonObjectTracker, extract_json_object, run_with_repairs
@@ -235,9 +235,11 @@ def _decode_once(
         if on_token is not None:
             on_token(TokenEvent(agent=spec.name, text=text, token_id=token, index=index, attempt=attempt))
 
+    # a free-text reply also ends where it starts writing the document markers (JSON and calls have their grammar);
     # repair attempts of a seeded agent draw with seed + attempt: a retry must not replay the rejected reply
-    stream = TokenStream(tokenizer, eos, max_new_tokens=settings.max_new_tokens, stop=settings.stop, on_token=emit,
-                         constraint=constraint, sampler=Sampler.from_settings(settings, seed_offset=attempt),
+    frame = FRAME_ECHOES if constraint is None and tracker is None else ()
+    stream = TokenStream(tokenizer, eos, max_new_tokens=settings.max_new_tokens, stop=(*settings.stop, *frame),
+                         on_token=emit, constraint=constraint, sampler=Sampler.from_settings(settings, seed_offset=attempt),
                          ends=tracker.feed if tracker is not None else None)
 
     held = lock if lock is not None else contextlib.nullcontext()
@@ -269,7 +271,10 @@ def _decode_once(
         position += 1
     clock.generation_s += time.perf_counter() - t2
     finish: FinishReason = stream.finish if stream.finish in ("eos", "stop", "length") else "length"
-    return _Generation(text=stream.assembler.text, finish_reason=finish, token_ids=list(stream.ids), suffix=suffix,
+    text = stream.assembler.text
+    if frame and stream.assembler.stopped_by in frame:
+        text = text.rstrip(" \t\n#=*-")  # the heading or rule the marker came under
+    return _Generation(text=text, finish_reason=finish, token_ids=list(stream.ids), suffix=suffix,
                        constrained=constraint is not None)
 
 

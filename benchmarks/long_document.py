@@ -1,16 +1,22 @@
-"""A document longer than the model's context, chunked: what prefilling each chunk once saves, and what
-answering over retrieved chunks costs in accuracy.
+"""A document several times the model's context, chunked: what prefilling each chunk once saves, what a
+map-reduce summary of it takes, and what answering over retrieved chunks costs in accuracy.
 
-    python benchmarks/long_document.py [--window 2048] [--questions 24] [--skip-cost] [--skip-qa]
+    python benchmarks/long_document.py [--window 2048] [--questions 24] [--document PATH ...]
+                                       [--skip-cost] [--skip-summary] [--skip-qa]
 
-The document is examples/long_document_analysis/licences.md: four licences (GPL-3, Apache-2.0, MPL-2.0,
-GFDL-1.3) under Markdown headings, ~18,900 tokens, 2.3x the bundled family's 8,192-token context, cut into
-`--window`-token chunks on its structure (`orchestra.chunking`).
+The document (by default) is examples/long_document_analysis/licences.md (GPL-3, Apache-2.0, MPL-2.0,
+GFDL-1.3 under Markdown headings, ~18,900 tokens) followed by more_licences.md beside it (the other licence
+texts a Debian machine ships in /usr/share/common-licenses, Python's and NumPy's licences: ~48,000 tokens):
+~66,900 tokens, 8.2x the bundled family's 8,192-token context, cut into `--window`-token chunks on its
+structure (`orchestra.chunking`). `--document` reads other files instead (joined in the order given).
 
 - *cost*: three agents on three members (root, finetuned, int8), each over every chunk, run twice on fresh
   caches: prefill once (each chunk prefilled on the root, mapped into the other two behind the gates) and
   per-agent re-prefill (every agent prefills every chunk on its own member, `share_prefill=False`). Prefill
   tokens computed, prefill seconds, maps, wall seconds, and the ratio.
+- *summary*: the built-in `summarizer` over every chunk on the root (map) and the built-in `report_writer`
+  over its notes (reduce, in rounds when the notes outgrow a window): calls, rounds, wall seconds and the
+  summary itself.
 - *qa*: the bundled QA set's questions on these licences, asked of the root by the `question_answerer`
   built-in over the whole long document (the 2 chunks most relevant to the question by BM25, `chunks: 2`)
   and over the one chunk holding the answer's passage (the oracle: what retrieval could at best reach).
@@ -31,7 +37,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ["ORCHESTRA_KV_STORE"] = "off"
-DOCUMENT = ROOT / "examples" / "long_document_analysis" / "licences.md"
+DOCUMENTS = (ROOT / "examples" / "long_document_analysis" / "licences.md",
+             ROOT / "examples" / "long_document_analysis" / "more_licences.md")
 MEMBERS = ("root", "finetuned", "int8")
 
 
@@ -86,6 +93,31 @@ def cost(manifest: Any, document: str, window: int, share: bool) -> dict[str, An
     return out
 
 
+def summary(manifest: Any, document: str, window: int) -> dict[str, Any]:
+    """The built-in summarizer over every chunk (map), reduced by the built-in report writer, on fresh caches."""
+    from orchestra import Orchestra
+
+    agents = [{"name": "summary", "model": "root", "builtin": "summarizer",
+               "args": {"max_words": 30, "max_new_tokens": 48}},
+              {"name": "overall", "model": "root", "builtin": "report_writer", "upstream": ["summary"],
+               "args": {"upstream": ["summary"], "max_new_tokens": 160}}]
+    orch = Orchestra(_spec({"mode": "always", "window_tokens": window}, agents), family=manifest)
+    orch.cache.executor.model("root")
+    t0 = time.perf_counter()
+    report = _run(orch, document)
+    wall = time.perf_counter() - t0
+    orch.close()
+    mapped, reduced = report.agent("summary"), report.agent("overall")
+    return {"chunks": len(report.chunks), "document_tokens": sum(ch.tokens for ch in report.chunks),
+            "agents": {a.name: a.status for a in report.agents}, "map_calls": len(mapped.chunks),
+            "map_degenerate": sum(1 for c in mapped.chunks if c.degenerate_reason),
+            # a reduce whose notes fit one window is one call over them (no chunk calls listed)
+            "reduce_calls": len(reduced.chunks) or 1, "reduce_rounds": max((c.round for c in reduced.chunks), default=1),
+            "map_tokens": sum(c.tokens for c in mapped.chunks), "prefill_s": report.prefill_s_spent, "wall_s": wall,
+            "map_generation_s": mapped.generation_s, "reduce_generation_s": reduced.generation_s,
+            "summary": reduced.output}
+
+
 def _asker_task() -> dict[str, Any]:
     """question_answerer's own role and task, its question read from the run's `question` input."""
     from agents import BUILTINS
@@ -103,7 +135,7 @@ def qa(manifest: Any, document: str, window: int, limit: int) -> dict[str, Any]:
     long_run = Orchestra(_spec({"mode": "always", "window_tokens": window}, [agent], ["question"]), family=manifest)
     oracle = Orchestra(_spec({"mode": "never"}, [{**agent, "chunks": "all"}], ["question"]), cache=long_run.cache)
     qaset = load_qa()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for q in qaset.questions:
         passage = " ".join(qaset.passage_text(q.passage).split())
         if len(rows) >= limit:
@@ -132,12 +164,20 @@ def qa(manifest: Any, document: str, window: int, limit: int) -> dict[str, Any]:
             "retrieval_hits": sum(r["retrieved_right_chunk"] for r in rows), "rows": rows}
 
 
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
-    lines = ["# A document longer than the context, chunked (bundled SmolLM2 family, CPU)", "",
-             f"Command: `{result['command']}`. Machine: {m['cpu']} CPUs, torch {m['torch']}. Document: "
-             f"`examples/long_document_analysis/licences.md`, {result['document_chars']:,} characters; chunks of "
-             f"{result['window']:,} tokens.", ""]
+    sized = result.get("summary") or (result.get("cost") or {}).get("once")
+    size = (f", {sized['document_tokens']:,} tokens over its {sized['chunks']} chunks "
+            f"({sized['document_tokens'] / result['context_tokens']:.1f}x the model's {result['context_tokens']:,}-token "
+            "context)") if sized else ""
+    files = " + ".join(f"`{d}`" for d in result["document"])
+    lines = ["# A document several times the context, chunked (bundled SmolLM2 family, CPU)", "",
+             f"Command: `{result['command']}`. Machine: {m['cpu']} CPUs, torch {m['torch']}. Document: {files}, "
+             f"{result['document_chars']:,} characters{size}; chunks of {result['window']:,} tokens.", ""]
     if result.get("cost"):
         once, each = result["cost"]["once"], result["cost"]["per_agent"]
         lines += ["## Prefill once vs per-agent re-prefill", "",
@@ -153,6 +193,19 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"**Prefill tokens: {each['prefill_tokens_computed'] / max(1, once['prefill_tokens_computed']):.2f}x "
                   f"fewer; prefill seconds {each['prefill_s'] / max(1e-9, once['prefill_s']):.2f}x fewer; wall "
                   f"{each['wall_s'] / max(1e-9, once['wall_s']):.2f}x faster** with each chunk prefilled once.", ""]
+    if result.get("summary"):
+        r = result["summary"]
+        agents = ", ".join(f"{k} {v}" for k, v in r["agents"].items())
+        lines += ["## A map-reduce summary of the whole document", "",
+                  "The built-in `summarizer` over every chunk on the root (map, 30 words each), then the built-in "
+                  "`report_writer` over its notes (reduce), on fresh caches.", "",
+                  "| chunks | map calls | left out as degenerate | reduce calls | reduce rounds | prefill s | "
+                  "map generation s | reduce generation s | wall s | agents |",
+                  "|---|---|---|---|---|---|---|---|---|---|",
+                  f"| {r['chunks']} | {r['map_calls']} | {r['map_degenerate']} | {r['reduce_calls']} | "
+                  f"{r['reduce_rounds']} | {r['prefill_s']:.1f} | {_num(r['map_generation_s'])} | "
+                  f"{_num(r['reduce_generation_s'])} | {r['wall_s']:.1f} | {agents} |", "",
+                  "The summary (a 135M model's):", "", *(f"> {line}" for line in (r["summary"] or "").splitlines()), ""]
     if result.get("qa"):
         q = result["qa"]
         lines += ["## Answering over the long document vs over the chunk that holds the answer", "",
@@ -167,6 +220,19 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _shown(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def context_tokens(manifest: Any) -> int:
+    """The root's context, from its config (what 'times the context' is measured against)."""
+    import json
+
+    config = json.loads((manifest.member_path("root") / "config.json").read_text(encoding="utf-8"))
+    return int(config.get("text_config", config)["max_position_embeddings"])
+
+
 def main() -> None:
     import json
 
@@ -179,18 +245,25 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--questions", type=int, default=24)
     parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--skip-summary", action="store_true")
     parser.add_argument("--skip-qa", action="store_true")
+    parser.add_argument("--document", type=Path, nargs="+", default=list(DOCUMENTS),
+                        help="files read as the document, joined by a blank line (default: the two licence files)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     manifest = load_family(None)
-    document = DOCUMENT.read_text(encoding="utf-8")
+    document = "\n\n".join(p.read_text(encoding="utf-8").strip("\n") for p in args.document)
     result: dict[str, Any] = {
         "command": "python benchmarks/long_document.py " + " ".join(sys.argv[1:]), "window": args.window,
-        "document_chars": len(document), "machine": {"cpu": os.cpu_count(), "torch": torch.__version__}}
+        "document": [_shown(p) for p in args.document], "document_chars": len(document),
+        "context_tokens": context_tokens(manifest), "machine": {"cpu": os.cpu_count(), "torch": torch.__version__}}
     if not args.skip_cost:
         result["cost"] = {"once": cost(manifest, document, args.window, True),
                           "per_agent": cost(manifest, document, args.window, False)}
         print(json.dumps(result["cost"], indent=1), flush=True)
+    if not args.skip_summary:
+        result["summary"] = summary(manifest, document, args.window)
+        print(json.dumps(result["summary"], indent=1), flush=True)
     if not args.skip_qa:
         result["qa"] = qa(manifest, document, args.window, args.questions)
     args.out.mkdir(parents=True, exist_ok=True)

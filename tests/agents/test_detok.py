@@ -56,3 +56,11 @@ def test_text_that_may_start_a_stop_string_is_held_back():
     assert "".join(out) == "ab"  # "<EN" might become "<END>"
     out.append(asm.push(ord("X")))
     assert "".join(out) == "ab<ENX"
+
+
+def test_the_stop_string_that_ended_the_text_is_named():
+    asm, _ = run("a summary.\n### DOCUMENT START ===\nYou write clear reports", ("\n\n", "DOCUMENT START", "DOCUMENT END"))
+    assert asm.text == "a summary.\n### "
+    assert asm.stopped_by == "DOCUMENT START"
+    unstopped, _ = run("no marker here", ("DOCUMENT START",))
+    assert unstopped.stopped_by is None

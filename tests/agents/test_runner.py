@@ -90,6 +90,24 @@ def test_stop_strings_cut_the_output(llama_tiny):
     assert cut.token_ids == free.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < 24
 
 
+def test_a_text_reply_ends_where_it_writes_the_document_markers(llama_tiny, monkeypatch):
+    import agents.runner as runner
+
+    model, tok = llama_tiny.model, llama_tiny.tokenizer
+    ids = DocumentPrompt(DOCUMENT).token_ids(tok)
+    prefill = prefill_document(model, ids)
+    free = generate(model, tok, _spec(max_new_tokens=24), prefix_ids=ids, prefix_cache=prefill.cache)
+    assert runner.FRAME_ECHOES == ("DOCUMENT START", "DOCUMENT END")
+    # the random tiny model never writes the real markers: stand a piece of what it does write in for them
+    marker = free.text[6:9]
+    assert len(marker) == 3 and free.text.find(marker) >= 0
+    monkeypatch.setattr(runner, "FRAME_ECHOES", (marker,))
+    cut = generate(model, tok, _spec(max_new_tokens=24), prefix_ids=ids, prefix_cache=prefill.cache)
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.find(marker)].rstrip(" \t\n#=*-")
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < 24
+
+
 def test_eos_ends_generation(llama_tiny):
     model, tok = llama_tiny.model, llama_tiny.tokenizer
     ids = DocumentPrompt(DOCUMENT).token_ids(tok)
