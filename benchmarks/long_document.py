@@ -7,8 +7,8 @@ map-reduce summary of it takes, and what answering over retrieved chunks costs i
 The document (by default) is examples/long_document_analysis/licences.md (GPL-3, Apache-2.0, MPL-2.0,
 GFDL-1.3 under Markdown headings, ~18,900 tokens) followed by more_licences.md beside it (the other licence
 texts a Debian machine ships in /usr/share/common-licenses, Python's and NumPy's licences: ~48,000 tokens):
-~66,900 tokens, 8.2x the bundled family's 8,192-token context, cut into `--window`-token chunks on its
-structure (`orchestra.chunking`). `--document` reads other files instead (joined in the order given).
+~66,900 tokens of text (71,700 prefix tokens once cut, with each chunk's overlap and prompt frame), 8.8x the
+bundled family's 8,192-token context, cut into `--window`-token chunks on its structure (`orchestra.chunking`). `--document` reads other files instead (joined in the order given).
 
 - *cost*: three agents on three members (root, finetuned, int8), each over every chunk, run twice on fresh
   caches: prefill once (each chunk prefilled on the root, mapped into the other two behind the gates) and
@@ -40,6 +40,8 @@ os.environ["ORCHESTRA_KV_STORE"] = "off"
 DOCUMENTS = (ROOT / "examples" / "long_document_analysis" / "licences.md",
              ROOT / "examples" / "long_document_analysis" / "more_licences.md")
 MEMBERS = ("root", "finetuned", "int8")
+SUMMARY_WORDS = 30
+"""The map summaries' length asked of the summarizer."""
 
 
 def _spec(chunking: dict[str, Any], agents: list[dict[str, Any]], inputs: list[str] | None = None) -> Any:
@@ -98,7 +100,7 @@ def summary(manifest: Any, document: str, window: int) -> dict[str, Any]:
     from orchestra import Orchestra
 
     agents = [{"name": "summary", "model": "root", "builtin": "summarizer",
-               "args": {"max_words": 30, "max_new_tokens": 48}},
+               "args": {"max_words": SUMMARY_WORDS, "max_new_tokens": 48}},
               {"name": "overall", "model": "root", "builtin": "report_writer", "upstream": ["summary"],
                "args": {"upstream": ["summary"], "max_new_tokens": 160}}]
     orch = Orchestra(_spec({"mode": "always", "window_tokens": window}, agents), family=manifest)
@@ -197,7 +199,7 @@ def markdown(result: dict[str, Any]) -> str:
         r = result["summary"]
         agents = ", ".join(f"{k} {v}" for k, v in r["agents"].items())
         lines += ["## A map-reduce summary of the whole document", "",
-                  "The built-in `summarizer` over every chunk on the root (map, 30 words each), then the built-in "
+                  f"The built-in `summarizer` over every chunk on the root (map, {SUMMARY_WORDS} words each), then the built-in "
                   "`report_writer` over its notes (reduce), on fresh caches.", "",
                   "| chunks | map calls | left out as degenerate | reduce calls | reduce rounds | prefill s | "
                   "map generation s | reduce generation s | wall s | agents |",
@@ -226,11 +228,10 @@ def _shown(path: Path) -> str:
 
 
 def context_tokens(manifest: Any) -> int:
-    """The root's context, from its config (what 'times the context' is measured against)."""
-    import json
+    """The root's context (what 'times the context' is measured against), as the registry reads its config."""
+    from orchestra.registry import ModelRegistry
 
-    config = json.loads((manifest.member_path("root") / "config.json").read_text(encoding="utf-8"))
-    return int(config.get("text_config", config)["max_position_embeddings"])
+    return ModelRegistry({"root": "root"}, family=manifest).info("root").max_positions
 
 
 def main() -> None:

@@ -74,9 +74,11 @@ def make_pdf(markdown: Path, out: Path) -> int:
 def _summary(report: Any, prefills: Counter[int], wall: float, pdf: Path, pages: int, via: str,
              command: str, rc: int | None = None) -> dict[str, Any]:
     from orchestra.documents import load_document
+    from orchestra.family.manifest import load_family
+    from orchestra.registry import ModelRegistry
 
     text = load_document(pdf).text
-    context = 8192
+    context = ModelRegistry({"root": "root"}, family=load_family(None)).info("root").max_positions
     return {
         "command": command, "via": via, "pdf": str(pdf.relative_to(ROOT)) if pdf.is_relative_to(ROOT) else pdf.name,
         "pdf_bytes": pdf.stat().st_size, "pages": pages, "text_characters": len(text),
