@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from agents.errors import (
     AgentError,
     AgentOutputError,
+    CodeNotAllowedError,
     ContextOverflowError,
     EmptyDocumentError,
     GenerationCancelledError,
@@ -25,6 +26,7 @@ from agents.errors import (
     TruncatedOutputError,
     UnknownUpstreamError,
 )
+from agents.references import UNRESTRICTED, CodePolicy, code_policy, import_reference
 
 __all__ = [
     # errors
@@ -38,6 +40,12 @@ __all__ = [
     "PrefixCacheMismatchError",
     "TruncatedOutputError",
     "UnknownUpstreamError",
+    "CodeNotAllowedError",
+    # Python named by 'module:function', imported under a code policy
+    "CodePolicy",
+    "UNRESTRICTED",
+    "code_policy",
+    "import_reference",
     # specs
     "AgentSpec",
     "GenerationSettings",

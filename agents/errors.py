@@ -16,6 +16,7 @@ __all__ = [
     "OutputValidationError",
     "TruncatedOutputError",
     "MissingDependencyError",
+    "CodeNotAllowedError",
 ]
 
 
@@ -149,3 +150,13 @@ class MissingDependencyError(AgentError, ImportError):
     Raised instead of quietly running without it: a JSON agent decoded without its grammar writes
     other replies (truncated or malformed objects), which is a different agent, not a slower one.
     """
+
+
+class CodeNotAllowedError(AgentError):
+    """A reference to Python ('module:function') that the code policy in force refuses (a server's request
+    naming a module its operator did not allow); nothing was imported. Not a ValueError: validation passes it
+    on unchanged, so a server answers it as a refusal (403), not as a malformed request."""
+
+    def __init__(self, message: str, *, reference: str = "") -> None:
+        super().__init__(message)
+        self.reference = reference

@@ -9,7 +9,6 @@ access, indexing, conversions or format specs. The names a template needs are
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import string
@@ -29,6 +28,7 @@ from pydantic import (
 )
 
 from agents.errors import InvalidTemplateError, UnknownUpstreamError
+from agents.references import colon_form, import_reference
 from agents.schema import check_schema, schema_errors
 from agents.tools import Tool
 from mappings.repair import RepairPolicy
@@ -188,17 +188,12 @@ class GenerationSettings(BaseModel):
 
 
 def _import_model(path: str) -> type[BaseModel]:
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"output model {path!r} must be an import path like 'package.module:ClassName'")
+    path = colon_form(path)
     try:
-        obj: object = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import output model {path!r}: {exc}") from exc
+        obj = import_reference(path, what="output model")
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"cannot import output model {path!r}: {exc}; give it as 'package.module:ClassName'") \
+            from exc
     if not (isinstance(obj, type) and issubclass(obj, BaseModel)):
         raise ValueError(f"output model {path!r} is not a pydantic model class")
     return obj

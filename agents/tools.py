@@ -15,7 +15,6 @@ model's to fill: it receives the document the agent reads. After `max_tool_round
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -25,9 +24,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, create_model, model_validator
 
 from agents.errors import AgentError
+from agents.references import import_reference
 
 __all__ = ["Tool", "ToolCall", "ToolSchemaError", "tool", "find", "round_schema", "round_instructions", "run_tool",
            "answer_text", "bound_strings", "INJECTED"]
@@ -57,6 +57,16 @@ class Tool(BaseModel):
 
     _fn: Callable[..., Any] | None = PrivateAttr(None)
     _args: type[BaseModel] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _imported(self) -> Tool:
+        """A tool named by its path is imported when it is built (as a pipeline's steps are), so a wrong path, or
+        one the code policy refuses, is found while the spec is validated, never when the agent first calls it
+        in some worker thread."""
+        if self.call != "<python>" and self._fn is None:
+            fn = _import(self.call)
+            self._fn, self._args = fn, _arguments_model(fn)
+        return self
 
     @classmethod
     def of(cls, fn: Callable[..., Any] | str, *, name: str | None = None, timeout_s: float = 10.0) -> Tool:
@@ -259,9 +269,9 @@ def bound_strings(schema: dict[str, object], limit: int) -> dict[str, object]:
 
 
 def _import(path: str) -> Callable[..., Any]:
-    module, _, attr = path.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), attr)
+        fn = import_reference(path, what="tool", origin=lambda found: found.function() if isinstance(found, Tool)
+                              else found)
     except (ImportError, AttributeError, ValueError) as exc:
         raise ToolSchemaError(f"cannot import tool {path!r} ({exc}); give it as 'module:function'") from exc
     if isinstance(fn, Tool):

@@ -13,7 +13,6 @@ so are the nodes that depend only on it.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import re
@@ -22,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from agents.references import import_reference
 from orchestra.errors import PipelineValidationError
 
 __all__ = ["StepNode", "Condition", "WhenLike", "call_step", "step_output", "condition_holds"]
@@ -132,10 +132,9 @@ class StepNode(BaseModel):
     def function(self) -> Callable[..., Any]:
         """The step's function (imported from `call` on first use)."""
         if self._fn is None:
-            module, _, attr = self.call.partition(":")
             try:
-                fn = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as exc:
+                fn = import_reference(self.call, what="step")
+            except (ImportError, AttributeError, ValueError) as exc:
                 raise ValueError(f"cannot import {self.call!r} ({type(exc).__name__}: {exc}); check the module path "
                                  "(a pipeline file's own folder is searched first)") from exc
             if not callable(fn):
