@@ -53,6 +53,9 @@ def serve(
                                                     "(the cluster on this machine) or 'ray://host:port'.")] = None,
     cors_origins: Annotated[str | None, typer.Option("--cors-origins", envvar="ORCHESTRA_CORS_ORIGINS", help="Comma-separated browser "
                                                      "origins allowed to call the API (CORS), or '*'.")] = None,
+    allow_code: Annotated[list[str] | None, typer.Option("--allow-code", envvar="ORCHESTRA_ALLOW_CODE", metavar="PREFIX", help="A module prefix whose "
+                          "Python (steps, tools, output models) pipelines sent inline to POST /v1/runs may name, e.g. "
+                          "mycompany.checks; repeat it or separate with commas. Unset: none (docs/serving.md#security).")] = None,
     config_file: Annotated[Path | None, typer.Option("--config", envvar="ORCHESTRA_CONFIG", help="A YAML or TOML file of these options "
                                                 "(flags and ORCHESTRA_* variables win over it).")] = None,
 ) -> None:
@@ -88,6 +91,7 @@ def serve(
                              on_missing_mapping=on_missing_mapping, kv_store=kv_store, kv_store_mb=kv_store_mb,
                              pipelines_dir=pipelines, max_runs=max_runs,
                              cors_origins=[o.strip() for o in (cors_origins or "").split(",") if o.strip()],
+                             allow_code=[p.strip() for item in allow_code or [] for p in str(item).split(",") if p.strip()],
                              executor=_executor_spec(executor, ray_address), repair=_ladder(repair_ladder))
         config.api_key()  # a missing key is a start-up mistake, said before anything loads
         # what the flags, ORCHESTRA_* variables and --config file came to (the key's variable name, never the key)
@@ -96,7 +100,7 @@ def serve(
         app_ = create_app(engine=engine)
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise OrchestraError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}") from exc
+        raise OrchestraError(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg'].removeprefix('Value error, ')}") from exc
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to whatever handler was there
     # before it: with Python's defaults that kills the process (-15) or raises KeyboardInterrupt after the clean
     # shutdown. Having shut down as asked is a success, so the signals are only noted and the command exits 0.

@@ -61,7 +61,8 @@ log = structlog.get_logger("orchestra.serve.access")
 OPEN_PATHS = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 # Keys typed int | str: FastAPI takes the mapping invariantly as dict[int | str, ...].
 ERRORS: dict[int | str, dict[str, type[ErrorBody]]] = {
-    400: {"model": ErrorBody}, 401: {"model": ErrorBody}, 404: {"model": ErrorBody}, 413: {"model": ErrorBody},
+    400: {"model": ErrorBody}, 401: {"model": ErrorBody}, 403: {"model": ErrorBody}, 404: {"model": ErrorBody},
+    413: {"model": ErrorBody},
     429: {"model": ErrorBody}, 503: {"model": ErrorBody}, 504: {"model": ErrorBody}}
 STREAMED = {"description": "A chat.completion object, or with stream=true Server-Sent Events: one `data: "
                            "<chat.completion.chunk JSON>` per piece of text, then `data: [DONE]`.",

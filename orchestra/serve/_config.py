@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mappings.repair import RepairPolicy
 from orchestra.gates import GatePolicy
 from orchestra.pipeline import ExecutorSpec
+
+if TYPE_CHECKING:
+    from agents.references import CodePolicy
 
 __all__ = ["ServeConfig"]
 
@@ -64,6 +67,10 @@ class ServeConfig(BaseModel):
     """A prompt whose uncached rest (past what is cached or being built, e.g. the shared document) is at most this
     many tokens leases only the cached part and computes the rest while decoding, storing no entry of its own:
     concurrent conversations over one document then hold one copy of it. 0: every prompt is cached whole."""
+    allow_code: list[str] = Field(default_factory=list)
+    """Module prefixes whose Python an inline pipeline (``POST /v1/runs`` with ``spec``) may name in its steps,
+    tools and output models, e.g. ``mycompany.checks``; empty (the default): none, only the built-in tools.
+    Pipelines in `pipelines_dir` are the operator's own and may name any Python. docs/serving.md#security."""
     pipelines_dir: Path | None = None
     """A folder of pipeline files that ``POST /v1/runs`` runs by name (its stem); None: inline pipelines only."""
     max_runs: int = Field(4, ge=1)
@@ -81,6 +88,24 @@ class ServeConfig(BaseModel):
     """Where the models run: ``local`` (this process) or ``ray`` (one actor per member and replica, the
     caches in Ray's object store, each reply decoded and batched in its member's actor); the same shape
     as a pipeline's ``executor:`` (``{kind: ray, address: auto, members: {finetuned: {num_gpus: 1}}}``)."""
+
+    @field_validator("allow_code")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        from agents.references import CodePolicy, stdlib_module
+
+        CodePolicy(prefixes=tuple(value))  # each one a dotted module path
+        trusted = [p for p in value if stdlib_module(p) or p.split(".")[0] in ("builtins", "__main__")]
+        if trusted:
+            raise ValueError(f"{trusted[0]!r} is part of Python itself: allowing it lets any client run commands "
+                             "or read files as the server; allow only the packages of your own steps and tools")
+        return value
+
+    def code_policy(self) -> CodePolicy:
+        """What inline pipelines may import: the `allow_code` prefixes and the built-in tools."""
+        from agents.references import CodePolicy
+
+        return CodePolicy(prefixes=tuple(self.allow_code))
 
     def cache_budget_bytes(self) -> int:
         """What the cache, the decoding rows and the builds may hold together: `cache_mb` less the runtime's

@@ -440,7 +440,7 @@ class ServeEngine:
             from orchestra.serve._runs import RunManager
 
             self._runs = RunManager(self, pipelines_dir=self.config.pipelines_dir, max_running=self.config.max_runs,
-                                    metrics=PipelineMetrics(self.metrics.registry))
+                                    metrics=PipelineMetrics(self.metrics.registry), code=self.config.code_policy())
         return self._runs
 
     def close(self) -> None:

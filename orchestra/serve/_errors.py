@@ -10,6 +10,7 @@ __all__ = [
     "ConfigError",
     "ContextLengthExceeded",
     "ExecutorFailed",
+    "Forbidden",
     "ModelNotFound",
     "PayloadTooLarge",
     "RateLimited",
@@ -50,6 +51,13 @@ class ContextLengthExceeded(ApiError):
 
 class Unauthorized(ApiError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class Forbidden(ApiError):
+    """The request asks the server to import or run Python, or to use a folder, file or address, that its
+    operator did not allow (the message names the option that would)."""
+
+    status, type, code = 403, "permission_error", "not_allowed"
 
 
 class ModelNotFound(ApiError):

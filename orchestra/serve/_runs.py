@@ -5,6 +5,11 @@ cancels it.
 A served pipeline runs on the server's family: its `models` name members (by role or name), never
 folders or Hub ids, and it shares the server's caches with chat requests (a document a chat cached is
 reused by a run, and back). Finished runs are kept, the oldest forgotten beyond `keep`.
+
+A pipeline sent inline is the client's, not the operator's: before it is built, its raw data is read for the
+Python it names and the folders it sets (`orchestra.trust`), and what the server's `CodePolicy` does not allow
+is answered 403 with nothing imported; it is then built, and run, under that policy. A pipeline from the
+operator's ``--pipelines`` folder is the operator's own and may name any Python.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -24,8 +30,10 @@ import anyio
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
+from agents.errors import CodeNotAllowedError
+from agents.references import UNRESTRICTED, CodePolicy, code_policy
 from orchestra.errors import OrchestraError
-from orchestra.serve._errors import ApiError, BadRequest, RateLimited
+from orchestra.serve._errors import ApiError, BadRequest, Forbidden, RateLimited
 
 if TYPE_CHECKING:
     from orchestra.events import Event
@@ -39,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["RunRequest", "RunStatus", "RunManager", "RunNotFound", "RunConflict"]
 
 log = structlog.get_logger("orchestra.serve.runs")
+_PIPELINE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 RunState = Literal["running", "succeeded", "failed", "cancelled"]
 
 
@@ -65,8 +74,11 @@ class RunRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     pipeline: str | None = Field(None, description="Name of a pipeline file in the server's pipelines folder (its "
                                  "stem: `qa` for qa.yaml).")
-    spec: dict[str, object] | None = Field(None, description="An inline pipeline, as a pipeline file's content.")
-    document: str = Field(min_length=1, description="The document's text.")
+    spec: dict[str, object] | None = Field(None, description="An inline pipeline, as a pipeline file's content. It "
+                                           "may name Python (steps, tools, output models) only in the modules the "
+                                           "server allows (`--allow-code`); else 403.")
+    document: str = Field(min_length=1, description="The document's text (never a path: the server reads no file "
+                          "a request names).")
     inputs: dict[str, str] = Field(default_factory=dict, description="Values of the pipeline's declared inputs.")
 
 
@@ -110,8 +122,10 @@ class RunManager:
     """The server's pipeline runs: started, followed, cancelled; at most `max_running` at once."""
 
     def __init__(self, engine: RunHost, *, pipelines_dir: Path | None = None, max_running: int = 4,
-                 keep: int = 100, metrics: PipelineMetrics | None = None) -> None:
+                 keep: int = 100, metrics: PipelineMetrics | None = None, code: CodePolicy | None = None) -> None:
         self.engine = engine
+        self.code = code or CodePolicy()
+        """What inline pipelines may import (default: nothing but the built-in tools)."""
         self.metrics = metrics
         """Where runs are counted (the server's registry: /metrics shows runs beside chat requests)."""
         self.pipelines_dir = pipelines_dir
@@ -125,6 +139,18 @@ class RunManager:
 
     # -- starting -------------------------------------------------------------------------------------------------
     def start(self, body: RunRequest) -> RunStatus:
+        if (body.pipeline is None) == (body.spec is None):
+            raise BadRequest("give exactly one of `pipeline` (a name from the server's pipelines folder) or `spec` "
+                             "(an inline pipeline)", param="pipeline")
+        # The run is built and started under the policy of whoever wrote the pipeline: the task created below
+        # copies this context, so anything the run imports later is held to the same policy.
+        with code_policy(UNRESTRICTED if body.pipeline is not None else self.code):
+            try:
+                return self._start(body)
+            except CodeNotAllowedError as exc:  # a reference the raw reading did not know of, refused at import
+                raise Forbidden(str(exc), param="spec") from exc
+
+    def _start(self, body: RunRequest) -> RunStatus:
         spec = self._spec(body)
         running = sum(1 for r in self._runs.values() if r.status == "running")
         if running >= self.max_running:
@@ -149,24 +175,34 @@ class RunManager:
         from pydantic import ValidationError
 
         from orchestra.pipeline import PipelineSpec, load_pipeline
+        from orchestra.trust import check_client_spec
 
-        if (body.pipeline is None) == (body.spec is None):
-            raise BadRequest("give exactly one of `pipeline` (a name from the server's pipelines folder) or `spec` "
-                             "(an inline pipeline)", param="pipeline")
+        if body.spec is not None:
+            try:
+                check_client_spec(body.spec, self.code)  # before anything in it is imported
+            except CodeNotAllowedError as exc:
+                raise Forbidden(str(exc), param="spec") from exc
+        path = self._pipeline_file(body.pipeline) if body.pipeline is not None else None
         try:
-            if body.pipeline is not None:
-                spec = load_pipeline(self._pipeline_file(body.pipeline))
+            if path is not None:
+                spec = load_pipeline(path)
             else:
                 spec = PipelineSpec.model_validate({"name": "inline", **(body.spec or {})})
         except (OrchestraError, ValidationError, ValueError) as exc:
             raise BadRequest(f"the pipeline is not valid: {exc}", param="spec") from exc
-        return self._on_members(spec)
+        # an operator's file written for `orchestra run` (models as folders) runs on the members its aliases name;
+        # a client's pipeline gets the members it names or an error, never a model it did not ask for
+        return self._on_members(spec, by_alias=path is not None)
 
     def _pipeline_file(self, name: str) -> Path:
         folder = self.pipelines_dir
         if folder is None:
             raise BadRequest("this server has no pipelines folder (start it with --pipelines DIR): send the "
                              "pipeline inline as `spec`", param="pipeline")
+        if not _PIPELINE_NAME.fullmatch(name):  # a stem in the folder, never a path out of it
+            raise BadRequest(f"{name!r} is not a pipeline name: give the stem of a file in the server's pipelines "
+                             "folder (letters, digits, '_', '-', '.'), as GET /v1/pipelines lists them",
+                             param="pipeline")
         known = sorted(p.stem for p in folder.glob("*.y*ml")) + sorted(p.stem for p in folder.glob("*.json"))
         for suffix in (".yaml", ".yml", ".json"):
             path = folder / f"{name}{suffix}"
@@ -175,8 +211,9 @@ class RunManager:
         raise BadRequest(f"no pipeline named {name!r} in the server's pipelines folder; it has "
                          f"{', '.join(known) or 'none'}", param="pipeline")
 
-    def _on_members(self, spec: PipelineSpec) -> PipelineSpec:
-        """The spec with every alias replaced by the server member it names (runs share the server's cache)."""
+    def _on_members(self, spec: PipelineSpec, *, by_alias: bool) -> PipelineSpec:
+        """The spec with every alias replaced by the server member it names (runs share the server's cache); with
+        `by_alias`, a target that is no member (a folder) is taken as the member its alias names."""
         from orchestra.serve._errors import ModelNotFound
 
         roles: dict[str, str] = {}
@@ -188,6 +225,8 @@ class RunManager:
                 roles[alias] = self.engine.resolve(target)
             except ModelNotFound:
                 try:
+                    if not by_alias:
+                        raise
                     roles[alias] = self.engine.resolve(alias)
                 except ModelNotFound as exc:
                     raise BadRequest(f"models.{alias}: {target!r} is not a member of this server's family "
