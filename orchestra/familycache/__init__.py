@@ -1,6 +1,6 @@
 """FamilyCache: the one component that turns (family member, token ids) into a usable KV cache.
 
-    cache = FamilyCache.for_family(source="root")
+    cache = FamilyCache.for_family(load_family(), source="root")   # orchestra.family.load_family
     with cache.acquire_sync("finetuned", ids) as lease:   # exact, mapped from root, or re-prefilled
         print(lease.path, lease.reused_tokens, lease.gate_dicts())
 
@@ -17,6 +17,19 @@ from orchestra.familycache._executor import Executor, LocalExecutor
 from orchestra.familycache._factory import EXECUTORS, UnknownExecutorError, executor_class, make_executor
 from orchestra.familycache._policy import CachePolicy
 from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats, token_hash
+from orchestra.familycache._requests import (
+    ComputeRequest,
+    Importance,
+    ImportanceRequest,
+    MappingRequest,
+    MappingResult,
+    MapRequest,
+    MapResult,
+    PassCostsRequest,
+    ProbeReferenceRequest,
+    TailLogitsRequest,
+)
+from orchestra.familycache._settings import ExecutorSpec, MemberResources
 
 __all__ = [
     "FamilyCache",
@@ -27,7 +40,20 @@ __all__ = [
     "StepKind",
     "StepSink",
     "Executor",
+    "ExecutorSpec",
+    "MemberResources",
     "LocalExecutor",
+    # the executor seam's typed requests and results
+    "ComputeRequest",
+    "TailLogitsRequest",
+    "MapRequest",
+    "MapResult",
+    "MappingRequest",
+    "MappingResult",
+    "ProbeReferenceRequest",
+    "ImportanceRequest",
+    "Importance",
+    "PassCostsRequest",
     "make_executor",
     "executor_class",
     "EXECUTORS",

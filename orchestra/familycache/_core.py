@@ -33,10 +33,15 @@ from agents.bridge import run_in_thread
 from orchestra.errors import DocumentError, OrchestraError
 from orchestra.familycache._events import CacheStep
 from orchestra.familycache._executor import Executor, LocalExecutor
-from orchestra.familycache._ops import compute_tokens, pass_costs, source_importance, tail_logits
+from orchestra.familycache._mapped import MapJob, MappedPath, MappedPrefix
 from orchestra.familycache._policy import CachePolicy
 from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats, common_prefix
 from orchestra.familycache._records import MappedFrom, ProbeReading
+from orchestra.familycache._requests import (
+    ComputeRequest,
+    MappingRequest,
+    TailLogitsRequest,
+)
 from orchestra.familycache._route import (
     Exact,
     Extend,
@@ -50,7 +55,7 @@ from orchestra.familycache._route import (
     Seed,
     plan_route,
 )
-from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy, ProbeCheck, decide_offline
+from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy, decide_offline
 
 if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
@@ -232,20 +237,17 @@ class FamilyCache:
         self._disk_lock = threading.Lock()
 
     @classmethod
-    def for_family(cls, family: FamilyManifest | None = None, *, home: str | None = None, source: str = "root",
-                   members: dict[str, str] | None = None, device: str = "auto", dtype: str = "float32",
-                   mapping_dir: str | None = None, on_missing: Literal["calibrate", "refuse"] = "refuse",
+    def for_family(cls, family: FamilyManifest, *, source: str = "root", members: dict[str, str] | None = None,
+                   device: str = "auto", dtype: str = "float32", mapping_dir: str | None = None,
+                   on_missing: Literal["calibrate", "refuse"] = "refuse",
                    policy: CachePolicy | None = None) -> FamilyCache:
-        """A FamilyCache over a built family (the bundled one by default): members by role unless `members` is given."""
+        """A FamilyCache over a built family (``orchestra.family.load_family(home)`` reads one): members by role
+        unless `members` is given. The caller reads the manifest: the cache core never reaches into the builder."""
         from pathlib import Path
 
         from orchestra.mapstore import MappingStore
         from orchestra.registry import ModelRegistry
 
-        if family is None:
-            from orchestra.family.manifest import load_family
-
-            family = load_family(home)
         aliases = members or {record.role: name for name, record in family.members.items()}
         registry = ModelRegistry(aliases, family=family, default_device=device, dtype=dtype)
         registry.check_family(source)
@@ -747,7 +749,8 @@ class FamilyCache:
     def _compute(self, req: _Request, ids: Sequence[int], base: CacheRef | None, start: int, keep: int,
                  base_hidden: HiddenRef | None = None, want_hidden: bool = False, over: str | None = None) -> Computed:
         """ids[start:] computed exactly on the member over `base`, charged to the request and reported as a step."""
-        computed = self.executor.run([req.member], compute_tokens, list(ids), base, start, keep, base_hidden, want_hidden)
+        computed = self.executor.compute(ComputeRequest(req.member, tuple(ids), base, start, keep, base_hidden,
+                                                        want_hidden))
         req.prefill_s += computed.seconds
         req.step(CacheStep(step="prefill", member=req.member, tokens=len(ids) - start, reused_tokens=start,
                            seconds=computed.seconds, detail={"over": over} if over else {}))
@@ -835,6 +838,11 @@ class FamilyCache:
             return f"tail={req.tail};{repair.model_dump_json()};gate={gate}"
         return f"tail={req.tail};{repair.model_dump_json()}"
 
+    @property
+    def _mapped_path(self) -> MappedPath:
+        """The mapped path over this cache's executor, store and policy (as they are now: tests swap policies)."""
+        return MappedPath(self.executor, self.mappings, self.policy, self._costs_dir())
+
     def _costs_dir(self) -> str | None:
         """Where measured pass costs are kept: beside the mappings (None: a store without a folder)."""
         directory = getattr(self.mappings, "directory", None)
@@ -845,7 +853,8 @@ class FamilyCache:
         key = (s.fingerprint, t.fingerprint)
         if key not in self._loaded_mappings:
             try:
-                mapping, calibrated = self.executor.load_mapping(source, target, self.mappings, cancel)
+                loaded = self.executor.load_mapping(MappingRequest(source, target, self.mappings, cancel))
+                mapping, calibrated = loaded.mapping, loaded.calibrated
             except Exception as exc:  # a missing, stale, corrupt or refused mapping is a gate failure
                 if cancel is not None and cancel.is_set():
                     raise  # the request was cancelled: stop, do not fall back
@@ -918,86 +927,42 @@ class FamilyCache:
 
         def build() -> Entry:
             tail = max(2, min(req.tail, length - 1))
-            src_ids = list(prefix)
-            if src_entry.tail_logits is not None and src_entry.logits_end == length \
-                    and src_entry.tail_logits.shape[0] >= tail:
-                src_logits = src_entry.tail_logits[-tail:]
-            else:
-                computed = self.executor.run([source], tail_logits, src_entry.cache, src_ids, length, tail)
-                src_logits = computed.logits
-            repair = req.repair
-            hidden = src_entry.hidden  # the ops cut it to the mapped positions where it lives
-            if repair is not None and repair.budget > 0 and (repair.layer_share > 0 or repair.blocks):
-                if mapping.residual is None or hidden is None:
-                    why = ("the mapping has no residual maps (run `orchestra calibrate-repair`)"
-                           if mapping.residual is None else "the source cache was built without hidden states")
-                    self.warnings.append(f"{req.member}: layer repair skipped, {why}; repairing tokens only")
-                    repair = repair.model_copy(update={"layer_share": 0.0, "blocks": None})
-            from mappings.metrics import tail_nll
-
-            src_cache = self.executor.truncate(source, src_entry.cache, length)
-            tail_ids = prefix[-tail:]
-            # at least the sinks the map was fitted without (it is only good with them), never into the tail
-            wanted = max(self.policy.sink_tokens, _fitted_sinks(mapping))
-            sinks = min(wanted, max(0, length - tail))
-            costs = None
-            if repair is not None and (repair.adaptive or repair.budget > 0) and self.policy.repair_costs == "measured":
-                costs = self.executor.run([req.member], pass_costs, self._costs_dir())
+            kept = src_entry.tail_logits
+            src_logits = kept[-tail:] if kept is not None and src_entry.logits_end == length \
+                and kept.shape[0] >= tail else \
+                self.executor.tail_logits(TailLogitsRequest(source, src_entry.cache, prefix, length, tail)).logits
+            job = MapJob(req.member, source, prefix, self.executor.truncate(source, src_entry.cache, length), tail,
+                         req.repair, req.gate.probe, src_logits, src_entry.hidden)
             try:
-                ref = self.executor.probe_reference(source, req.member, self.mappings, mapping, tail)
-                check = ProbeCheck(tuple(tail_ids), src_logits, tail_nll(src_logits, _tensor(tail_ids)) + ref.offset_nll,
-                                   ref.source_kl)
-                if repair is not None and repair.adaptive:
-                    # the probe it climbs against; an offline refusal never gets here (decided before the map)
-                    climb = req.gate.probe
-                    if climb is None:  # nothing to climb against: the ladder's first budget, as a fixed policy
-                        repair = repair.at(repair.budget)
-                    else:
-                        check = ProbeCheck(check.tail_ids, check.source_logits, check.reference_nll,
-                                           check.reference_source_kl, climb)
-                if repair is not None and repair.adaptive:
-                    importance, rank_s = None, 0.0
-                    if repair.scattered_share > 0 and repair.max_budget > 0:  # ranked where the source lives
-                        importance, rank_s = self.executor.run([source], source_importance, src_cache, src_ids,
-                                                               repair.probe_tokens)
-                    mapped, summary = self.executor.map_cache(req.member, mapping, src_cache, src_ids, tail=tail,
-                                                              repair=repair, source_hidden=hidden,
-                                                              importance=importance, probe=check, sinks=sinks,
-                                                              costs=costs)
-                    if summary is not None and importance is not None:
-                        summary = summary.with_rank_seconds(rank_s)
-                else:
-                    # a fixed scattered-token repair ranks positions by the source model's attention
-                    reads_source = repair is not None and repair.budget > 0 and repair.scattered_share > 0
-                    mapped, summary = self.executor.map_cache(req.member, mapping, src_cache, src_ids, tail=tail,
-                                                              repair=repair, source_hidden=hidden,
-                                                              source=source if reads_source else None,
-                                                              sinks=sinks, costs=costs)
+                mapped = self._mapped_path.map(job, mapping)
             except Exception as exc:  # any failure to map (bad tensors, I/O, shapes) is a gate failure
                 raise _MappingFailed(f"mapping {source} -> {req.member} failed: {_why(exc)}") from exc
-            measured = check.metrics(mapped.logits)
-            probe = ProbeReading(measured["probe_nll"], measured["reference_nll"], measured["probe_source_kl"],
-                                 ref.source_kl, ref.mapped_excess_nll)
-            req.map_s += mapped.seconds
-            req.step(CacheStep(step="map", member=req.member, source=source, tokens=length, seconds=mapped.seconds,
-                               detail={"mapping": str(getattr(mapping, "path", "") or ""), "tail": tail,
-                                       "exact_sinks": sinks}))
-            if summary is not None:
-                req.step(CacheStep(step="repair", member=req.member, source=source, tokens=summary.tokens,
-                                   seconds=summary.total_seconds, detail=summary.model_dump()))
-            cache, logits = mapped.cache, mapped.logits
-            extra = len(req.ids) - length
-            if extra:
-                cache = self._compute(req, req.ids, cache, length, 0, over="mapped").cache
-            made = MappedFrom(source=source, source_fingerprint=self.executor.info(source).fingerprint,
-                              mapping_id=mapping.manifest.tensors.sha256,
-                              mapping_path=str(mapping.path) if getattr(mapping, "path", None) else None,
-                              mapped_tokens=length, tail=tail, exact_sinks=sinks, probe=probe, repair=summary,
-                              seconds=mapped.seconds)
-            return Entry(ns, req.member, req.ids, cache, self._nbytes(cache, logits), tail_logits=logits,
-                         logits_end=length, mapped=made, seconds=mapped.seconds)
+            self.warnings.extend(mapped.warnings)
+            return self._mapped_entry(req, ns, job, mapping, mapped)
 
         return build
+
+    def _mapped_entry(self, req: _Request, ns: Namespace, job: MapJob, mapping: MappingRef,
+                      mapped: MappedPrefix) -> Entry:
+        """The entry of a map that was made: its steps reported, the request's rest computed exactly after it."""
+        length, seconds = len(job.prefix), mapped.computed.seconds
+        req.map_s += seconds
+        req.step(CacheStep(step="map", member=req.member, source=job.source, tokens=length, seconds=seconds,
+                           detail={"mapping": str(getattr(mapping, "path", "") or ""), "tail": mapped.tail,
+                                   "exact_sinks": mapped.sinks}))
+        if mapped.repair is not None:
+            req.step(CacheStep(step="repair", member=req.member, source=job.source, tokens=mapped.repair.tokens,
+                               seconds=mapped.repair.total_seconds, detail=mapped.repair.model_dump()))
+        cache, logits = mapped.computed.cache, mapped.computed.logits
+        if len(req.ids) > length:
+            cache = self._compute(req, req.ids, cache, length, 0, over="mapped").cache
+        made = MappedFrom(source=job.source, source_fingerprint=self.executor.info(job.source).fingerprint,
+                          mapping_id=mapping.manifest.tensors.sha256,
+                          mapping_path=str(mapping.path) if getattr(mapping, "path", None) else None,
+                          mapped_tokens=length, tail=mapped.tail, exact_sinks=mapped.sinks, probe=mapped.probe,
+                          repair=mapped.repair, seconds=seconds)
+        return Entry(ns, req.member, req.ids, cache, self._nbytes(cache, logits), tail_logits=logits,
+                     logits_end=length, mapped=made, seconds=seconds)
 
     def _extend_mapped(self, req: _Request, base: Entry, length: int) -> Callable[[], Entry]:
         """How to extend an earlier map of a prefix on this member exactly with the remaining tokens."""
@@ -1066,18 +1031,12 @@ class FamilyCache:
         if exact.tail_logits is not None and exact.logits_end == end and exact.tail_logits.shape[0] >= tail:
             reference = exact.tail_logits[-tail:]
         else:
-            reference = self.executor.run([req.member], tail_logits, exact.cache, list(prefix), end, tail).logits
+            reference = self.executor.tail_logits(TailLogitsRequest(req.member, exact.cache, prefix, end, tail)).logits
         kl = mean_kl(reference, mapped_logits)
         passed = kl <= policy.max_kl
         opened = self.breaker.record(pair, passed, policy)
         return GateDecision(passed, "shadow", f"shadow KL {kl:.4f} {'<=' if passed else '>'} {policy.max_kl}"
                             + ("; breaker opened" if opened else ""), {"shadow_kl": kl, **self.breaker.stats(pair)})
-
-
-def _fitted_sinks(mapping: MappingRef) -> int:
-    """The leading positions a mapping was fitted to have exact (its method's ``exact_sinks``; 0 if unknown)."""
-    method = getattr(getattr(mapping, "manifest", None), "method", None)
-    return int(getattr(method, "exact_sinks", 0) or 0)
 
 
 def _why(exc: BaseException) -> str:
@@ -1094,8 +1053,3 @@ def _mapped_of(entry: Entry) -> MappedFrom:
     assert entry.mapped is not None, "a mapped route reached an exact entry"
     return entry.mapped
 
-
-def _tensor(ids: Sequence[int]) -> Tensor:
-    import torch
-
-    return torch.tensor(list(ids), dtype=torch.long)

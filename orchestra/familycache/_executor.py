@@ -3,9 +3,11 @@
 FamilyCache never calls a model itself. It hands a module-level function (an *op*, see `_ops.py`)
 and its arguments to an `Executor`, which runs it with exclusive use of the named members' models.
 The Executor is the whole contract: FamilyCache, the scheduler and the server call only its methods.
-The abstract ones are what any executor must do; the rest (truncating a cache, loading a mapping,
-the probe reference, mapping a cache, streaming an op, the in-process model) have defaults here
-that run the op through `run`, which is exactly what `LocalExecutor` needs. A remote executor
+The abstract ones are what any executor must do; the rest (computing tokens, truncating a cache,
+loading a mapping, the probe reference, mapping a cache, streaming an op, the in-process model) have
+defaults here that run the op through `run`, which is exactly what `LocalExecutor` needs. The model work
+FamilyCache asks for is typed: one frozen request and result per kind (`_requests.py`), the same for
+every executor. A remote executor
 (`orchestra.familycache._ray.RayExecutor`: Ray actors, one per member and replica) overrides those it
 must do otherwise (two-model work split where each model lives, prefixes as views of a stored handle)
 and returns handles (ObjectRefs) instead of caches. `make_executor` (`_factory.py`) builds one by name.
@@ -20,6 +22,18 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from orchestra.errors import ExecutorError
+from orchestra.familycache._requests import (
+    ComputeRequest,
+    Importance,
+    ImportanceRequest,
+    MappingRequest,
+    MappingResult,
+    MapRequest,
+    MapResult,
+    PassCostsRequest,
+    ProbeReferenceRequest,
+    TailLogitsRequest,
+)
 
 if TYPE_CHECKING:
     import anyio
@@ -27,14 +41,11 @@ if TYPE_CHECKING:
     from agents.runner import AgentResult
     from agents.spec import AgentSpec
     from mappings.passcost import PassCosts
-    from mappings.repair import RepairPolicy
-    from mappings.repair_records import RepairSummary
     from mappings.types import KVCache, Tensor, Tokenizer
-    from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef, OnToken
+    from orchestra.familycache._handles import CacheRef, HiddenRef, OnToken
     from orchestra.familycache._ops import Computed
-    from orchestra.gates import ProbeCheck
-    from orchestra.mapstore import MappingStore, ProbeReference
-    from orchestra.pipeline import ExecutorSpec
+    from orchestra.familycache._settings import ExecutorSpec
+    from orchestra.mapstore import ProbeReference
     from orchestra.registry import LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["Executor", "LocalExecutor"]
@@ -134,40 +145,64 @@ class Executor(ABC):
 
         return self.run([member], truncate, cache, length)
 
-    def load_mapping(self, source: str, target: str, store: MappingStore,
-                     cancel: threading.Event | None = None) -> tuple[MappingRef, bool]:
-        """The mapping `source` -> `target` from `store`, and whether it was calibrated just now.
+    def compute(self, req: ComputeRequest) -> Computed:
+        """``req.ids[req.start:]`` computed exactly on the member over `req.base` (a prefill when start is 0)."""
+        from orchestra.familycache._ops import compute_tokens
 
-        Holds both models (an on-demand calibration runs both); setting `cancel` stops a calibration.
+        return self.run([req.member], compute_tokens, list(req.ids), req.base, req.start, req.keep_logits,
+                        base_hidden=req.base_hidden, want_hidden=req.want_hidden)
+
+    def tail_logits(self, req: TailLogitsRequest) -> Computed:
+        """The logits of the request's trailing positions, recomputed over its cache's prefix."""
+        from orchestra.familycache._ops import tail_logits
+
+        return self.run([req.member], tail_logits, req.cache, list(req.ids), req.end, req.tail)
+
+    def load_mapping(self, req: MappingRequest) -> MappingResult:
+        """The mapping from `req.store`, and whether it was calibrated just now.
+
+        Holds both models (an on-demand calibration runs both); setting `req.cancel` stops a calibration.
         """
         from orchestra.familycache._ops import load_mapping
 
-        return self.run([source, target], load_mapping, store, cancel)
+        mapping, calibrated = self.run([req.source, req.target], load_mapping, req.store, req.cancel)
+        return MappingResult(mapping, calibrated)
 
-    def probe_reference(self, source: str, target: str, store: MappingStore, mapping: MappingRef,
-                        tail: int) -> ProbeReference:
-        """The pair's probe reference for `tail` trailing tokens (stored beside the mapping, else measured)."""
+    def probe_reference(self, req: ProbeReferenceRequest) -> ProbeReference:
+        """The pair's probe reference for `req.tail` trailing tokens (stored beside the mapping, else measured)."""
         from orchestra.familycache._ops import probe_reference
 
-        return self.run([source, target], probe_reference, store, mapping, tail)
+        return self.run([req.source, req.target], probe_reference, req.store, req.mapping, req.tail)
 
-    def map_cache(self, target: str, mapping: MappingRef, source_cache: CacheRef, ids: list[int], *, tail: int,
-                  repair: RepairPolicy | None, source_hidden: HiddenRef | None = None, source: str | None = None,
-                  importance: Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
-                  costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
-        """`source_cache` (exactly the positions of `ids`) mapped onto `target`, repaired, its tail recomputed.
+    def map_cache(self, req: MapRequest) -> MapResult:
+        """The request's source cache mapped onto its target, repaired, its tail recomputed (`MapRequest`).
 
-        Returns the target's cache with the logits of its last `tail` positions and the repair summary
-        (`_ops.map_into` says what each argument does). `source` names the member whose model the repair
-        reads (a scattered-token repair without `importance`); None maps with the target alone.
+        Holds the target alone unless the repair reads `req.source`'s model, then both.
         """
         from orchestra.familycache._ops import map_on_target, map_with_source
 
-        if source is None:
-            return self.run([target], map_on_target, mapping, source_cache, ids, tail, repair, source_hidden,
-                            importance, probe, sinks=sinks, costs=costs)
-        return self.run([source, target], map_with_source, mapping, source_cache, ids, tail, repair, source_hidden,
-                        sinks=sinks, costs=costs)
+        if req.source is None:
+            computed, summary = self.run([req.target], map_on_target, req.mapping, req.source_cache, list(req.ids),
+                                         req.tail, req.repair, req.source_hidden, importance=req.importance,
+                                         probe=req.probe, sinks=req.sinks, costs=req.costs)
+        else:
+            computed, summary = self.run([req.source, req.target], map_with_source, req.mapping, req.source_cache,
+                                         list(req.ids), req.tail, req.repair, req.source_hidden, sinks=req.sinks,
+                                         costs=req.costs)
+        return MapResult(computed, summary)
+
+    def importance(self, req: ImportanceRequest) -> Importance:
+        """Per-position attention of the source's last tokens (a scattered-token repair ranks by it)."""
+        from orchestra.familycache._ops import source_importance
+
+        scores, seconds = self.run([req.source], source_importance, req.cache, list(req.ids), req.probe_tokens)
+        return Importance(scores, seconds)
+
+    def pass_costs(self, req: PassCostsRequest) -> PassCosts:
+        """The member's measured pass costs (measured once on this machine, kept in `req.directory`)."""
+        from orchestra.familycache._ops import pass_costs
+
+        return self.run([req.member], pass_costs, req.directory)
 
     def export_cache(self, member: str, cache: CacheRef) -> list[tuple[Tensor, Tensor]]:
         """`member`'s cache as per-layer (K, V) tensors this process can write (the disk tier saves them).

@@ -15,7 +15,7 @@ from orchestra.errors import ExecutorError, ExecutorUnavailableError
 from orchestra.familycache._executor import Executor, LocalExecutor
 
 if TYPE_CHECKING:
-    from orchestra.pipeline import ExecutorSpec
+    from orchestra.familycache._settings import ExecutorSpec
     from orchestra.registry import ModelRegistry
 
 __all__ = ["EXECUTORS", "UnknownExecutorError", "executor_class", "make_executor"]

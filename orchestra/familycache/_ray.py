@@ -70,7 +70,15 @@ from orchestra.familycache._handles import (
     RemoteMapping,
     WireArray,
 )
-from orchestra.familycache._ops import Computed, map_on_target, source_importance, truncate
+from orchestra.familycache._ops import Computed, map_on_target, truncate
+from orchestra.familycache._requests import (
+    ImportanceRequest,
+    MappingRequest,
+    MappingResult,
+    MapRequest,
+    MapResult,
+    ProbeReferenceRequest,
+)
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -79,15 +87,11 @@ if TYPE_CHECKING:
 
     from agents.runner import AgentResult, TokenEvent
     from agents.spec import AgentSpec
-    from mappings.passcost import PassCosts
-    from mappings.repair import RepairPolicy
-    from mappings.repair_records import RepairSummary
     from mappings.store import Mapping as LoadedMapping
     from mappings.types import CacheLike, DeviceLike, KVCache, Tensor, Tokenizer
-    from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef, OnToken
-    from orchestra.gates import ProbeCheck
-    from orchestra.mapstore import MappingStore, MappingStoreConfig, ProbeReference, ReferenceWindows
-    from orchestra.pipeline import ExecutorSpec
+    from orchestra.familycache._handles import CacheRef, HiddenRef, OnToken
+    from orchestra.familycache._settings import ExecutorSpec
+    from orchestra.mapstore import MappingStoreConfig, ProbeReference, ReferenceWindows
     from orchestra.registry import FamilyIndex, LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["RayExecutor", "RemoteKV", "RemoteHidden", "RemoteMapping", "NAMESPACE"]
@@ -164,7 +168,6 @@ def _pack_result(result: object) -> tuple[object, list[PackedCache], list[Packed
     """The op's result with every cache and hidden-state dict replaced by a slot, and those, packed."""
     import torch
 
-    from orchestra.familycache._ops import Computed
 
     caches: list[PackedCache] = []
     hiddens: list[PackedHidden] = []
@@ -211,7 +214,6 @@ def _through_containers(obj: object, walk: Callable[[object], object]) -> object
 def _unslot(meta: object, kv_ref: ObjectRef[list[PackedCache]], hidden_ref: ObjectRef[list[PackedHidden]],
             producer: str, node: str) -> object:
     """The driver's view of a result: slots become handles on the op's two extra return values."""
-    from orchestra.familycache._ops import Computed
 
     def kv(slot: _Slot) -> RemoteKV:
         return RemoteKV(kv_ref, slot.index, slot.length, slot.total, slot.position_bytes, slot.layers, producer, node)
@@ -293,7 +295,7 @@ class MemberActor:
                                  dtype=dtype)
         self.model = registry.load(alias)
         context = ray.get_runtime_context()
-        self.node = f"{ray.util.get_node_ip_address()}/{context.get_node_id()[:8]}"
+        self.node = f"{ray.util.get_node_ip_address()}/{context.get_node_id()[:8]}"  # type: ignore[no-untyped-call]
         self.mappings: dict[tuple[str, str, str], LoadedMapping] = {}
         self.mapping_lock = threading.Lock()
         self.agents = threading.Semaphore(agents_at_once)
@@ -535,7 +537,7 @@ class RayExecutor(Executor):
                   members: Sequence[str] | None = None, name: str = "pipeline",
                   max_concurrency_per_device: int = 1) -> RayExecutor:
         """Actors for `members` (default: all of the registry's) placed per `spec` (default: Ray's defaults)."""
-        from orchestra.pipeline import ExecutorSpec
+        from orchestra.familycache._settings import ExecutorSpec
 
         return cls(registry, spec if spec is not None else ExecutorSpec(kind="ray"), members=members, name=name,
                    max_concurrency_per_device=max_concurrency_per_device)
@@ -627,10 +629,11 @@ class RayExecutor(Executor):
             except ray.exceptions.GetTimeoutError:
                 remove_placement_group(pg)
                 need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+                have = ray.cluster_resources()  # type: ignore[no-untyped-call]
                 raise ExecutorUnavailableError(
                     f"Ray could not place the pipeline's {len(bundles)} actors ({need['CPU']:g} CPU, {need['GPU']:g} GPU, "
                     f"strategy {self.spec.placement}) within {self.spec.ready_timeout_s:g}s; the cluster has "
-                    f"{ray.cluster_resources()}: lower executor.num_cpus / members' num_gpus or replicas, or add nodes"
+                    f"{have}: lower executor.num_cpus / members' num_gpus or replicas, or add nodes"
                 ) from None
             self._pg = pg
             actors: dict[str, list[_Actor]] = {}
@@ -806,42 +809,40 @@ class RayExecutor(Executor):
             return cache.view(length)
         return self.call(member, truncate, cache, length)
 
-    def load_mapping(self, source: str, target: str, store: MappingStore,
-                     cancel: threading.Event | None = None) -> tuple[RemoteMapping, bool]:
+    def load_mapping(self, req: MappingRequest) -> MappingResult:
         """Loaded in the target's actor (never calibrated: that wants both models in one process); its proxy."""
-        actor = self._pick(target)
+        actor = self._pick(req.target)
         try:
-            ref = actor.handle.load_mapping.remote(store.config, self.info(source))
-            return self._get(actor, ref, f"loading the mapping {source} -> {target}"), False
+            ref = actor.handle.load_mapping.remote(req.store.config, self.info(req.source))
+            mapping = self._get(actor, ref, f"loading the mapping {req.source} -> {req.target}")
+            return MappingResult(mapping, calibrated=False)
         finally:
             self._done(actor)
 
-    def probe_reference(self, source: str, target: str, store: MappingStore, mapping: MappingRef,
-                        tail: int) -> ProbeReference:
+    def probe_reference(self, req: ProbeReferenceRequest) -> ProbeReference:
         """Read on the driver when stored; else measured in two halves, each in its member's actor."""
 
         def measure(tokens: int, window: int, windows: int) -> ProbeReference:
-            measured = self.call(source, _reference_source_op, store.corpus, tokens, window, windows)
-            return self.call(target, _reference_target_op, mapping, measured, tokens)
+            measured = self.call(req.source, _reference_source_op, req.store.corpus, tokens, window, windows)
+            return self.call(req.target, _reference_target_op, req.mapping, measured, tokens)
 
         # with `measure` given, the store reads only the members' infos (the weights stay in the actors)
-        s = cast("LoadedModel", SimpleNamespace(info=self.info(source)))
-        t = cast("LoadedModel", SimpleNamespace(info=self.info(target)))
-        return store.probe_reference(s, t, mapping, tail, measure=measure)
+        s = cast("LoadedModel", SimpleNamespace(info=self.info(req.source)))
+        t = cast("LoadedModel", SimpleNamespace(info=self.info(req.target)))
+        return req.store.probe_reference(s, t, req.mapping, req.tail, measure=measure)
 
-    def map_cache(self, target: str, mapping: MappingRef, source_cache: CacheRef, ids: list[int], *, tail: int,
-                  repair: RepairPolicy | None, source_hidden: HiddenRef | None = None, source: str | None = None,
-                  importance: Tensor | None = None, probe: ProbeCheck | None = None, sinks: int = 0,
-                  costs: PassCosts | None = None) -> tuple[Computed, RepairSummary | None]:
+    def map_cache(self, req: MapRequest) -> MapResult:
         """In the target's actor; a repair that reads the source ranks positions in the source's actor first."""
-        seconds = None
-        if source is not None and importance is None and repair is not None:
-            importance, seconds = self.call(source, source_importance, source_cache, ids, repair.probe_tokens)
-        mapped, summary = self.call(target, map_on_target, mapping, source_cache, ids, tail, repair, source_hidden,
-                                    importance, probe, sinks=sinks, costs=costs)
+        importance, seconds = req.importance, None
+        if req.source is not None and importance is None and req.repair is not None:
+            ranked = self.importance(ImportanceRequest(req.source, req.source_cache, req.ids, req.repair.probe_tokens))
+            importance, seconds = ranked.scores, ranked.seconds
+        mapped, summary = self.call(req.target, map_on_target, req.mapping, req.source_cache, list(req.ids), req.tail,
+                                    req.repair, req.source_hidden, importance, req.probe, sinks=req.sinks,
+                                    costs=req.costs)
         if summary is not None and seconds is not None:
             summary = summary.with_rank_seconds(seconds)
-        return mapped, summary
+        return MapResult(mapped, summary)
 
     # -- agents and other streamed work -------------------------------------------------------------------
     async def generate(self, member: str, spec: AgentSpec, *, prefix_ids: Sequence[int],
@@ -915,7 +916,7 @@ class RayExecutor(Executor):
                     raise _cause(exc) from None
                 if isinstance(item, _Done):
                     finished = True
-                    return item.result
+                    return cast("R", item.result)
                 on_item(item)
                 if check_per_item and cancel is not None and cancel.is_set():  # a plain Event: told once
                     check_per_item = False

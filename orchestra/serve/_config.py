@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mappings.repair import RepairPolicy
+from orchestra.familycache import ExecutorSpec
 from orchestra.gates import GatePolicy
-from orchestra.pipeline import ExecutorSpec
 
 if TYPE_CHECKING:
     from agents.references import CodePolicy

@@ -272,6 +272,46 @@ main()
 """
 
 
+def test_the_typed_requests_give_the_same_answers_on_the_local_and_the_ray_executor(ray_cluster, fam, maps):
+    """The executor seam's contract: each request object, run by either executor, answers the same result."""
+    import torch
+
+    from mappings.repair import RepairPolicy
+    from orchestra.familycache import (
+        ComputeRequest,
+        ImportanceRequest,
+        MappingRequest,
+        MapRequest,
+        ProbeReferenceRequest,
+        TailLogitsRequest,
+        make_executor,
+    )
+    from orchestra.registry import ModelRegistry
+
+    registry = ModelRegistry({"base": str(fam.parent), "child": str(fam.child)}, default_device="cpu")
+    ids = tuple(registry.load("base").tokenizer(DOC, add_special_tokens=False)["input_ids"][:64])
+    repair = RepairPolicy(budget=0.3, scattered_share=0.5, probe_tokens=8)
+    answers = {}
+    for kind in ("local", "ray"):
+        executor = make_executor(kind, registry, members=["base", "child"], name="typed", start=True)
+        try:
+            computed = executor.compute(ComputeRequest("base", ids, keep_logits=4))
+            again = executor.tail_logits(TailLogitsRequest("base", computed.cache, ids, len(ids), 4))
+            store = _store(maps)
+            loaded = executor.load_mapping(MappingRequest("base", "child", store))
+            reference = executor.probe_reference(ProbeReferenceRequest("base", "child", store, loaded.mapping, 4))
+            ranked = executor.importance(ImportanceRequest("base", computed.cache, ids, 8))
+            mapped = executor.map_cache(MapRequest("child", loaded.mapping, computed.cache, ids, 4, repair,
+                                                   source="base"))
+            assert not loaded.calibrated and ranked.scores.shape[-1] == len(ids)
+            assert mapped.repair is not None and mapped.repair.tokens > 0
+            answers[kind] = (computed.logits, again.logits, reference.source_kl, ranked.scores, mapped.computed.logits)
+        finally:
+            executor.close()
+    for local, remote in zip(answers["local"], answers["ray"], strict=True):
+        assert torch.allclose(torch.as_tensor(local), torch.as_tensor(remote), atol=1e-3), (local, remote)
+
+
 def test_ctrl_c_on_the_cli_leaves_no_actors(ray_cluster, fam, maps, tmp_path):
     """Ctrl-C while agents are generating (held at their first token): exit 130, no actors or groups left."""
     pipeline = tmp_path / "p.yaml"
