@@ -32,7 +32,7 @@ from agents.prompt import FRAME_ECHOES, RepairTurn, Suffix, build_suffix, docume
 from agents.sampling import Sampler
 from agents.spec import AgentSpec, OutputSpec
 from agents.structured import JsonObjectTracker, extract_json_object, run_with_repairs
-from agents.tools import ToolCall, answer_text, round_instructions, round_schema, run_tool
+from agents.tools import ToolCall, ToolWorkers, answer_text, round_instructions, round_schema, run_tool
 from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
 
 if TYPE_CHECKING:
@@ -370,8 +370,15 @@ def _tool_rounds(spec: AgentSpec, attempt: Callable[[int, AgentSpec, Sequence[Re
     """Decode rounds under the grammar of a tool call or an answer; run each call; end at the answer.
 
     Each call and its result become a turn after the agent's own suffix, over the same document prefix; after
-    `max_tool_rounds` calls the grammar allows only the answer.
+    `max_tool_rounds` calls the grammar allows only the answer. A sync tool that overran its timeout runs on
+    in its thread (Python cannot stop it), its result discarded: the agent's run ends once that thread has.
     """
+    with ToolWorkers() as workers:
+        return _rounds(spec, attempt, document, workers)
+
+
+def _rounds(spec: AgentSpec, attempt: Callable[[int, AgentSpec, Sequence[RepairTurn]], _Generation],
+            document: str, workers: ToolWorkers) -> tuple[_Generation, list[ToolCall]]:
     tools = list(spec.tools)
     turns: list[RepairTurn] = []
     calls: list[ToolCall] = []
@@ -390,7 +397,8 @@ def _tool_rounds(spec: AgentSpec, attempt: Callable[[int, AgentSpec, Sequence[Re
         elif reply is None or "tool" not in reply or not may_call:
             return replace(generation, text=answer_text(generation.text)), calls
         else:
-            call = run_tool(tools, str(reply.get("tool")), reply.get("arguments"), document=document, round=index)
+            call = run_tool(tools, str(reply.get("tool")), reply.get("arguments"), document=document, round=index,
+                            workers=workers)
         calls.append(call)
         turns.append(RepairTurn(previous_output=generation.text.strip(),
                                 instruction=f"Result of {call.name}: {call.result}"))

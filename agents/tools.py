@@ -8,9 +8,10 @@
 
 Each round the agent replies under a grammar of ``{"tool": <name>, "arguments": {...}} | {"answer": "..."}``
 (so even a small model writes a valid call of a known tool); a call's arguments are validated by pydantic,
-the function runs with a timeout, and its result (or its error, as text) is appended to the agent's
-continuation as a new turn over the same cached document prefix. A parameter named ``document`` is not the
-model's to fill: it receives the document the agent reads. After `max_tool_rounds` calls the agent must answer.
+the function runs with a timeout (`run_tool` says what becomes of one that overruns it), and its result (or
+its error, as text) is appended to the agent's continuation as a new turn over the same cached document prefix.
+A parameter named ``document`` is not the model's to fill: it receives the document the agent reads. After
+`max_tool_rounds` calls the agent must answer.
 """
 
 from __future__ import annotations
@@ -24,19 +25,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
+import anyio
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, create_model, model_validator
 
 from agents.errors import AgentError
 from agents.references import import_reference
 
-__all__ = ["Tool", "ToolCall", "ToolSchemaError", "tool", "find", "round_schema", "round_instructions", "run_tool",
-           "answer_text", "bound_strings", "INJECTED"]
+__all__ = ["Tool", "ToolCall", "ToolSchemaError", "ToolWorkers", "tool", "find", "round_schema", "round_instructions",
+           "run_tool", "answer_text", "bound_strings", "INJECTED", "OVERRUN_TOOLS"]
 
 MAX_ARGUMENT_CHARS = 80
 """Longest string argument a call's grammar allows (unless the tool's own schema says otherwise)."""
 
 INJECTED = ("document",)
 """Parameters a tool receives from the run, not from the model."""
+
+CANCEL_GRACE_S = 1.0
+"""How long past its deadline `run_tool` waits for a cancelled async tool's thread to end before it treats the
+tool as one that cannot be cancelled (a coroutine that blocks its event loop, or shields itself)."""
 
 
 class ToolSchemaError(AgentError, ValueError):
@@ -169,8 +175,71 @@ def round_instructions(tools: list[Tool], *, may_call: bool = True) -> str:
     return "\n".join(lines)
 
 
-def run_tool(tools: list[Tool], name: str, arguments: object, *, document: str, round: int) -> ToolCall:
-    """Call a tool by name with the model's arguments: its result, or its error as text (never raised)."""
+class ToolWorkers:
+    """The threads of tool calls that overran their timeout and could not be cancelled, kept until they end.
+
+    Python cannot interrupt a running sync function, so a sync tool that overruns keeps its thread until it
+    returns; its result is then discarded. Those threads are not abandoned: each is handed to a `ToolWorkers`,
+    and whoever owns the run joins it when the run ends::
+
+        with ToolWorkers() as workers:           # leaving the block joins every overrunning tool's thread
+            call = run_tool(tools, name, arguments, document=doc, round=0, workers=workers)
+
+    The threads are daemon threads all the same, so a tool that never returns cannot keep the interpreter
+    from exiting.
+    """
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def track(self, thread: threading.Thread) -> None:
+        """Keep `thread` (a started one) until it is joined."""
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+
+    def alive(self) -> list[threading.Thread]:
+        """The tracked threads still running."""
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            return list(self._threads)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for every tracked thread to end (at most `timeout` seconds in all): True when none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self.alive():
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not self.alive()
+
+    def __enter__(self) -> ToolWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.join()
+
+
+OVERRUN_TOOLS = ToolWorkers()
+"""Where `run_tool` keeps an overrunning sync tool's thread when its caller gives no `workers` of its own."""
+
+
+def run_tool(tools: list[Tool], name: str, arguments: object, *, document: str, round: int,
+             workers: ToolWorkers | None = None) -> ToolCall:
+    """Call a tool by name with the model's arguments: its result, or its error as text (never raised).
+
+    The tool runs in a thread of its own, for at most its `timeout_s`; when that passes the agent gets
+    ``error: <name> did not answer within <timeout_s> s``, and no thread is left behind unaccounted:
+
+    - an async tool (one whose call returns an awaitable) runs in an event loop of its thread under a cancel
+      scope whose deadline is the call's; at the deadline the scope is cancelled, and the thread is joined
+      before `run_tool` returns, so nothing of the tool runs after it (a tool that catches the cancellation
+      and returns anyway still gets the timeout error; its value is discarded);
+    - a sync tool cannot be interrupted: `run_tool` returns the timeout error at the deadline, the function
+      runs on to its end in its thread and its result is discarded, and the thread is handed to `workers`
+      (`OVERRUN_TOOLS` when none is given), which the owner of the run joins when the run ends. An async tool
+      whose thread has not ended `CANCEL_GRACE_S` after its cancellation (it blocks its event loop, or shields
+      itself from cancellation) is handled the same way.
+    """
     t0 = time.perf_counter()
     found = next((t for t in tools if t.name == name), None)
     if found is None:
@@ -184,29 +253,41 @@ def run_tool(tools: list[Tool], name: str, arguments: object, *, document: str, 
     fn = found.function()
     params = inspect.signature(fn).parameters
     injected = {k: document for k in INJECTED if k in params}
+    timeout = found.timeout_s
     outcome: dict[str, object] = {}
+    in_loop = threading.Event()  # the call returned an awaitable: a cancel scope bounds it
 
     def work() -> None:
         try:
             value = fn(**args, **injected)
             if inspect.isawaitable(value):
-                import anyio
+                in_loop.set()
+                awaitable = value
+                remaining = timeout - (time.perf_counter() - t0)
 
-                async def wait() -> object:
-                    return await value
+                async def bounded() -> object:
+                    with anyio.move_on_after(max(0.0, remaining)) as scope:
+                        result = await awaitable
+                    if scope.cancel_called:  # cancelled at the deadline (or it returned only after it)
+                        outcome["timed_out"] = True
+                        return None
+                    return result
 
-                value = anyio.run(wait)
+                value = anyio.run(bounded)
             outcome["value"] = value
         except Exception as exc:  # the agent reads the error; the run goes on
             outcome["error"] = f"{type(exc).__name__}: {exc}"
 
     worker = threading.Thread(target=work, name=f"tool-{name}", daemon=True)
     worker.start()
-    worker.join(found.timeout_s)
+    worker.join(timeout)
+    if worker.is_alive() and in_loop.is_set():
+        worker.join(CANCEL_GRACE_S)  # its scope is cancelled at the deadline: the thread ends right after
     seconds = time.perf_counter() - t0
-    if worker.is_alive():
-        return ToolCall(name, args, f"error: {name} did not answer within {found.timeout_s:g} s", False, seconds,
-                        round)
+    if worker.is_alive() or outcome.get("timed_out"):
+        if worker.is_alive():  # it cannot be cancelled: it runs on, its result discarded, its thread tracked
+            (OVERRUN_TOOLS if workers is None else workers).track(worker)
+        return ToolCall(name, args, f"error: {name} did not answer within {timeout:g} s", False, seconds, round)
     if "error" in outcome:
         return ToolCall(name, args, f"error: {outcome['error']}", False, seconds, round)
     value = outcome.get("value")
