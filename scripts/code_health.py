@@ -1,4 +1,4 @@
-"""Code-health counts over the runtime packages: `Any` annotations, long functions, private imports.
+"""Code-health counts over the runtime packages: `Any` annotations, long functions, private imports, sync/async crossings.
 
     python scripts/code_health.py [--root DIR] [--json] [--check] [--max-any N]
 
@@ -13,11 +13,20 @@ Over ``orchestra/``, ``agents/`` and ``mappings/`` (tests and benchmarks aside) 
 - private imports across packages: ``from X import _name``, ``import X._mod`` or ``from X._mod import y``
   where X's top-level package is another of the three; and, from ``benchmarks/*.py``, any private name
   or module of the three packages or any name of ``orchestra.bench`` outside its ``__all__`` (the
-  benchmarks use the public API of ``orchestra.bench``).
+  benchmarks use the public API of ``orchestra.bench``);
+- sync/async crossings: the call sites where work passes between an event loop and a thread, found in
+  the AST: ``anyio.to_thread.run_sync``, ``anyio.from_thread.run``, ``anyio.from_thread.run_sync``,
+  ``anyio.run``, ``asyncio.run``, ``asyncio.run_coroutine_threadsafe``, any ``.run_in_executor(...)``,
+  ``threading.Thread(...)`` and ``ThreadStream(...)`` (the one bridge, ``agents.bridge``; any callee named
+  so, ``ThreadStream[T, R](...)`` too). A callee is resolved through the file's imports, so
+  ``from anyio.to_thread import run_sync``, ``import anyio.to_thread as tt`` or ``from threading import
+  Thread`` count as the dotted call does, and a ``run`` imported from elsewhere does not. Reported in
+  total, per kind and per file (top files); the goal is fewer than 10, most of them behind the bridge.
 
 ``--check`` exits 1, with a one-line reason, when more than 5 functions (typer commands aside) are over
 80 lines, any private import crosses packages, or the ``Any`` count exceeds ``--max-any`` (default 150;
-a negative value leaves ``Any`` unchecked). Otherwise the exit status is 0.
+a negative value leaves ``Any`` unchecked). Otherwise the exit status is 0. Crossings are reported, not
+checked (yet).
 """
 
 from __future__ import annotations
@@ -36,6 +45,23 @@ MAX_LINES = 80
 MAX_LONG_FUNCTIONS = 5
 DEFAULT_MAX_ANY = 150
 TOP_ANY_FILES = 10
+TOP_CROSSING_FILES = 10
+
+CROSSING_CALLS = (
+    "anyio.to_thread.run_sync",
+    "anyio.from_thread.run",
+    "anyio.from_thread.run_sync",
+    "anyio.run",
+    "asyncio.run",
+    "asyncio.run_coroutine_threadsafe",
+    "threading.Thread",
+)
+"""Fully qualified callees that cross between an event loop and a thread."""
+RUN_IN_EXECUTOR = ".run_in_executor"
+"""Any method call of this name (``loop.run_in_executor(...)``), whatever its receiver."""
+THREAD_STREAM = "ThreadStream"
+"""Any callee of this name (the bridge's class), however it was imported."""
+CROSSING_KINDS = (*CROSSING_CALLS, RUN_IN_EXECUTOR, THREAD_STREAM)
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,13 @@ class PrivateImport:
     reason: str
 
 
+@dataclass(frozen=True)
+class Crossing:
+    path: str
+    line: int
+    kind: str
+
+
 @dataclass
 class Report:
     any_total: int = 0
@@ -62,9 +95,18 @@ class Report:
     typer_commands: list[LongFunction] = field(default_factory=list)
     private_imports: list[PrivateImport] = field(default_factory=list)
     benchmark_imports: list[PrivateImport] = field(default_factory=list)
+    crossings: list[Crossing] = field(default_factory=list)
 
     def top_any_files(self) -> list[tuple[str, int]]:
         return Counter(self.any_by_file).most_common(TOP_ANY_FILES)
+
+    def crossings_by_kind(self) -> dict[str, int]:
+        """Every kind of crossing (zeros included, in `CROSSING_KINDS` order) and its count."""
+        counts = Counter(c.kind for c in self.crossings)
+        return {kind: counts[kind] for kind in CROSSING_KINDS}
+
+    def top_crossing_files(self) -> list[tuple[str, int]]:
+        return Counter(c.path for c in self.crossings).most_common(TOP_CROSSING_FILES)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -74,6 +116,11 @@ class Report:
             "typer_commands": [asdict(f) for f in self.typer_commands],
             "private_imports": [asdict(i) for i in self.private_imports],
             "benchmark_imports": [asdict(i) for i in self.benchmark_imports],
+            "crossings": {
+                "total": len(self.crossings),
+                "by_kind": self.crossings_by_kind(),
+                "top_files": [{"path": p, "count": n} for p, n in self.top_crossing_files()],
+            },
         }
 
 
@@ -214,6 +261,61 @@ def _benchmark_imports(tree: ast.Module, path: str, bench_api: set[str] | None, 
         report.benchmark_imports.append(PrivateImport(path, line, text, reason))
 
 
+# --- sync/async crossings -------------------------------------------------------------------------------
+
+def _import_aliases(tree: ast.Module) -> dict[str, str]:
+    """The dotted name each name bound by an absolute import stands for, lazy imports included (one map per
+    file: scopes are not told apart). ``import a.b`` binds ``a``; ``import a.b as c`` binds ``c`` to ``a.b``."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    aliases[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    aliases[top] = top
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                if alias.name != "*":
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return aliases
+
+
+def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """``a.b.c`` of a callee made of names and attributes, its first name resolved through the imports."""
+    attrs: list[str] = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([aliases.get(node.id, node.id), *reversed(attrs)])
+
+
+def crossing_kind(call: ast.Call, aliases: dict[str, str]) -> str | None:
+    """The kind of crossing a call is (one of `CROSSING_KINDS`), or None."""
+    func = call.func
+    while isinstance(func, ast.Subscript):  # ThreadStream[T, R](...)
+        func = func.value
+    if isinstance(func, ast.Attribute) and func.attr == RUN_IN_EXECUTOR[1:]:
+        return RUN_IN_EXECUTOR
+    last = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if last == THREAD_STREAM:
+        return THREAD_STREAM
+    name = _dotted(func, aliases)
+    return name if name in CROSSING_CALLS else None
+
+
+def _crossings(tree: ast.Module, path: str, report: Report) -> None:
+    aliases = _import_aliases(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            kind = crossing_kind(node, aliases)
+            if kind is not None:
+                report.crossings.append(Crossing(path, node.lineno, kind))
+
+
 # --- the scan --------------------------------------------------------------------------------------------
 
 def _parse(path: Path) -> ast.Module:
@@ -232,11 +334,13 @@ def scan(root: Path) -> Report:
                 report.any_total += n_any
             _long_functions(tree, rel, report)
             _cross_package_private(tree, rel, package, report)
+            _crossings(tree, rel, report)
     bench_api = _public_names(root / Path(*BENCH_PACKAGE.split(".")) / "__init__.py")
     for path in sorted((root / "benchmarks").glob("*.py")):
         _benchmark_imports(_parse(path), path.relative_to(root).as_posix(), bench_api, report)
     for entries in (report.long_functions, report.typer_commands):
         entries.sort(key=lambda f: (-f.lines, f.path, f.line))
+    report.crossings.sort(key=lambda c: (c.path, c.line, c.kind))
     return report
 
 
@@ -261,9 +365,14 @@ def render(report: Report) -> str:
         f"{'typer option lists over ' + str(MAX_LINES) + ' lines':<46} {len(report.typer_commands):>5}",
         f"{'private imports across packages':<46} {len(report.private_imports):>5}",
         f"{'benchmarks: non-public imports':<46} {len(report.benchmark_imports):>5}",
+        f"{'sync/async crossings (reported, not checked)':<46} {len(report.crossings):>5}",
     ]
     if report.any_by_file:
         out += ["", "Any annotations, top files:"] + [f"  {n:>4}  {p}" for p, n in report.top_any_files()]
+    if report.crossings:
+        out += ["", "sync/async crossings by kind:"] + [
+            f"  {n:>4}  {kind}" for kind, n in report.crossings_by_kind().items() if n]
+        out += ["", "sync/async crossings, top files:"] + [f"  {n:>4}  {p}" for p, n in report.top_crossing_files()]
     for title, functions in (("functions over 80 lines:", report.long_functions),
                              ("typer option lists (may stay):", report.typer_commands)):
         if functions:

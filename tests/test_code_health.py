@@ -159,3 +159,75 @@ def test_the_repo_meets_the_function_length_and_private_import_thresholds():
     done = subprocess.run([sys.executable, str(SCRIPT), "--check", "--max-any", "-1"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{done.stderr}\n{done.stdout}"
+
+
+def test_sync_async_crossings_are_counted_per_kind_and_file_however_they_are_imported(health, tmp_path, capsys):
+    root = _tree(tmp_path, {
+        "orchestra/a.py": """
+            import anyio
+            import anyio.to_thread
+            import asyncio
+            import threading
+
+            async def f(loop) -> None:
+                await anyio.to_thread.run_sync(print)          # anyio.to_thread.run_sync
+                anyio.from_thread.run(f, loop)                 # anyio.from_thread.run
+                anyio.from_thread.run_sync(print)              # anyio.from_thread.run_sync
+                await loop.run_in_executor(None, print)        # .run_in_executor
+                threading.Thread(target=print).start()         # threading.Thread
+
+            anyio.run(f, None)                                 # anyio.run
+            asyncio.run(f(None))                               # asyncio.run
+            asyncio.run_coroutine_threadsafe(f(None), None)    # asyncio.run_coroutine_threadsafe
+            anyio.to_thread.current_default_thread_limiter()   # not a crossing
+            print("anyio.run(x)")                              # a string: not a call
+        """,
+        "agents/b.py": """
+            from anyio.to_thread import run_sync
+            from anyio import from_thread as ft
+            import anyio.to_thread as tt
+            from threading import Thread
+            from agents.bridge import ThreadStream
+
+            async def g() -> None:
+                await run_sync(print)                          # anyio.to_thread.run_sync
+                await tt.run_sync(print)                       # anyio.to_thread.run_sync
+                ft.run_sync(print)                             # anyio.from_thread.run_sync
+                Thread(target=print)                           # threading.Thread
+                async with ThreadStream(print) as s:           # ThreadStream
+                    pass
+                ThreadStream[int, int](print)                  # ThreadStream
+        """,
+        "mappings/c.py": """
+            from trio import run
+            from mypool import Thread
+
+            run(print)                                         # trio's run: not a crossing
+            Thread()                                           # not threading's
+            pipeline.run_sync("doc")                           # a pipeline's own run_sync: not a crossing
+        """,
+    })
+    report = health.scan(root)
+    assert report.crossings_by_kind() == {
+        "anyio.to_thread.run_sync": 3,
+        "anyio.from_thread.run": 1,
+        "anyio.from_thread.run_sync": 2,
+        "anyio.run": 1,
+        "asyncio.run": 1,
+        "asyncio.run_coroutine_threadsafe": 1,
+        "threading.Thread": 2,
+        ".run_in_executor": 1,
+        "ThreadStream": 2,
+    }
+    assert report.top_crossing_files() == [("orchestra/a.py", 8), ("agents/b.py", 6)]
+    assert [c.line for c in report.crossings if c.path == "agents/b.py"] == [9, 10, 11, 12, 13, 15]
+
+    assert health.main(["--root", str(root), "--json", "--check"]) == 0  # reported, never a --check failure
+    data = json.loads(capsys.readouterr().out)
+    assert data["crossings"]["total"] == 14
+    assert data["crossings"]["by_kind"]["anyio.to_thread.run_sync"] == 3
+    assert data["crossings"]["top_files"][0] == {"path": "orchestra/a.py", "count": 8}
+    assert health.main(["--root", str(root)]) == 0
+    table = capsys.readouterr().out
+    assert "sync/async crossings (reported, not checked)      14" in table
+    assert "     3  anyio.to_thread.run_sync" in table and "     6  agents/b.py" in table
