@@ -13,6 +13,7 @@ from orchestra.family.corpus import data_text
 from orchestra.familycache import CachePolicy, FamilyCache
 from orchestra.gates import GatePolicy
 from orchestra.registry import ModelRegistry
+from tests.waiting import wait_until
 
 PERMISSIVE = GatePolicy.model_validate({"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0,
                                                                    "max_excess_kl": 100.0}})
@@ -359,13 +360,11 @@ def test_a_cold_burst_over_one_document_prefills_it_once_and_maps_it_once(regist
     try:
         opener = threading.Thread(target=lambda: first.setdefault("lease", cache.acquire_sync("base", doc)))
         opener.start()
-        assert started.wait(30)
+        wait_until(started.is_set, what="the first build to start", alive=opener)
         rest_thread = threading.Thread(
             target=lambda: burst.setdefault("leases", _burst(cache, [("base", doc)] * 2 + [("child", doc)] * 3)))
         rest_thread.start()
-        deadline = time.monotonic() + 60
-        while cache.stats.waiting < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: cache.stats.waiting >= 5, what="five requests joining the build", alive=rest_thread)
         joined_while_building = cache.stats.waiting
         release.set()
         rest_thread.join()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from orchestra.registry import ModelRegistry
 from orchestra.serve import ServeConfig, ServeEngine, ServerProcess
 from orchestra.serve import start_server as launch
 from tests.tiny_family import build_tiny_family
+from tests.waiting import HANG_GUARD_S, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -75,16 +75,15 @@ class LiveServer(ServerProcess):
                 total += float(match.group(2))
         return total
 
-    def wait_idle(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.metric("orchestra_running_generations") > 0:
-            assert time.monotonic() < deadline, "the server still runs a generation"
-            time.sleep(0.05)
+    def wait_idle(self) -> None:
+        wait_until(lambda: self.metric("orchestra_running_generations") == 0, what="the server to finish its "
+                   "generations", alive=self.process)
 
 
 def start_server(home: str | os.PathLike[str], log: Path, *args: str, env: dict[str, str] | None = None,
-                 timeout: float = 180.0) -> LiveServer:
-    """`python -m orchestra serve` over `home` on a free 127.0.0.1 port, once /readyz answers 200."""
+                 timeout: float = HANG_GUARD_S) -> LiveServer:
+    """`python -m orchestra serve` over `home` on a free 127.0.0.1 port, once /readyz answers 200 (a server that
+    exits first fails at once; `timeout` only guards against a hang)."""
     started = launch(["--home", str(home), "--device", "cpu", *args], log=log, env=env, cwd=ROOT, timeout=timeout)
     return LiveServer(started.process, started.base_url, started.log)
 

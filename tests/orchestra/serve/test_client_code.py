@@ -11,12 +11,10 @@ import os
 import re
 import sys
 import textwrap
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import anyio
 import httpx
 import openai
 import pytest
@@ -29,6 +27,7 @@ from orchestra.serve import ServeConfig, create_app
 from orchestra.trust import client_spec_reach
 from tests.orchestra.serve.conftest import tiny_engine
 from tests.orchestra.serve.test_app import assert_openai_error
+from tests.waiting import poll_until, wait_until
 
 DOC = data_text("gpl-3.txt")[:300]
 AGENT = {"name": "summary", "model": "root", "spec": {"task": "Summarise.", "generation": {"max_new_tokens": 3}}}
@@ -110,12 +109,10 @@ async def client(engine):
 
 
 async def _finish(client: httpx.AsyncClient, run_id: str) -> dict:
-    for _ in range(1200):
-        status = (await client.get(f"/v1/runs/{run_id}")).json()
-        if status["status"] != "running":
-            return status
-        await anyio.sleep(0.05)
-    raise AssertionError("the run did not end")
+    async def status() -> dict:
+        return (await client.get(f"/v1/runs/{run_id}")).json()
+
+    return await poll_until(status, lambda s: s["status"] != "running", what=f"run {run_id} to end")
 
 
 def _with_step(call: str, **step: object) -> dict:
@@ -345,10 +342,12 @@ def test_a_live_server_refuses_client_code_over_http_and_the_openai_client(tiny_
     assert not marker.exists() and not canary.ran()
     started = client.post("/runs", cast_to=object, body={"spec": _with_step(f"{canary.name}.steps:step"),
                                                           "document": DOC})
-    for _ in range(1200):
-        status = httpx.get(f"{server.base_url}/v1/runs/{started['id']}", timeout=30).json()  # type: ignore[index]
-        if status["status"] != "running":
-            break
-        time.sleep(0.05)
+    status: dict = {}
+
+    def ended() -> bool:
+        status.update(httpx.get(f"{server.base_url}/v1/runs/{started['id']}", timeout=30).json())  # type: ignore[index]
+        return status["status"] != "running"
+
+    wait_until(ended, what="the allowed run to end", alive=server.process)
     assert status["status"] == "succeeded", status
     assert (canary.markers / "ran-step").exists()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import anyio
 import httpx
 import pytest
 
@@ -12,6 +11,7 @@ from orchestra.family.corpus import data_text
 from orchestra.serve import create_app
 from tests.orchestra.serve.conftest import tiny_engine
 from tests.orchestra.serve.test_app import assert_openai_error
+from tests.waiting import poll_until
 
 DOC = data_text("gpl-3.txt")[:300]
 SPEC = {"models": {"r": "root", "f": "tiny-child"}, "source": "r",
@@ -37,12 +37,10 @@ async def client(engine):
 
 
 async def _finish(client: httpx.AsyncClient, run_id: str) -> dict:
-    for _ in range(600):
-        status = (await client.get(f"/v1/runs/{run_id}")).json()
-        if status["status"] != "running":
-            return status
-        await anyio.sleep(0.05)
-    raise AssertionError("the run did not end")
+    async def status() -> dict:
+        return (await client.get(f"/v1/runs/{run_id}")).json()
+
+    return await poll_until(status, lambda s: s["status"] != "running", what=f"run {run_id} to end")
 
 
 def _sse(text: str) -> list[tuple[str, dict]]:

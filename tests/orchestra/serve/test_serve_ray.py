@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from orchestra.gates import GatePolicy
 from orchestra.mapstore import MappingStore
 from orchestra.pipeline import ExecutorSpec
 from orchestra.serve import ServeConfig, ServeEngine, create_app, free_port
+from tests.waiting import wait_until
 
 ray = pytest.importorskip("ray")
 uvicorn = pytest.importorskip("uvicorn")
@@ -80,10 +80,7 @@ class LiveApp:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         self.base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.05)
+        wait_until(lambda: self.server.started, what="uvicorn to start", alive=self.thread)
         self.client = OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=120)
 
     def stop(self) -> None:
@@ -212,10 +209,8 @@ def test_a_client_that_disconnects_stops_its_row_in_the_actor(remote):
                 pieces += 1
             if pieces == 3:
                 break  # and hang up
-    deadline = time.monotonic() + 10
-    while actor.busy:  # the actor's stream ends once the row has left the batch
-        assert time.monotonic() < deadline, "the actor still decodes for a client that left"
-        time.sleep(0.01)
+    # the actor's stream ends once the row has left the batch; how soon is the count below, not a time
+    wait_until(lambda: not actor.busy, what="the actor to stop decoding for a client that left", poll_s=0.01)
     decoded = rows() - before
     assert 3 <= decoded < 200, decoded  # stopped a few steps after the hang-up, far from 450
 
@@ -240,11 +235,10 @@ def test_a_killed_actor_fails_its_request_and_the_next_one_is_served(remote):
     asker = threading.Thread(target=lambda: box.update(response=httpx.post(
         f"{remote.base_url}/v1/chat/completions", json=ask, timeout=120)))
     asker.start()
-    deadline = time.monotonic() + 60
     restarted = executor.actors("finetuned")[0]
-    while restarted.suspect or restarted.busy < 1:  # restarted, and the request is bound to it
-        assert time.monotonic() < deadline and asker.is_alive(), box
-        time.sleep(0.01)
+    # restarted, and the request is bound to it
+    wait_until(lambda: not restarted.suspect and restarted.busy >= 1, what=f"the restarted actor to take the "
+               f"request {box}", alive=asker, poll_s=0.01)
     # killed as soon as the call is the actor's: whether it is still loading or already decoding, the
     # request dies with it (a pause here would race the reply, which may end early at EOS)
     ray.kill(executor.actors("finetuned")[0].handle, no_restart=False)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import httpx
 import pytest
+
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.real_model
 
@@ -32,10 +33,8 @@ def test_a_signal_drains_the_in_flight_request_and_exits_0(real_family, server_f
 
     client = threading.Thread(target=ask)
     client.start()
-    deadline = time.monotonic() + 60
-    while server.metric("orchestra_running_generations") < 1:  # the request is generating
-        assert time.monotonic() < deadline and client.is_alive(), outcome
-        time.sleep(0.05)
+    wait_until(lambda: server.metric("orchestra_running_generations") >= 1, what="the request to generate",
+               alive=client)
     assert server.stop(sig) == 0, server.log.read_text()[-3000:]
     client.join(30)
 
