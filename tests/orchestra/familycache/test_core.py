@@ -311,7 +311,7 @@ def test_a_map_fitted_without_its_sinks_is_served_with_them(registry, mapstore):
     steps = []
     with cache.acquire_sync("child", doc, on_step=steps.append) as lease:
         assert lease.path == "mapped"
-        mapping = cache._mapping("base", "child")
+        mapping = cache.load_mapping("base", "child")
     assert mapping.manifest.method.exact_sinks == 4
     assert next(s for s in steps if s.step == "map").detail["exact_sinks"] == 4
 
@@ -346,7 +346,7 @@ def test_a_cold_burst_over_one_document_prefills_it_once_and_maps_it_once(regist
     """Three requests on the source and three on the child, all cold, all at once: the source prefills the
     document, its other requests wait for that build, the child's wait for it too and map it once between them."""
     cache = _family_cache(registry, mapstore)
-    cache._mapping("base", "child")  # loaded (or calibrated) before the burst: this test times the routing
+    cache.load_mapping("base", "child")  # loaded (or calibrated) before the burst: this test times the routing
     doc = _ids(registry, data_text("gpl-3.txt")[:300])
     started, release = threading.Event(), threading.Event()
 
@@ -388,7 +388,7 @@ def test_a_cold_burst_started_at_once_builds_the_document_once_and_maps_it_once(
     """Whoever asks first: the child's cold request seeds the document on the source, so the source's own
     requests join that build and the child's map it; planning and registering a build are one step."""
     cache = _family_cache(registry, mapstore)
-    cache._mapping("base", "child")
+    cache.load_mapping("base", "child")
     doc = _ids(registry, data_text("mpl-2.0.txt")[:300])
     counter = TokenCounter(registry.load("base").model, delay=0.2)
     try:
@@ -403,7 +403,7 @@ def test_a_cold_burst_started_at_once_builds_the_document_once_and_maps_it_once(
 
 def test_a_cold_request_on_a_mapped_member_is_built_on_the_source_and_mapped(registry, mapstore):
     cache = _family_cache(registry, mapstore)
-    cache._mapping("base", "child")
+    cache.load_mapping("base", "child")
     doc = _ids(registry, data_text("gpl-3.txt")[300:600])
     with cache.acquire_sync("child", doc) as lease:
         assert lease.path == "mapped" and lease.source == "base"
@@ -416,7 +416,7 @@ def test_a_cold_request_on_a_mapped_member_is_built_on_the_source_and_mapped(reg
 
 def test_seeding_off_prefills_a_cold_request_on_its_own_member(registry, mapstore):
     cache = _family_cache(registry, mapstore, seed_source=False)
-    cache._mapping("base", "child")
+    cache.load_mapping("base", "child")
     doc = _ids(registry, data_text("gpl-3.txt")[600:900])
     with cache.acquire_sync("child", doc) as lease:
         assert lease.path == "exact"
@@ -428,7 +428,7 @@ def test_a_build_holds_its_k_v_and_working_memory_against_the_budget_until_it_be
     (`BUILD_MEMORY_FACTOR`) over the tokens it computes: a prefill over all of them, an extension over its new
     ones only. Per token from the model's shape before any entry exists, then from the first entry's K/V."""
     from mappings.capture import kv_token_bytes
-    from orchestra.familycache._core import BUILD_MEMORY_FACTOR
+    from orchestra.familycache._flights import BUILD_MEMORY_FACTOR
 
     cache = _family_cache(registry, mapstore)
     doc = _ids(registry, data_text("gpl-3.txt")[:300])
