@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as `python benchmarks/...`: `tests.fixtures` is importable
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -51,7 +53,7 @@ def main() -> None:
     import warnings
 
     from mappings.evaluate import evaluate
-    from orchestra.bench import distinct_bytes, machine_info, make_lora_adapter
+    from orchestra.bench import machine_info
     from orchestra.family import load_family
     from orchestra.family.corpus import data_text
     from orchestra.mapstore import MappingStore
@@ -60,6 +62,7 @@ def main() -> None:
     from orchestra.pipeline import PipelineSpec
     from orchestra.registry import ModelRegistry
     from orchestra.scheduler import Orchestra
+    from tests.fixtures.adapters import distinct_bytes, make_lora_adapter
 
     warnings.filterwarnings("ignore", message="no mapping for")
     family = load_family(default_home())

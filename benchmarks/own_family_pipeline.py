@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as `python benchmarks/...`: `tests.fixtures` is importable
 RESULTS = ROOT / "benchmarks" / "results"
 DEMO = ROOT / "examples" / "long_document_analysis"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -91,10 +92,10 @@ def _run(cmd: list[str], env: dict[str, str], log: Path) -> float:
 
 def _memory(home: Path, adapters: dict[str, Path], env: dict[str, str]) -> dict[str, int]:
     """instruct alone, instruct + 4 adapters as members, and what 5 merged copies would hold (in-process)."""
-    from orchestra.bench import distinct_bytes
     from orchestra.family import load_family
     from orchestra.modelref import AdapterSpec
     from orchestra.registry import ModelRegistry
+    from tests.fixtures.adapters import distinct_bytes
 
     saved = {k: os.environ.get(k) for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
     os.environ.update({k: env[k] for k in saved})
@@ -125,9 +126,11 @@ def main() -> None:
 
     import yaml
 
-    from orchestra.bench import hub_repo, machine_info, make_lora_adapter
+    from orchestra.bench import machine_info
     from orchestra.family import load_family
     from orchestra.paths import default_home
+    from tests.fixtures.adapters import make_lora_adapter
+    from tests.fixtures.hubcache import hub_repo
 
     bundled = load_family(default_home())
     root_dir, tuned_dir = Path(bundled.member("root").path), Path(bundled.member("finetuned").path)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as `python scripts/gpu_check.py`: `tests.fixtures` is importable
 DEMO = ROOT / "examples" / "long_document_analysis"
 HELD_OUT = ROOT / "orchestra" / "family" / "data" / "gpl-3.txt"
 
@@ -161,7 +162,7 @@ def _own_family_pipeline(out: Path, root: Path) -> Path:
     """The pipeline of step 4 (an upper-half LoRA adapter over the root is made here with peft)."""
     import yaml
 
-    from orchestra.bench import make_lora_adapter
+    from tests.fixtures.adapters import make_lora_adapter
 
     upper = make_lora_adapter(root, out / "lora_upper", layers=range(15, 30),
                               targets=["q_proj", "k_proj", "v_proj", "o_proj"])

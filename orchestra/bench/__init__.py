@@ -10,9 +10,6 @@ section; add a section by following the same shape and registering it in ``_run.
 - ``calibration``: seconds, tokens and artifact bytes of calibrations;
 - ``crossfamily``: a model with another tokenizer is refused with a typed error.
 
-``make_lora_adapter`` makes peft adapters over a bundled member, and ``hubcache`` a Hugging Face cache in
-the Hub's layout, for own-family benchmarks and tests that read it offline.
-
 Importing this package is cheap: torch and transformers load inside the section functions.
 """
 
@@ -21,10 +18,8 @@ from __future__ import annotations
 from orchestra.bench._context import BenchFamily, Pair, parse_pairs
 from orchestra.bench._machine import MachineInfo, machine_info
 from orchestra.bench._run import SECTIONS, BenchConfig, run_bench
-from orchestra.bench.adapters import ALL_PROJECTIONS, distinct_bytes, make_lora_adapter
 from orchestra.bench.calibration import CalibrationBenchConfig, CalibrationSection, run_calibration
 from orchestra.bench.crossfamily import CrossFamilyConfig, CrossFamilySection, run_crossfamily
-from orchestra.bench.hubcache import hub_repo
 from orchestra.bench.pipeline import (
     PipelineComparison,
     PipelineConfig,
@@ -50,7 +45,6 @@ from orchestra.bench.timing import TimingConfig, TimingSection, run_timing
 __all__ = [
     "BenchConfig", "BenchFamily", "BenchResults", "Pair", "SECTIONS", "parse_pairs", "run_bench",
     "MachineInfo", "machine_info",
-    "ALL_PROJECTIONS", "make_lora_adapter", "distinct_bytes", "hub_repo",
     "QualityConfig", "QualitySection", "run_quality",
     "TimingConfig", "TimingSection", "run_timing",
     "TaskConfig", "TaskSection", "run_tasks", "rouge_l", "QAAsker", "plain_prompt_ids",

@@ -19,13 +19,13 @@ import torch
 
 from mappings import cache_layers
 from mappings.store import read_manifest
-from orchestra.bench import make_lora_adapter
 from orchestra.errors import AdapterBaseError, AdapterError, ModelReferenceError, PipelineValidationError
 from orchestra.family.corpus import data_text
 from orchestra.modelref import AdapterSpec
 from orchestra.pipeline import PipelineSpec
 from orchestra.registry import ModelRegistry, shared_layers
 from tests.cli_run import run_pipeline_text
+from tests.fixtures.adapters import make_lora_adapter
 
 DOC = data_text("gpl-3.txt")[:320]
 IDS = torch.tensor([list(range(3, 90))])
@@ -213,8 +213,8 @@ def test_a_plain_adapter_folder_finds_its_declared_base(fam, lora):
 
 
 def test_a_hub_adapter_is_read_from_the_hub_cache_offline(fam, lora, tmp_path, monkeypatch):
-    from orchestra.bench.hubcache import hub_repo
     from orchestra.errors import ModelNotCachedError
+    from tests.fixtures.hubcache import hub_repo
 
     snap = hub_repo(tmp_path / "hub", "tiny/lora-upper", lora.upper)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

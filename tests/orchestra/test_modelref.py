@@ -25,13 +25,13 @@ from typer.testing import CliRunner
 
 import mappings.fingerprint as fingerprint_module
 from mappings.fingerprint import fingerprint_dir
-from orchestra.bench.hubcache import set_ref as _ref
-from orchestra.bench.hubcache import snapshot as _snapshot
 from orchestra.cli import app
 from orchestra.errors import HubModelError, ModelFolderError, ModelNotCachedError, UnknownModelError
 from orchestra.fpcache import CACHE_NAME, WRITE_STEP, folder_weights_digest
 from orchestra.modelref import ModelRef
 from orchestra.registry import ModelRegistry
+from tests.fixtures.hubcache import set_ref as _ref
+from tests.fixtures.hubcache import snapshot as _snapshot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT_A = hashlib.sha1(b"revision A").hexdigest()  # the parent's weights, tagged v1

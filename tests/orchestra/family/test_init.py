@@ -11,7 +11,6 @@ import pytest
 from typer.testing import CliRunner
 
 import mappings.fingerprint as fingerprint_module
-from orchestra.bench.hubcache import hub_repo
 from orchestra.cli import app
 from orchestra.errors import CrossFamilyError, FamilyError
 from orchestra.family import init_family, load_family
@@ -20,6 +19,7 @@ from orchestra.family.init import parse_member_arg
 from orchestra.pipeline import PipelineSpec
 from orchestra.registry import ModelRegistry
 from orchestra.scheduler import Orchestra
+from tests.fixtures.hubcache import hub_repo
 from tests.tokenizer_variants import model_folder, save_edited_tokenizer, swap_ids
 
 DOC = data_text("gpl-3.txt")[:320]
