@@ -298,8 +298,8 @@ async def test_a_window_too_wide_for_the_agents_prompts_is_refused_before_any_pr
 def test_k_chunks_are_ranked_against_the_question_not_the_built_ins_instructions():
     """An agent's instructions may say "the document above": over a licence for *documentation*, ranking by the
     whole task would pick its chunks over the one that answers; the question alone (or `query`) picks right."""
+    from orchestra._chunked import _retrieval_query
     from orchestra.pipeline import AgentNode
-    from orchestra.scheduler import _retrieval_query
 
     texts = ["The Document is a manual. The Document may be copied. A Document is published by its publisher; to use "
              "this License in a document, put the document above the notice.",
