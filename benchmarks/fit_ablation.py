@@ -45,9 +45,9 @@ PREFIX, SUFFIX, DEV_OFFSET, SINKS = 3584, 128, 1800, 4
 
 
 def measure(role: str, tokens: int, home: str | None) -> dict[str, Any]:
-    from mappings.calibrate import calibrate
+    from mappings.calibrate import CalibrationSettings, calibrate
     from mappings.compat import check_pair
-    from mappings.evaluate import evaluate
+    from mappings.evaluate import EvaluationSettings, evaluate
     from mappings.methods import resolve_method
     from mappings.models import load_model
     from orchestra.family import load_family
@@ -67,14 +67,16 @@ def measure(role: str, tokens: int, home: str | None) -> dict[str, Any]:
     for label, change in VARIANTS.items():
         spec = base.model_copy(update=change)
         t0 = time.perf_counter()
-        mapping = calibrate(src, tgt, corpus, method=spec, tokens=tokens, window=512, progress=False)
+        mapping = calibrate(src, tgt, corpus, CalibrationSettings(method=spec, tokens=tokens, window=512),
+                            progress=False)
         seconds = time.perf_counter() - t0
         row: dict[str, Any] = {"variant": label, "method": spec.name, **change, "calibration_seconds": seconds,
                                "heldout_kl": mapping.manifest.heldout["kl"]}
         for split, doc, windows in (("test", ids, 2), ("dev", ids[DEV_OFFSET:], 1)):
-            report = evaluate(mapping, doc, source=src, target=tgt, prefix_tokens=PREFIX, suffix_tokens=SUFFIX,
-                              windows=windows, tail_tokens=0, greedy_tokens=0, baselines=(), layer_curves=False,
-                              sink_tokens=SINKS, document_name=HELDOUT_TEXT, repair_costs="compute")
+            settings = EvaluationSettings(prefix_tokens=PREFIX, suffix_tokens=SUFFIX, windows=windows, tail_tokens=0,
+                                          greedy_tokens=0, baselines=(), layer_curves=False, sink_tokens=SINKS,
+                                          repair_costs="compute")
+            report = evaluate(mapping, doc, settings, source=src, target=tgt, document_name=HELDOUT_TEXT)
             pure, served = report.row(spec.name), report.row(f"{spec.name}+sinks{SINKS}")
             row[split] = {"kl": served.kl, "top1": served.top1, "pure_kl": pure.kl, "pure_top1": pure.top1}
         print(f"{role} {label}: test KL {row['test']['kl']:.4f} / top-1 {row['test']['top1']:.3f}, "

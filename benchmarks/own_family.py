@@ -52,7 +52,7 @@ def main() -> None:
 
     import warnings
 
-    from mappings.evaluate import evaluate
+    from mappings.evaluate import EvaluationSettings, evaluate
     from orchestra.bench import machine_info
     from orchestra.family import load_family
     from orchestra.family.corpus import data_text
@@ -106,10 +106,10 @@ def main() -> None:
             t0 = time.perf_counter()
             mapping, _ = store.get(root, member)
             fit_s = time.perf_counter() - t0
-            report = evaluate(mapping, text, source=root.handle(), target=member.handle(),
-                              prefix_tokens=args.prefix, suffix_tokens=32, windows=args.windows,
-                              baselines=("identity",), layer_curves=False, greedy_tokens=16, repairs=(),
-                              repair_costs="compute", timing_repeats=1)
+            settings = EvaluationSettings(prefix_tokens=args.prefix, suffix_tokens=32, windows=args.windows,
+                                          baselines=("identity",), layer_curves=False, greedy_tokens=16,
+                                          repairs=(), repair_costs="compute", timing_repeats=1)
+            report = evaluate(mapping, text, settings, source=root.handle(), target=member.handle())
             rows = {r.method: r for r in report.methods}
             mapped = rows[report.mapping_method]
             ident = rows.get("identity")

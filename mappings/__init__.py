@@ -3,8 +3,8 @@
 Carry one model's prefilled KV cache into a same-family sibling with a per-layer linear map
 fitted in closed form, and measure how close that brings the sibling to its own prefill.
 
-    from mappings import calibrate, load_mapping, map_cache
-    mapping = calibrate("family/root", "family/finetuned", [text_a, text_b])
+    from mappings import CalibrationSettings, calibrate, load_mapping, map_cache
+    mapping = calibrate("family/root", "family/finetuned", [text_a, text_b], CalibrationSettings(tokens=4096))
     mapping.save("maps/root-to-finetuned")
     cache = map_cache(mapping.kv_map, source_cache, target_model)
 
@@ -88,10 +88,12 @@ __all__ = [
     "load_mapping",
     "read_manifest",
     # calibration and evaluation
+    "CalibrationSettings",
     "CalibrationConfig",
     "calibrate",
     "mean_kl",
     "tail_nll",
+    "EvaluationSettings",
     "EvaluationReport",
     "MethodResult",
     "evaluate",
@@ -151,9 +153,10 @@ _WHERE = {
     "mappings.apply": ["LayerMap", "LinearKVMap", "map_cache", "tail_recompute", "identity_map"],
     "mappings.manifest": ["MAPPING_VERSION", "MappingManifest"],
     "mappings.store": ["Mapping", "save_mapping", "load_mapping", "read_manifest"],
-    "mappings.calibrate": ["CalibrationConfig", "calibrate"],
+    "mappings.calibrate": ["CalibrationSettings", "CalibrationConfig", "calibrate"],
     "mappings.metrics": ["mean_kl", "tail_nll"],
-    "mappings.evaluate": ["EvaluationReport", "MethodResult", "evaluate", "write_report", "plot_layer_curves"],
+    "mappings.evaluate": ["EvaluationSettings", "EvaluationReport", "MethodResult", "evaluate", "write_report",
+                          "plot_layer_curves"],
     "mappings.repair": ["RepairPolicy", "RepairPlan", "RepairResult", "RepairUnavailableError", "plan_repair",
                         "layer_scores", "choose_blocks", "repair_cache", "attention_importance"],
     "mappings.recompute": ["run_layers", "repair_tokens"],
@@ -184,7 +187,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         sync_device,
         truncate_cache,
     )
-    from mappings.calibrate import CalibrationConfig, calibrate
+    from mappings.calibrate import CalibrationConfig, CalibrationSettings, calibrate
     from mappings.calibrate_repair import add_residual_maps
     from mappings.capture import (
         KVCapture,
@@ -209,7 +212,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         TokenizerMismatchError,
         UnsupportedModelError,
     )
-    from mappings.evaluate import EvaluationReport, MethodResult, evaluate, plot_layer_curves, write_report
+    from mappings.evaluate import (
+        EvaluationReport,
+        EvaluationSettings,
+        MethodResult,
+        evaluate,
+        plot_layer_curves,
+        write_report,
+    )
     from mappings.fingerprint import Fingerprint, check_fingerprints, fingerprint_dir, fingerprint_model
     from mappings.fit import LayerStats, RegressionStats, fit_linear
     from mappings.manifest import MAPPING_VERSION, MappingManifest

@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingABC
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timezone
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
+    from _typeshed import DataclassInstance
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from mappings.apply import LayerMap, LinearKVMap
@@ -47,9 +48,9 @@ if TYPE_CHECKING:
     from mappings.store import Mapping
     from mappings.weighting import RowWeighting
 
-__all__ = ["CalibrationConfig", "calibrate", "prepare_windows", "CorpusWindows", "HeldOut", "capture_heldout",
-           "accumulate_stats", "screen_sources", "select_layers", "layer_metrics", "KLJudge", "corpus_digest",
-           "model_info"]
+__all__ = ["CalibrationSettings", "CalibrationConfig", "calibrate", "prepare_windows", "CorpusWindows", "MapLayout",
+           "HeldOut", "capture_heldout", "accumulate_stats", "screen_sources", "select_layers", "layer_metrics",
+           "KLJudge", "corpus_digest", "model_info"]
 
 Corpus = Sequence[str] | Sequence[tuple[str, str]] | MappingABC[str, str]
 
@@ -57,9 +58,16 @@ _T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
-class CalibrationConfig:
-    """Calibration budget and splits."""
+class CalibrationSettings:
+    """What a calibration fits, on how much text, and how: the method, the budget and splits, the layers passed
+    through unfitted, and the device and dtype the models load in.
 
+    ``calibrate(source, target, corpus, CalibrationSettings(tokens=4096))``; every field also reads as a keyword of
+    :func:`calibrate` (``calibrate(source, target, corpus, tokens=4096)``), applied over the settings given.
+    """
+
+    method: str | MethodSpec = "auto"
+    """A method name (``auto``: the best this pair allows) or a spec (:mod:`mappings.methods`)."""
     tokens: int = 16384
     """Training tokens to fit on (whole windows)."""
     window: int = 512
@@ -76,6 +84,41 @@ class CalibrationConfig:
     """Training tokens used to pick source layers when depths differ."""
     sweeps: int = 1
     """Coordinate sweeps of the per-layer KL selection."""
+    exact_layers: int = 0
+    """Leading layers the caller knows both models compute identically (a LoRA adapter leaving them untouched,
+    over its base): passed through exactly, not fitted (needs identical layouts)."""
+    device: str = "cpu"
+    """Torch device the models are loaded on (models given as folders)."""
+    dtype: torch.dtype | str | None = None
+    """dtype the models are loaded in (models given as folders; None: as stored)."""
+
+
+CalibrationConfig = CalibrationSettings
+"""The former name of :class:`CalibrationSettings` (its budget and splits were all it held)."""
+
+
+_S = TypeVar("_S", bound="DataclassInstance")
+
+
+def _with_overrides(kind: type[_S], settings: _S | None, overrides: MappingABC[str, object], caller: str) -> _S:
+    """``settings`` (None: ``kind()``) with the fields named in ``overrides`` replaced.
+
+    The keyword path of :func:`calibrate` and :func:`~mappings.evaluate.evaluate`: a name that is no field is a
+    TypeError naming the fields, as a misspelt keyword argument would be.
+    """
+    if settings is None:
+        settings = kind()
+    elif not isinstance(settings, kind):
+        raise TypeError(f"{caller}() takes its settings as a {kind.__name__}, not {type(settings).__name__}")
+    if not overrides:
+        return settings
+    known = [f.name for f in fields(kind)]
+    unknown = [name for name in overrides if name not in known]
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        raise TypeError(f"{caller}() got an unexpected keyword argument {names}; its settings ({kind.__name__}) "
+                        f"are: {', '.join(known)}")
+    return replace(settings, **overrides)
 
 
 @dataclass
@@ -94,6 +137,31 @@ class CorpusWindows:
     """Corpus text names."""
     stride: int = 0
     """Start-to-start distance of the fitting windows."""
+
+
+@dataclass(frozen=True)
+class MapLayout:
+    """What a map is fitted between: the source layers feeding each target layer, both caches' shapes and RoPE."""
+
+    plan: Sequence[tuple[int, ...]]
+    """Per target layer, the source layers its map reads (concatenated, best first)."""
+    source: KVShape
+    """The source's KV shape."""
+    target: KVShape
+    """The target's KV shape."""
+    source_rope: RopeSpec
+    """The source's RoPE (stripped from its keys in content space)."""
+    target_rope: RopeSpec
+    """The target's RoPE."""
+
+    def fit(self, stats: Sequence[LayerStats], spec: MethodSpec,
+            choices: Sequence[float | None] | None = None) -> LinearKVMap:
+        """The map fitted on ``stats``: per-layer α, or pass-through where ``choices`` says None (default: α
+        ``spec.default_alpha`` everywhere)."""
+        from mappings.assemble import fit_kv_map
+
+        return fit_kv_map(stats, spec, self.plan, self.source, self.target, self.source_rope, self.target_rope,
+                          choices)
 
 
 def _named(corpus: Corpus) -> list[tuple[str, str]]:
@@ -130,8 +198,8 @@ def _spread(items: list[_T], k: int) -> list[_T]:
     return [items[int(i * step)] for i in range(k)]
 
 
-def prepare_windows(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, config: CalibrationConfig) -> CorpusWindows:
-    """Tokenize the corpus and split it into training and held-out windows."""
+def prepare_windows(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, config: CalibrationSettings) -> CorpusWindows:
+    """Tokenize the corpus and split it into training and held-out windows (``config``'s budget and splits)."""
     from mappings.capture import make_windows
 
     named = _named(corpus)
@@ -313,8 +381,7 @@ def _option_name(alpha: float | None) -> str:
 
 
 def select_layers(
-    stats: Sequence[LayerStats], spec: MethodSpec, plan: Sequence[tuple[int, ...]], s: KVShape, t: KVShape,
-    src_rope: RopeSpec, tgt_rope: RopeSpec, judge: KLJudge | None, heldout: HeldOut, *,
+    stats: Sequence[LayerStats], spec: MethodSpec, layout: MapLayout, judge: KLJudge | None, heldout: HeldOut, *,
     sweeps: int = 1, progress: bool = False, exact: int = 0,
 ) -> tuple[LinearKVMap, list[float | None], list[dict[str, float]]]:
     """Choose per-layer α / pass-through (``spec.selection``); returns the map, choices and scores.
@@ -323,11 +390,12 @@ def select_layers(
     """
     from tqdm.auto import tqdm
 
-    from mappings.assemble import PASSTHROUGH, fit_kv_map, fit_layer
+    from mappings.assemble import PASSTHROUGH, fit_layer
 
+    plan, s, t = layout.plan, layout.source, layout.target
     choices: list[float | None] = [PASSTHROUGH if i < exact else spec.default_alpha for i in range(t.num_layers)]
     free = range(min(exact, t.num_layers), t.num_layers)
-    kv_map = fit_kv_map(stats, spec, plan, s, t, src_rope, tgt_rope, choices)
+    kv_map = layout.fit(stats, spec, choices)
     scores: list[dict[str, float]] = [{} for _ in range(t.num_layers)]
     if spec.selection == "none":
         return kv_map, choices, scores
@@ -344,8 +412,8 @@ def select_layers(
     if spec.selection == "error":
         from mappings.fit import RegressionStats
 
-        hk, hv = _content(heldout.source, src_rope, spec.key_space)
-        tk, tv = _content(heldout.target, tgt_rope, spec.key_space)
+        hk, hv = _content(heldout.source, layout.source_rope, spec.key_space)
+        tk, tv = _content(heldout.target, layout.target_rope, spec.key_space)
         for i in free:
             xk = _cat_sources(hk, plan[i])
             xv = _cat_sources(hv, plan[i])
@@ -473,15 +541,13 @@ def layer_metrics(
 
 
 def accumulate_stats(
-    source: PreTrainedModel, target: PreTrainedModel, windows: Sequence[torch.Tensor], plan: Sequence[tuple[int, ...]],
-    s: KVShape,
-    t: KVShape, src_rope: RopeSpec, tgt_rope: RopeSpec, key_space: str, *, batch_size: int = 4,
-    progress: bool = True, weighting: RowWeighting | None = None,
+    source: PreTrainedModel, target: PreTrainedModel, windows: Sequence[torch.Tensor], layout: MapLayout,
+    key_space: str, *, batch_size: int = 4, progress: bool = True, weighting: RowWeighting | None = None,
 ) -> tuple[list[LayerStats], list[LayerStats]]:
     """Stream equal-length windows through both models into per-target-layer statistics.
 
     Keys enter in content space (each model's RoPE stripped) unless ``key_space == "rotated"``;
-    target layer ``i`` regresses on the concatenated source layers ``plan[i]``. Returns ``(fit, plain)``:
+    target layer ``i`` regresses on the concatenated source layers ``layout.plan[i]``. Returns ``(fit, plain)``:
     the statistics the map is fitted on, with ``weighting``'s rows (sinks left out, values weighted; the
     same list as ``plain`` without one), and the plain statistics of every row, which a mapping stores so
     that baselines refit on it are the textbook formulas.
@@ -490,6 +556,8 @@ def accumulate_stats(
 
     from mappings.capture import capture_windows
     from mappings.fit import LayerStats, RegressionStats
+
+    plan, s, t, src_rope, tgt_rope = layout.plan, layout.source, layout.target, layout.source_rope, layout.target_rope
 
     def zeros() -> list[LayerStats]:
         return [LayerStats(RegressionStats.zeros(len(plan[i]) * s.width, t.width),
@@ -556,28 +624,24 @@ def calibrate(
     source: str | Path | ModelHandle | PreTrainedModel,
     target: str | Path | ModelHandle | PreTrainedModel,
     corpus: Corpus,
+    settings: CalibrationSettings | None = None,
     *,
-    method: str | MethodSpec = "auto",
-    tokens: int = 16384,
-    window: int = 512,
-    heldout_fraction: float = 0.125,
-    stride: int | None = None,
-    progress: bool = True,
     source_tokenizer: PreTrainedTokenizerBase | None = None,
     target_tokenizer: PreTrainedTokenizerBase | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype | str | None = None,
-    config: CalibrationConfig | None = None,
+    progress: bool = True,
     log: Callable[[str], None] | None = None,
-    exact_layers: int = 0,
+    **overrides: object,
 ) -> Mapping:
-    """Fit a KV map from ``source`` to ``target`` (model folders, handles or in-memory models).
+    """Fit a KV map from ``source`` to ``target`` (model folders, handles or in-memory models) on ``corpus``.
+
+    ``settings`` says what to fit and how (:class:`CalibrationSettings`; None: its defaults); any of its fields
+    may be given as a keyword instead, over ``settings`` (``calibrate(src, tgt, corpus, tokens=4096)``), and a
+    keyword that is no field is a TypeError. ``source_tokenizer``/``target_tokenizer``: for in-memory models
+    (default: loaded by name); ``progress``: progress bars; ``log``: receives the pair card and a line per stage.
 
     Returns a :class:`~mappings.store.Mapping` (call ``.save(dir)``), with its manifest and the
     calibration statistics. Raises :class:`TokenizerMismatchError`, :class:`CorpusTooSmallError`,
     :class:`NonFiniteKVError`, :class:`ShapeMismatchError` (method not possible for this pair).
-    ``exact_layers``: leading layers the caller knows both models compute identically (a LoRA adapter
-    leaving them untouched, over its base): passed through exactly, not fitted (needs identical layouts).
     """
     from mappings.apply import identity_map
     from mappings.capture import kv_shape
@@ -587,16 +651,16 @@ def calibrate(
     from mappings.store import Mapping
     from mappings.weighting import RowWeighting
 
+    cfg = _with_overrides(CalibrationSettings, settings, overrides, "calibrate")
     say = log or (lambda _msg: None)
     started = time.perf_counter()
-    cfg = config or CalibrationConfig(tokens=tokens, window=window, heldout_fraction=heldout_fraction, stride=stride)
-    src = load_model(source, source_tokenizer, device=device, dtype=dtype)
-    tgt = load_model(target, target_tokenizer, device=device, dtype=dtype)
+    src = load_model(source, source_tokenizer, device=cfg.device, dtype=cfg.dtype)
+    tgt = load_model(target, target_tokenizer, device=cfg.device, dtype=cfg.dtype)
     card = check_pair(src.model, src.tokenizer, tgt.model, tgt.tokenizer, source_name=src.name, target_name=tgt.name)
     say(card.render())
-    spec = _method_for(method, card)
+    spec = _method_for(cfg.method, card)
     _check_window(cfg.window, spec, card)
-    exact = _exact_layers(exact_layers, card)
+    exact = _exact_layers(cfg.exact_layers, card)
     windows = prepare_windows(corpus, src.tokenizer, cfg)
     s, t = kv_shape(src.model.config), kv_shape(tgt.model.config)
     src_rope, tgt_rope = RopeSpec.from_config(src.model.config), RopeSpec.from_config(tgt.model.config)
@@ -611,35 +675,36 @@ def calibrate(
         plan, _ = screen_sources(src.model, tgt.model, windows.train[:n_screen], heldout, src_rope, tgt_rope,
                                  spec.top_k, spec.key_space, cfg.batch_size)
         say("layer plan: " + ", ".join(f"{i}<-{list(p)}" for i, p in enumerate(plan)))
+    layout = MapLayout(plan, s, t, src_rope, tgt_rope)
 
-    fit_stats, stats = accumulate_stats(src.model, tgt.model, windows.train, plan, s, t, src_rope, tgt_rope,
-                                        spec.key_space, batch_size=cfg.batch_size, progress=progress,
-                                        weighting=RowWeighting.of(spec))
+    fit_stats, stats = accumulate_stats(src.model, tgt.model, windows.train, layout, spec.key_space,
+                                        batch_size=cfg.batch_size, progress=progress, weighting=RowWeighting.of(spec))
 
     # Per-layer selection.
     judge = KLJudge(tgt.model, heldout, spec.kl_suffix_tokens, sinks=spec.exact_sinks)
-    kv_map, choices, scores = select_layers(fit_stats, spec, plan, s, t, src_rope, tgt_rope, judge, heldout,
-                                            sweeps=cfg.sweeps, progress=progress, exact=exact)
+    kv_map, choices, scores = select_layers(fit_stats, spec, layout, judge, heldout, sweeps=cfg.sweeps,
+                                            progress=progress, exact=exact)
     identity = identity_map(src.model.config, tgt.model.config) if card.identical_layout else None
     summary = _heldout_summary(judge, kv_map, identity, heldout)
     if spec.selection == "kl":
-        summary["kl_default_alpha"] = _default_alpha_kl(judge, fit_stats, spec, plan, s, t, src_rope, tgt_rope, exact)
+        summary["kl_default_alpha"] = _default_alpha_kl(judge, fit_stats, spec, layout, exact)
     metrics = _selected_metrics(kv_map, heldout, tgt.model, identity, judge.sinks, spec, choices, scores)
     say(f"held-out KL {summary['kl']:.4f}" + (
         f" (source KV unchanged: {summary['kl_identity']:.4f})" if summary["kl_identity"] is not None else ""))
 
-    manifest = _manifest(src, tgt, spec, plan, kv_map, windows, cfg.window, metrics, summary, card.differences,
-                         seconds=round(time.perf_counter() - started, 3), exact_layers=exact)
+    fitted = _Fitted(spec, plan, kv_map, metrics, summary, exact)
+    manifest = _manifest(src, tgt, fitted, windows, cfg.window, card.differences,
+                         seconds=round(time.perf_counter() - started, 3))
     return Mapping(kv_map, manifest, stats)
 
 
-def _default_alpha_kl(judge: KLJudge, stats: Sequence[LayerStats], spec: MethodSpec, plan: Sequence[tuple[int, ...]],
-                      s: KVShape, t: KVShape, src_rope: RopeSpec, tgt_rope: RopeSpec, exact: int) -> float:
+def _default_alpha_kl(judge: KLJudge, stats: Sequence[LayerStats], spec: MethodSpec, layout: MapLayout,
+                      exact: int) -> float:
     """Held-out KL of the map at the default α in every fitted layer: what the per-layer selection gained."""
-    from mappings.assemble import PASSTHROUGH, fit_kv_map
+    from mappings.assemble import PASSTHROUGH
 
-    choices = [PASSTHROUGH if i < exact else spec.default_alpha for i in range(t.num_layers)]
-    return judge.kl(fit_kv_map(stats, spec, plan, s, t, src_rope, tgt_rope, choices).apply(judge.source_prefix))
+    choices = [PASSTHROUGH if i < exact else spec.default_alpha for i in range(layout.target.num_layers)]
+    return judge.kl(layout.fit(stats, spec, choices).apply(judge.source_prefix))
 
 
 def _method_for(method: str | MethodSpec, card: PairCard) -> MethodSpec:
@@ -712,10 +777,22 @@ def _selected_metrics(kv_map: LinearKVMap, heldout: HeldOut, target_model: PreTr
     return metrics
 
 
-def _manifest(src: ModelHandle, tgt: ModelHandle, spec: MethodSpec, plan: Sequence[tuple[int, ...]],
-              kv_map: LinearKVMap, windows: CorpusWindows, window: int, metrics: list[dict[str, object]],
-              summary: dict[str, float | None], differences: list[str], *, seconds: float,
-              exact_layers: int = 0) -> MappingManifest:
+@dataclass(frozen=True)
+class _Fitted:
+    """What one calibration chose and measured, as its manifest records it."""
+
+    spec: MethodSpec
+    plan: Sequence[tuple[int, ...]]
+    kv_map: LinearKVMap
+    metrics: list[dict[str, object]]
+    """Per-layer held-out metrics."""
+    summary: dict[str, float | None]
+    """The held-out KL summary."""
+    exact_layers: int
+
+
+def _manifest(src: ModelHandle, tgt: ModelHandle, fitted: _Fitted, windows: CorpusWindows, window: int,
+              differences: list[str], *, seconds: float) -> MappingManifest:
     """The mapping's manifest; its tensor record is filled in when the mapping is saved."""
     from mappings.manifest import (
         CalibrationInfo,
@@ -730,11 +807,11 @@ def _manifest(src: ModelHandle, tgt: ModelHandle, spec: MethodSpec, plan: Sequen
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         source=ModelInfo(**model_info(src)),
         target=ModelInfo(**model_info(tgt)),
-        method=spec,
+        method=fitted.spec,
         layer_plan=[
-            LayerPlanEntry(target_layer=i, sources=list(plan[i]), mode=lm.mode, alpha=lm.alpha,
+            LayerPlanEntry(target_layer=i, sources=list(fitted.plan[i]), mode=lm.mode, alpha=lm.alpha,
                            bias=lm.mode == "map" and lm.k_bias is not None, form=lm.form, anchored=lm.anchored)
-            for i, lm in enumerate(kv_map.layers)
+            for i, lm in enumerate(fitted.kv_map.layers)
         ],
         calibration=CalibrationInfo(
             corpus_sha256=windows.digest, corpus_names=windows.names,
@@ -743,9 +820,9 @@ def _manifest(src: ModelHandle, tgt: ModelHandle, spec: MethodSpec, plan: Sequen
             heldout_windows=len(windows.heldout),
             heldout_from=windows.heldout_from, seconds=seconds,
         ),
-        metrics=[LayerMetrics(**row) for row in metrics],
-        heldout=summary,
+        metrics=[LayerMetrics(**row) for row in fitted.metrics],
+        heldout=fitted.summary,
         pair_differences=differences,
         tensors=FileRecord(name="mapping.safetensors", sha256="", bytes=0),
-        exact_layers=exact_layers,
+        exact_layers=fitted.exact_layers,
     )

@@ -41,7 +41,7 @@ def add_residual_maps(
     (``mapping.save(dir)``) to keep them. ``progress`` is accepted for symmetry with
     :func:`~mappings.calibrate.calibrate`; fitting shows no bar.
     """
-    from mappings.calibrate import CalibrationConfig, prepare_windows
+    from mappings.calibrate import CalibrationSettings, prepare_windows
     from mappings.fingerprint import check_fingerprints
     from mappings.manifest import RepairInfo
     from mappings.models import load_model
@@ -50,7 +50,7 @@ def add_residual_maps(
 
     src, tgt = load_model(source), load_model(target)
     check_fingerprints(mapping.manifest, src.fingerprint, tgt.fingerprint)
-    windows = prepare_windows(corpus, tgt.tokenizer, CalibrationConfig(tokens=tokens, window=window))
+    windows = prepare_windows(corpus, tgt.tokenizer, CalibrationSettings(tokens=tokens, window=window))
     plan = [lm.sources[0] for lm in mapping.kv_map.layers]
     residual = fit_residual_maps(src.model, tgt.model, windows.train, windows.heldout, plan)
     scores = layer_scores(mapping.manifest)

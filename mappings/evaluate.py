@@ -35,10 +35,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mappings.calibrate import _with_overrides
 from mappings.errors import DocumentTooLongError, DocumentTooShortError
 
 if TYPE_CHECKING:
@@ -53,10 +54,55 @@ if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
     from mappings.store import Mapping
 
-__all__ = ["MethodResult", "LayerCurvePoint", "EvaluationReport", "evaluate", "write_report", "plot_layer_curves",
-           "BASELINES"]
+__all__ = ["EvaluationSettings", "MethodResult", "LayerCurvePoint", "EvaluationReport", "evaluate", "write_report",
+           "plot_layer_curves", "BASELINES"]
 
 BASELINES = ("identity", "ridge", "anchored", "perhead_rope")
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """What an evaluation scores and how: the spans, the rows beside the pure maps, how costs are priced.
+
+    ``evaluate(mapping, document, EvaluationSettings(prefix_tokens=256))``; every field also reads as a keyword of
+    :func:`evaluate` (``evaluate(mapping, document, prefix_tokens=256)``), applied over the settings given.
+    """
+
+    prefix_tokens: int = 1024
+    """Document tokens carried as a (mapped) cache."""
+    suffix_tokens: int = 32
+    """Following tokens fed as real input and scored against the target's own prefill."""
+    windows: int = 1
+    """Consecutive spans of ``prefix_tokens + suffix_tokens`` from the start of the document, scored and averaged."""
+    tail_tokens: int = 64
+    """Tail rows ``<method>+tail<k>`` recompute this many last prefix tokens (0: no tail rows)."""
+    sink_tokens: int = 4
+    """A row ``<method>+sinks<k>``: the map with its first ``k`` positions the target's own (what a FamilyCache
+    serves by default; 0: no such row), at least the mapping method's ``exact_sinks``."""
+    greedy_tokens: int = 64
+    """Greedy tokens compared after the suffix (0: skip)."""
+    baselines: Sequence[str] = BASELINES
+    """Baseline rows: ``identity`` and methods refitted on the mapping's stored calibration statistics."""
+    layer_curves: bool = True
+    """Score single-layer replacement and error accumulation curves."""
+    repairs: Sequence[RepairPolicy] = ()
+    """Map-then-repair policies, scored as extra rows ``<method>+repair@<budget>``."""
+    repair_costs: Literal["measured", "compute"] = "measured"
+    """How the repair rows' budgets and every row's planned cost are priced: ``measured`` (the target's timed
+    passes on this machine, kept in ``pass-costs/`` beside the mapping) or ``compute`` (multiply-adds)."""
+    timing_repeats: int = 2
+    """The reference prefill and every repair are timed as the fastest of this many runs."""
+    device: str = "cpu"
+    """Torch device the models (given as folders) and the mapping are loaded on."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "baselines", tuple(self.baselines))  # frozen all the way down
+        object.__setattr__(self, "repairs", tuple(self.repairs))
+        if int(self.timing_repeats) < 1:
+            raise ValueError(f"timing_repeats is at least 1, not {self.timing_repeats}")
+        if self.repair_costs not in ("measured", "compute"):
+            raise ValueError(f"repair_costs is 'measured' or 'compute', not {self.repair_costs!r}")
+
 
 class _Row(TypedDict):
     """One method's scores in one window: metrics, seconds, costs and the repair's summary, averaged by
@@ -212,65 +258,57 @@ def _baseline_maps(mapping: Mapping, names: Sequence[str], identical_layout: boo
 def evaluate(
     mapping: Mapping | str | Path,
     document: str | Sequence[int],
+    settings: EvaluationSettings | None = None,
     *,
     source: str | Path | ModelHandle | PreTrainedModel | None = None,
     target: str | Path | ModelHandle | PreTrainedModel | None = None,
-    prefix_tokens: int = 1024,
-    suffix_tokens: int = 32,
-    windows: int = 1,
-    tail_tokens: int = 64,
-    sink_tokens: int = 4,
-    greedy_tokens: int = 64,
-    baselines: Sequence[str] = BASELINES,
-    layer_curves: bool = True,
     document_name: str = "document",
-    device: str = "cpu",
     progress: bool = False,
-    repairs: Sequence[RepairPolicy] = (),
-    repair_costs: str = "measured",
-    timing_repeats: int = 2,
+    **overrides: object,
 ) -> EvaluationReport:
-    """Evaluate a mapping (directory or loaded) on one document; see the module docstring.
+    """Evaluate a mapping (directory or loaded) on one document (text, or token ids); see the module docstring.
 
-    ``windows`` consecutive spans of ``prefix_tokens + suffix_tokens`` from the start of the
-    document are scored and averaged. ``source``/``target`` default to the model folders recorded
-    in the manifest; their fingerprints are checked against the mapping (:class:`StaleMappingError`).
-    ``repairs``: map-then-repair policies scored as extra rows ``<method>+repair@<budget>``.
-    ``sink_tokens``: a row ``<method>+sinks<k>``, the map with its first ``k`` positions the target's own
-    (what a FamilyCache serves by default; 0: no such row), at least the mapping method's ``exact_sinks`` (a
-    map fitted without its sinks is only served with them). The tail, repair and layer-curve rows start
-    from that served cache, as a FamilyCache's paths do. ``repair_costs``: how the repair rows' budgets
-    and every row's planned ``cost`` are priced: ``measured`` (the target's timed passes on this machine,
-    :func:`mappings.passcost.load_or_measure`, kept in ``pass-costs/`` beside the mapping, as a FamilyCache
-    prices them) or ``compute`` (multiply-adds from the target's config). Timings are only taken when there
-    are repair rows; without them every planned cost is in compute (the report's ``pass_costs`` is None).
-    ``timing_repeats``: the reference prefill and every repair are timed as the fastest of this many runs
-    (their results are identical), as the pass costs that plan them are: on a shared machine one run can
-    take twice as long as the next, and a measured cost is a ratio of two such timings.
+    ``settings`` says what is scored and how (:class:`EvaluationSettings`; None: its defaults); any of its fields
+    may be given as a keyword instead, over ``settings`` (``evaluate(mapping, text, prefix_tokens=256)``), and a
+    keyword that is no field is a TypeError. ``source``/``target`` default to the model folders recorded in the
+    manifest; their fingerprints are checked against the mapping (:class:`StaleMappingError`).
+    ``document_name`` names the document in the report and in errors; ``progress``: a bar over the windows.
+
+    ``windows`` consecutive spans of ``prefix_tokens + suffix_tokens`` from the start of the document are scored
+    and averaged. The tail, repair and layer-curve rows start from the served cache (the map with its sinks exact),
+    as a FamilyCache's paths do. With ``repair_costs="measured"`` the repair rows' budgets and every row's planned
+    ``cost`` are priced by the target's timed passes (:func:`mappings.passcost.load_or_measure`, as a FamilyCache
+    prices them); timings are only taken when there are repair rows, and without them every planned cost is in
+    compute (the report's ``pass_costs`` is None). ``timing_repeats``: on a shared machine one run can take twice
+    as long as the next, and a measured cost is a ratio of two such timings.
     """
     import torch
     from tqdm.auto import tqdm
 
-    mapping, mapping_dir, src, tgt = _load_pair(mapping, source, target, device)
+    cfg = _with_overrides(EvaluationSettings, settings, overrides, "evaluate")
+    mapping, mapping_dir, src, tgt = _load_pair(mapping, source, target, cfg.device)
     ids_all, doc_sha = _document_ids(document, tgt.tokenizer)
-    n, m, windows = int(prefix_tokens), int(suffix_tokens), int(windows)
-    _check_spans(len(ids_all), n, m, windows, greedy_tokens, document_name, src.model, tgt.model)
-    tail = max(0, min(int(tail_tokens), n - 1))
-    costs = _repair_pass_costs(repairs, repair_costs, timing_repeats, mapping_dir, tgt)
-    maps, skipped = _methods(mapping, baselines, src.model.config, tgt.model.config)
+    n, m, windows = int(cfg.prefix_tokens), int(cfg.suffix_tokens), int(cfg.windows)
+    _check_spans(len(ids_all), n, m, windows, cfg.greedy_tokens, document_name, src.model, tgt.model)
+    tail = max(0, min(int(cfg.tail_tokens), n - 1))
+    costs = _repair_pass_costs(cfg.repairs, cfg.repair_costs, mapping_dir, tgt)
+    maps, skipped = _methods(mapping, cfg.baselines, src.model.config, tgt.model.config)
     own = mapping.manifest.method.name
-    order = [b for b in baselines if b in maps] + ([own] if own not in baselines else [])
-    tail_rows = ([own] + (["identity"] if "identity" in maps else [])) if tail else []
-
-    # A mapping fitted with exact sinks is only ever served with them (FamilyCache makes at least that many exact)
-    sink_tokens = max(int(sink_tokens), mapping.manifest.method.exact_sinks)
+    ctx = _EvalContext(
+        source=src.model, target=tgt.model, mapping=mapping, maps=maps,
+        order=[b for b in cfg.baselines if b in maps] + ([own] if own not in cfg.baselines else []),
+        tail_rows=([own] + (["identity"] if "identity" in maps else [])) if tail else [],
+        n=n, m=m, tail=tail,
+        # A mapping fitted with exact sinks is only ever served with them (FamilyCache makes at least that many exact)
+        sinks=max(int(cfg.sink_tokens), mapping.manifest.method.exact_sinks),
+        greedy_tokens=cfg.greedy_tokens, layer_curves=cfg.layer_curves, repairs=cfg.repairs, costs=costs,
+        timing_repeats=int(cfg.timing_repeats) if cfg.repairs else 1,
+    )
     per_window: list[_Window] = []
     bar = tqdm(total=windows, desc="evaluating windows", disable=not progress)
     for w in range(windows):
         span = torch.tensor(ids_all[w * (n + m) : w * (n + m) + n + m + 1])[None]
-        per_window.append(_evaluate_window(src.model, tgt.model, maps, order, tail_rows, own, span, n, m, tail,
-                                           greedy_tokens, layer_curves, mapping, repairs, sink_tokens, costs,
-                                           timing_repeats=int(timing_repeats) if repairs else 1))
+        per_window.append(_evaluate_window(ctx, span))
         bar.update(1)
     bar.close()
 
@@ -283,7 +321,7 @@ def evaluate(
         prefix_tokens=n, suffix_tokens=m, windows=windows, tail_tokens=tail,
         reference_prefill_seconds=_mean([pw.ref_seconds for pw in per_window]),
         source_prefill_seconds=_mean([pw.src_seconds for pw in per_window]),
-        methods=_method_results(per_window, greedy_tokens), skipped=skipped,
+        methods=_method_results(per_window, cfg.greedy_tokens), skipped=skipped,
         single_layer=_layer_curve([pw.single for pw in per_window]),
         accumulation=_layer_curve([pw.accum for pw in per_window]),
         pass_costs=None if costs is None else _pass_cost_summary(costs, n),
@@ -318,13 +356,9 @@ def _load_pair(mapping: Mapping | str | Path, source: str | Path | ModelHandle |
     return mapping, mapping_dir, src, tgt
 
 
-def _repair_pass_costs(repairs: Sequence[RepairPolicy], repair_costs: str, timing_repeats: int,
-                       mapping_dir: Path | None, tgt: ModelHandle) -> PassCosts | None:
+def _repair_pass_costs(repairs: Sequence[RepairPolicy], repair_costs: str, mapping_dir: Path | None,
+                       tgt: ModelHandle) -> PassCosts | None:
     """The target's timed pass costs that price the repair rows, or None: priced in compute."""
-    if int(timing_repeats) < 1:
-        raise ValueError(f"timing_repeats is at least 1, not {timing_repeats}")
-    if repair_costs not in ("measured", "compute"):
-        raise ValueError(f"repair_costs is 'measured' or 'compute', not {repair_costs!r}")
     if repair_costs != "measured" or not repairs:  # timing a target (a minute on CPU) pays only where budgets need it
         return None
     from mappings.passcost import load_or_measure
@@ -431,27 +465,56 @@ class _Window:
     src_seconds: float
 
 
-def _evaluate_window(
-    source: PreTrainedModel, target: PreTrainedModel, maps: dict[str, LinearKVMap], order: Sequence[str],
-    tail_rows: Sequence[str], own: str, ids: torch.Tensor, n: int, m: int, tail: int, greedy_tokens: int,
-    layer_curves: bool, mapping: Mapping | None = None, repairs: Sequence[RepairPolicy] = (), sinks: int = 0,
-    costs: PassCosts | None = None, timing_repeats: int = 1,
-) -> _Window:
+@dataclass(frozen=True)
+class _EvalContext:
+    """What every window of one evaluation runs: the models, the rows and their maps, the effective spans."""
+
+    source: PreTrainedModel
+    target: PreTrainedModel
+    mapping: Mapping
+    maps: dict[str, LinearKVMap]
+    """The map of every pure-map row: the baselines this pair allows and the mapping's own."""
+    order: Sequence[str]
+    """The pure-map rows, in the report's order."""
+    tail_rows: Sequence[str]
+    """Methods scored with their tail recomputed (none without a tail)."""
+    n: int
+    """Prefix tokens."""
+    m: int
+    """Suffix tokens."""
+    tail: int
+    """Tail tokens the tail rows recompute."""
+    sinks: int
+    """Exact leading positions of the served cache (0: no sink row, and the pure map is served)."""
+    greedy_tokens: int
+    layer_curves: bool
+    repairs: Sequence[RepairPolicy]
+    costs: PassCosts | None
+    """The target's timed pass costs pricing the plans (None: multiply-adds)."""
+    timing_repeats: int
+
+    @property
+    def own(self) -> str:
+        """The mapping's own method."""
+        return self.mapping.manifest.method.name
+
+
+def _evaluate_window(ctx: _EvalContext, ids: torch.Tensor) -> _Window:
+    """Every row of one window (``ids``: ``[1, n + m + 1]`` tokens, the last one only a label)."""
     from mappings.cache_io import build_cache
 
-    run = _WindowRun.start(source, target, ids, n, m, greedy_tokens, costs, timing_repeats,
-                           need_hidden=any(r.budget and (r.layer_share or r.blocks) for r in repairs))
+    run = _WindowRun.start(ctx, ids)
     rows = {"reprefill": run.score(build_cache(run.true_layers, run.cfg), 0.0, run.ref_seconds, 1.0)}
-    rows.update(run.map_rows(maps, order, own))
-    if sinks and run.served is not None:
-        rows.update(run.sink_row(own, sinks))
-    for name in tail_rows:
-        rows.update(run.tail_row(name, own, maps[name], tail))
-    if repairs and run.served is not None:
-        rows.update(run.repair_rows(own, mapping, repairs))
+    rows.update(run.map_rows())
+    if ctx.sinks and run.served is not None:
+        rows.update(run.sink_row())
+    for name in ctx.tail_rows:
+        rows.update(run.tail_row(name))
+    if ctx.repairs and run.served is not None:
+        rows.update(run.repair_rows())
     single: list[tuple[float, float]] = []
     accum: list[tuple[float, float]] = []
-    if layer_curves and run.served is not None:
+    if ctx.layer_curves and run.served is not None:
         single, accum = run.layer_curves()
     return _Window(rows, single, accum, run.ref_seconds, run.src_seconds)
 
@@ -462,14 +525,10 @@ class _WindowRun:
     source's prefill that the maps convert, and the served cache (the own map, sinks exact) that the tail,
     repair and layer-curve rows start from, as a FamilyCache's paths do."""
 
-    source: PreTrainedModel
-    target: PreTrainedModel
+    ctx: _EvalContext
     prefix: torch.Tensor
     suffix: torch.Tensor
     labels: torch.Tensor
-    greedy_tokens: int
-    costs: PassCosts | None
-    timing_repeats: int
     true_layers: KVLayers
     true_logits: torch.Tensor
     true_greedy: list[int]
@@ -483,12 +542,13 @@ class _WindowRun:
     exact: int = 0  # the served cache's exact leading positions (the sinks)
 
     @classmethod
-    def start(cls, source: PreTrainedModel, target: PreTrainedModel, ids: torch.Tensor, n: int, m: int,
-              greedy_tokens: int, costs: PassCosts | None, timing_repeats: int, need_hidden: bool) -> _WindowRun:
+    def start(cls, ctx: _EvalContext, ids: torch.Tensor) -> _WindowRun:
         import torch
 
         from mappings.cache_io import build_cache, cache_layers, forward_with_cache, model_device, sync_device
 
+        source, target, n, m = ctx.source, ctx.target, ctx.n, ctx.m
+        need_hidden = any(r.budget and (r.layer_share or r.blocks) for r in ctx.repairs)
         prefix, suffix = ids[:, :n], ids[:, n : n + m]
         labels = torch.full((1, m), -100, dtype=torch.long)
         nxt = ids[0, n + 1 : n + m + 1]
@@ -498,7 +558,7 @@ class _WindowRun:
         # The reference is a prefill as the cache would do it: no logits beyond the last position (all of them
         # would add the LM head for every token, which no repair pays, and flatter the measured costs).
         ref_seconds = math.inf
-        for _ in range(timing_repeats):  # the fastest run: a repair's timing below is the fastest of as many
+        for _ in range(ctx.timing_repeats):  # the fastest run: a repair's timing below is the fastest of as many
             t0 = time.perf_counter()
             _, true_cache, _ = forward_with_cache(target, prefix, None, logits_to_keep=1)
             sync_device(dev)
@@ -506,14 +566,18 @@ class _WindowRun:
         true_layers = list(cache_layers(true_cache))
         true_logits, after, _ = forward_with_cache(target, suffix, build_cache(true_layers, cfg))
         true_logits = true_logits.float()
-        true_greedy = _greedy(target, after, true_logits, greedy_tokens) if greedy_tokens else []
+        true_greedy = _greedy(target, after, true_logits, ctx.greedy_tokens) if ctx.greedy_tokens else []
 
         t0 = time.perf_counter()
         _, src_cache, src_out = forward_with_cache(source, prefix, None, output_hidden_states=need_hidden)
         src_seconds = time.perf_counter() - t0
         src_hidden = dict(enumerate(src_out.hidden_states[:-1])) if need_hidden else None
-        return cls(source, target, prefix, suffix, labels, greedy_tokens, costs, timing_repeats, true_layers,
-                   true_logits, true_greedy, ref_seconds, list(cache_layers(src_cache)), src_hidden, src_seconds)
+        return cls(ctx, prefix, suffix, labels, true_layers, true_logits, true_greedy, ref_seconds,
+                   list(cache_layers(src_cache)), src_hidden, src_seconds)
+
+    @property
+    def target(self) -> PreTrainedModel:
+        return self.ctx.target
 
     @property
     def n(self) -> int:
@@ -538,7 +602,8 @@ class _WindowRun:
     def planned_share(self, tokens: Sequence[int]) -> float | None:
         from mappings.repair import compute_share
 
-        return self.costs.share(self.n, tokens) if self.costs is not None else compute_share(self.cfg, self.n, tokens)
+        costs = self.ctx.costs
+        return costs.share(self.n, tokens) if costs is not None else compute_share(self.cfg, self.n, tokens)
 
     def score(self, cache: Cache, map_s: float, prefill_s: float, cost: float | None = None,
               repair: dict[str, object] | None = None, measured: float | None = None,
@@ -549,22 +614,23 @@ class _WindowRun:
 
         logits, after_m, _ = forward_with_cache(self.target, self.suffix, cache)
         agree = next_token_agreement(self.true_logits, logits.float(), self.labels.to(logits.device))
-        greedy = _greedy(self.target, after_m, logits, self.greedy_tokens) if self.greedy_tokens else None
+        steps = self.ctx.greedy_tokens
+        greedy = _greedy(self.target, after_m, logits, steps) if steps else None
         return {"kl": agree["kl"], "top1": agree["top1"], "top5": agree["top5"], "nll_delta": agree["nll_delta"],
                 "map_seconds": map_s, "prefill_seconds": prefill_s, "cost": cost, "repair": repair,
                 "tokens": tokens if tokens is not None else cost,
                 "measured": measured if measured is not None else prefill_s / self.ref_seconds,
                 "greedy": _first_divergence(self.true_greedy, greedy) if greedy is not None else None}
 
-    def map_rows(self, maps: dict[str, LinearKVMap], order: Sequence[str], own: str) -> dict[str, _Row]:
+    def map_rows(self) -> dict[str, _Row]:
         """A pure map per method, timed; the own method's map becomes the served cache."""
         from mappings.cache_io import build_cache, sync_device
 
         rows = {}
-        dev, dt = self.dev, self.dt
-        for name in order:
+        dev, dt, own = self.dev, self.dt, self.ctx.own
+        for name in self.ctx.order:
             t0 = time.perf_counter()
-            mapped = maps[name].apply(self.src_layers, device=dev, dtype=dt)
+            mapped = self.ctx.maps[name].apply(self.src_layers, device=dev, dtype=dt)
             cache = build_cache(mapped, self.cfg)
             sync_device(dev)
             map_s = time.perf_counter() - t0
@@ -573,7 +639,7 @@ class _WindowRun:
             rows[name] = self.score(cache, map_s, 0.0, 0.0)
         return rows
 
-    def sink_row(self, own: str, sinks: int) -> dict[str, _Row]:
+    def sink_row(self) -> dict[str, _Row]:
         """What a FamilyCache serves: the map with its first `sinks` positions the target's own (a `sinks`-token
         forward); it replaces the pure map as the served cache."""
         from mappings.apply import exact_prefix
@@ -582,20 +648,20 @@ class _WindowRun:
         assert self.served is not None
         cache = build_cache([(a.clone(), b.clone()) for a, b in self.served], self.cfg)
         t0 = time.perf_counter()
-        k = exact_prefix(self.target, cache, self.prefix, sinks)
+        k = exact_prefix(self.target, cache, self.prefix, self.ctx.sinks)
         sync_device(self.dev)
         self.sink_s = time.perf_counter() - t0
         self.served, self.exact = list(cache_layers(cache)), k
         n, planned = self.n, self.planned_share(range(k))
-        return {f"{own}+sinks{k}": self.score(cache, self.own_map_s, self.sink_s,
+        return {f"{self.ctx.own}+sinks{k}": self.score(cache, self.own_map_s, self.sink_s,
                                               k / n if planned is None else planned, tokens=k / n)}
 
-    def tail_row(self, name: str, own: str, kv_map: LinearKVMap, tail: int) -> dict[str, _Row]:
+    def tail_row(self, name: str) -> dict[str, _Row]:
         """The map of all but the last ``tail`` positions (the own one: the served cache), the tail recomputed."""
         from mappings.cache_io import build_cache, forward_with_cache, slice_layers, sync_device
 
-        n, dev = self.n, self.dev
-        if name == own and self.served is not None:
+        n, dev, tail, kv_map = self.n, self.dev, self.ctx.tail, self.ctx.maps[name]
+        if name == self.ctx.own and self.served is not None:
             map_s, base, exact = self.own_map_s, slice_layers(self.served, 0, n - tail), min(self.exact, n - tail)
         else:
             t0 = time.perf_counter()
@@ -612,25 +678,25 @@ class _WindowRun:
         return {f"{name}+tail{tail}": self.score(cache, map_s, tail_s, len(spent) / n if planned is None else planned,
                                                  tokens=len(spent) / n)}
 
-    def repair_rows(self, own: str, mapping: Mapping | None,
-                    repairs: Sequence[RepairPolicy]) -> dict[str, _Row]:
+    def repair_rows(self) -> dict[str, _Row]:
         from mappings.cache_io import build_cache
         from mappings.repair import layer_scores, repair_cache
 
         assert self.served is not None
-        scores = layer_scores(mapping.manifest) if mapping is not None else None
-        residual = mapping.residual if mapping is not None else None
+        mapping, own = self.ctx.mapping, self.ctx.own
+        scores = layer_scores(mapping.manifest)
+        residual = mapping.residual
         rows = {}
-        for policy in repairs:
+        for policy in self.ctx.repairs:
             # Every row repairs the same served map of the window (repair never modifies its input), so the map and
             # its sink pass are paid once; each row's cost counts the sink pass and its repair (the plan never
             # recomputes the exact sinks again).
             res, repair_s, target_s = None, math.inf, math.inf
-            for _ in range(self.timing_repeats):  # deterministic: every run gives the same cache, the fastest is kept
+            for _ in range(self.ctx.timing_repeats):  # deterministic: every run gives the same cache, the fastest is kept
                 t0 = time.perf_counter()
                 run = repair_cache(self.target, self.served, self.prefix, policy, layer_scores=scores,
-                                   residual=residual, source_hidden=self.src_hidden, source=self.source,
-                                   source_layers=self.src_layers, costs=self.costs, exact=self.exact)
+                                   residual=residual, source_hidden=self.src_hidden, source=self.ctx.source,
+                                   source_layers=self.src_layers, costs=self.ctx.costs, exact=self.exact)
                 repair_s = min(repair_s, time.perf_counter() - t0 + self.sink_s)
                 if run.target_seconds < target_s:
                     res, target_s = run, run.target_seconds

@@ -183,7 +183,7 @@ class MappingStore:
     def fit(self, source: LoadedModel, target: LoadedModel, cancel: threading.Event | None = None) -> Mapping:
         """Calibrate the pair's mapping in memory (not saved); `cancel` stops it at the next forward pass."""
         from mappings.atomic import fault_point
-        from mappings.calibrate import calibrate
+        from mappings.calibrate import CalibrationSettings, calibrate
 
         fault_point("mapstore.calibrate")
 
@@ -192,14 +192,13 @@ class MappingStore:
                 raise OperationCancelledError(
                     f"calibration of {source.info.name} -> {target.info.name} was cancelled; nothing was saved")
 
+        # a base and its LoRA adapters compute the layers below the first one adapted identically
+        settings = CalibrationSettings(method=self.method, tokens=self.tokens,
+                                       exact_layers=shared_layers(source.info, target.info))
         handles = [m.register_forward_pre_hook(check) for m in {id(source.model): source.model,
                                                                   id(target.model): target.model}.values()]
-        try:
-            return calibrate(  # the handles carry the registry's fingerprints: what `get` checks the mapping by
-                source.handle(), target.handle(), self.corpus, method=self.method, tokens=self.tokens, progress=False,
-                # a base and its LoRA adapters compute the layers below the first one adapted identically
-                exact_layers=shared_layers(source.info, target.info),
-            )
+        try:  # the handles carry the registry's fingerprints: what `get` checks the mapping by
+            return calibrate(source.handle(), target.handle(), self.corpus, settings, progress=False)
         finally:
             for handle in handles:
                 handle.remove()

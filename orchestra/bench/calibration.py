@@ -81,7 +81,7 @@ def _row(pair: str, origin: str, path: Path, model_bytes: int, seconds: float | 
 
 
 def run_calibration(config: CalibrationBenchConfig, fam: BenchFamily, *, progress: bool = True) -> CalibrationSection:
-    from mappings.calibrate import calibrate
+    from mappings.calibrate import CalibrationSettings, calibrate
 
     section = CalibrationSection(config=config)
     for pair in config.pairs:
@@ -94,8 +94,9 @@ def run_calibration(config: CalibrationBenchConfig, fam: BenchFamily, *, progres
         pair = config.timed_pair
         src, tgt = fam.handle(pair.source), fam.handle(pair.target)
         t0 = time.perf_counter()
-        mapping = calibrate(src, tgt, fam.store.corpus, method=config.method, tokens=config.tokens,
-                            window=config.window, progress=progress, device=fam.device)
+        settings = CalibrationSettings(method=config.method, tokens=config.tokens, window=config.window,
+                                       device=fam.device)
+        mapping = calibrate(src, tgt, fam.store.corpus, settings, progress=progress)
         seconds = time.perf_counter() - t0
         with tempfile.TemporaryDirectory(prefix="orchestra-bench-cal-") as tmp:
             out = mapping.save(Path(tmp) / "mapping")

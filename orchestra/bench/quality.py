@@ -80,7 +80,7 @@ class QualitySection(_Model):
 def run_quality(config: QualityConfig, fam: BenchFamily, *, progress: bool = True) -> QualitySection:
     from tqdm.auto import tqdm
 
-    from mappings.evaluate import evaluate
+    from mappings.evaluate import EvaluationSettings, evaluate
 
     ids = fam.document_ids()
     section = QualitySection(config=config, document=fam.document_name, document_tokens=len(ids))
@@ -104,11 +104,11 @@ def run_quality(config: QualityConfig, fam: BenchFamily, *, progress: bool = Tru
             continue
         mapping = fam.mapping(pair)
         curves = curve_length is None or curve_length == n
-        report = evaluate(
-            mapping, ids, source=fam.handle(pair.source), target=fam.handle(pair.target), prefix_tokens=n,
-            suffix_tokens=m, windows=windows, tail_tokens=config.tail_tokens, greedy_tokens=config.greedy_tokens,
-            layer_curves=curves, document_name=fam.document_name, device=fam.device,
-        )
+        settings = EvaluationSettings(prefix_tokens=n, suffix_tokens=m, windows=windows,
+                                      tail_tokens=config.tail_tokens, greedy_tokens=config.greedy_tokens,
+                                      layer_curves=curves, device=fam.device)
+        report = evaluate(mapping, ids, settings, source=fam.handle(pair.source), target=fam.handle(pair.target),
+                          document_name=fam.document_name)
         for r in report.methods:
             section.rows.append(QualityRow(
                 pair=pair.label, length=n, windows=windows, method=r.method, kl=r.kl, top1=r.top1, top5=r.top5,

@@ -122,16 +122,14 @@ def calibrate_cmd(
     from orchestra.commands._output import console
 
     try:
-        from mappings.calibrate import calibrate
+        from mappings.calibrate import CalibrationSettings, calibrate
         from mappings.store import check_out_dir
 
         check_out_dir(out)  # a file or a folder of other things is refused before the calibration, not after
         texts = [(p.name, _read_text(p, encoding)) for p in corpus]
+        settings = CalibrationSettings(method=method, tokens=tokens, window=window, stride=stride, device=device)
         src, tgt = _load(source, device), _load(target, device)
-        mapping = calibrate(
-            src, tgt, texts, method=method, tokens=tokens, window=window, stride=stride, progress=not quiet,
-            device=device, log=None if quiet else console.print,
-        )
+        mapping = calibrate(src, tgt, texts, settings, progress=not quiet, log=None if quiet else console.print)
         if repair:
             from mappings.calibrate_repair import add_residual_maps
 
@@ -246,22 +244,20 @@ def evaluate_cmd(
     from orchestra.errors import OrchestraError
 
     try:
-        from mappings.evaluate import evaluate, write_report
+        from mappings.evaluate import EvaluationSettings, evaluate, write_report
         from mappings.repair import RepairPolicy
 
         text = _read_text(document, encoding, what="document")
         policies = [RepairPolicy(budget=b, layer_share=repair_layers, scattered_share=repair_scattered)
                     for b in (repair or [])]
+        settings = EvaluationSettings(
+            prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens, windows=windows, tail_tokens=tail_tokens,
+            sink_tokens=sink_tokens, greedy_tokens=greedy_tokens, layer_curves=not no_curves, repairs=policies,
+            repair_costs=repair_costs, timing_repeats=timing_repeats, device=device,
+        )
         src_ref, tgt_ref = _pair_refs(mapping, source, target)
         src, tgt = _load(src_ref, device), _load(tgt_ref, device)
-        report = evaluate(
-            mapping, text, source=src, target=tgt, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
-            windows=windows,
-            tail_tokens=tail_tokens, sink_tokens=sink_tokens, greedy_tokens=greedy_tokens, document_name=document.name,
-            device=device,
-            repairs=policies, layer_curves=not no_curves, repair_costs=repair_costs,
-            timing_repeats=timing_repeats,
-        )
+        report = evaluate(mapping, text, settings, source=src, target=tgt, document_name=document.name)
         own = next((r for r in report.methods if r.method == report.mapping_method), None)
         if own is not None and not (own.kl == own.kl and abs(own.kl) != float("inf")):
             from mappings.errors import NonFiniteKVError

@@ -68,9 +68,10 @@ class TinyMapping:
 @pytest.fixture(scope="session")
 def tiny_mapping(tiny_family, corpus, tmp_path_factory) -> TinyMapping:
     """The default (auto) mapping parent -> child for each tiny architecture, saved to disk."""
-    from mappings.calibrate import calibrate
+    from mappings.calibrate import CalibrationSettings, calibrate
 
-    mapping = calibrate(tiny_family.parent, tiny_family.child, corpus, tokens=TOKENS, window=WINDOW, progress=False)
+    settings = CalibrationSettings(tokens=TOKENS, window=WINDOW)
+    mapping = calibrate(tiny_family.parent, tiny_family.child, corpus, settings, progress=False)
     out = tmp_path_factory.mktemp(f"map_{tiny_family.arch}")
     mapping.save(out)
     return TinyMapping(tiny_family, mapping, out)

@@ -1,17 +1,26 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from mappings.cache_io import cache_layers, forward_with_cache, prefill
-from mappings.calibrate import CalibrationConfig, calibrate, corpus_digest, prepare_windows
+from mappings.calibrate import (
+    CalibrationConfig,
+    CalibrationSettings,
+    calibrate,
+    corpus_digest,
+    prepare_windows,
+)
 from mappings.capture import decoder_layers, kv_shape
 from mappings.errors import CorpusTooSmallError, NonFiniteKVError, ShapeMismatchError, TokenizerMismatchError
 from mappings.manifest import MAPPING_VERSION
 from mappings.methods import METHODS
 from tests.mappings.conftest import TOKENS, WINDOW, load, load_tokenizer
+
+SETTINGS = CalibrationSettings(tokens=TOKENS, window=WINDOW)
 
 
 def _check_valid_cache(mapping, source_path, target_path, document):
@@ -67,7 +76,7 @@ def test_selection_beats_source_reuse_on_heldout(tiny_mapping):
 
 
 def test_identity_pair_is_exact(llama_family, corpus):
-    mapping = calibrate(llama_family.parent, llama_family.parent, corpus, tokens=TOKENS, window=WINDOW, progress=False)
+    mapping = calibrate(llama_family.parent, llama_family.parent, corpus, SETTINGS, progress=False)
     assert mapping.manifest.heldout["kl"] < 1e-8
     for lm in mapping.kv_map.layers:
         if lm.mode == "map":
@@ -77,7 +86,7 @@ def test_identity_pair_is_exact(llama_family, corpus):
 
 def test_rope_base_difference_is_bridged(llama_family, theta_variant, corpus):
     """Same weights, RoPE base 10000 -> 1000: raw reuse is wrong, the content-space map is exact at layer 0."""
-    mapping = calibrate(llama_family.parent, theta_variant, corpus, tokens=TOKENS, window=WINDOW, progress=False)
+    mapping = calibrate(llama_family.parent, theta_variant, corpus, SETTINGS, progress=False)
     held = mapping.manifest.heldout
     assert held["kl_identity"] > 5e-4  # measured 1.3e-3
     assert held["kl"] < 0.1 * held["kl_identity"]  # measured 1.8e-5
@@ -86,7 +95,7 @@ def test_rope_base_difference_is_bridged(llama_family, theta_variant, corpus):
 
 
 def test_gqa_to_mha_and_depth_difference(llama_family, mha_variant, corpus, document):
-    mapping = calibrate(llama_family.parent, mha_variant, corpus, tokens=TOKENS, window=WINDOW, progress=False)
+    mapping = calibrate(llama_family.parent, mha_variant, corpus, SETTINGS, progress=False)
     man = mapping.manifest
     assert man.method.name == "ridge_kl"
     assert len(man.layer_plan) == 3 and all(len(e.sources) == 2 for e in man.layer_plan)
@@ -96,7 +105,7 @@ def test_gqa_to_mha_and_depth_difference(llama_family, mha_variant, corpus, docu
 
 
 def test_head_size_difference(llama_family, head_dim_variant, corpus, document):
-    mapping = calibrate(llama_family.parent, head_dim_variant, corpus, tokens=TOKENS, window=WINDOW, progress=False)
+    mapping = calibrate(llama_family.parent, head_dim_variant, corpus, SETTINGS, progress=False)
     assert mapping.manifest.method.name == "ridge_kl"
     assert mapping.kv_map.layers[0].v_weight.shape == (2 * 16, 2 * 8)
     _check_valid_cache(mapping, llama_family.parent, head_dim_variant, document)
@@ -107,7 +116,7 @@ def test_head_size_difference(llama_family, head_dim_variant, corpus, document):
 
 def test_depth_difference_picks_the_matching_source_layers(llama_family, pruned_variant, corpus, document):
     """Target = parent without layer 2: its layers 0 and 1 are the parent's, and screening finds them."""
-    mapping = calibrate(llama_family.parent, pruned_variant, corpus, tokens=TOKENS, window=WINDOW, progress=False)
+    mapping = calibrate(llama_family.parent, pruned_variant, corpus, SETTINGS, progress=False)
     plan = mapping.manifest.layer_plan
     assert mapping.manifest.method.name == "ridge_kl"  # depths differ: plain ridge by default
     assert plan[0].sources[0] == 0 and plan[1].sources[0] == 1
@@ -126,8 +135,7 @@ def test_depth_difference_picks_the_matching_source_layers(llama_family, pruned_
 
 @pytest.mark.parametrize("method", ["ridge", "paper", "anchored", "perhead_rope", "lowrank"])
 def test_every_named_method_calibrates(llama_family, corpus, method):
-    mapping = calibrate(llama_family.parent, llama_family.child, corpus, method=method, tokens=TOKENS, window=WINDOW,
-                        progress=False)
+    mapping = calibrate(llama_family.parent, llama_family.child, corpus, SETTINGS, method=method, progress=False)
     assert mapping.manifest.method.name == method
     assert mapping.manifest.heldout["kl"] < mapping.manifest.heldout["kl_identity"] * 3
     lm = mapping.kv_map.layers[1]
@@ -137,8 +145,7 @@ def test_every_named_method_calibrates(llama_family, corpus, method):
 
 def test_heldout_error_selection(llama_family, corpus):
     spec = METHODS["anchored_kl"].model_copy(update={"name": "anchored_err", "selection": "error"})
-    mapping = calibrate(llama_family.parent, llama_family.child, corpus, method=spec, tokens=TOKENS, window=WINDOW,
-                        progress=False)
+    mapping = calibrate(llama_family.parent, llama_family.child, corpus, SETTINGS, method=spec, progress=False)
     assert mapping.manifest.method.selection == "error"
     assert all(len(r.kl_by_option) == len(spec.alphas) + 1 for r in mapping.manifest.metrics)
 
@@ -159,14 +166,44 @@ def test_in_memory_models_and_nan_kv(llama_family, corpus):
         handle.remove()
 
 
+def test_settings_keep_the_former_defaults_and_are_frozen():
+    s = CalibrationSettings()
+    assert (s.method, s.tokens, s.window, s.stride, s.heldout_fraction, s.max_heldout_windows, s.batch_size,
+            s.screen_tokens, s.sweeps, s.exact_layers, s.device, s.dtype) == (
+        "auto", 16384, 512, None, 0.125, 8, 4, 1024, 1, 0, "cpu", None)
+    assert CalibrationConfig is CalibrationSettings  # the former name still works
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.tokens = 1  # type: ignore[misc]
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_the_settings():
+    # refused before anything is loaded: the model folders do not exist
+    with pytest.raises(TypeError, match=r"calibrate\(\) got an unexpected keyword argument 'tokenz'.*method, tokens, "):
+        calibrate("no/such/source", "no/such/target", [], tokenz=1024)
+    with pytest.raises(TypeError, match="CalibrationSettings, not dict"):
+        calibrate("no/such/source", "no/such/target", [], {"tokens": 1024})  # type: ignore[arg-type]
+
+
+def test_keywords_calibrate_as_the_settings_they_name(llama_family, corpus):
+    """The keyword path is the settings object: the same fit, number for number."""
+    by_settings = calibrate(llama_family.parent, llama_family.child, corpus,
+                            dataclasses.replace(SETTINGS, method="ridge_kl"), progress=False)
+    by_keywords = calibrate(llama_family.parent, llama_family.child, corpus, method="ridge_kl", tokens=TOKENS,
+                            window=WINDOW, progress=False)
+    a, b = by_settings.manifest, by_keywords.manifest
+    assert a.layer_plan == b.layer_plan and a.heldout == b.heldout and a.metrics == b.metrics
+    for x, y in zip(by_settings.kv_map.layers, by_keywords.kv_map.layers, strict=True):
+        assert torch.equal(x.dense("k"), y.dense("k")) and torch.equal(x.dense("v"), y.dense("v"))
+
+
 def test_tokenizer_mismatch_is_refused(llama_family, other_tokenizer_model, corpus):
     with pytest.raises(TokenizerMismatchError, match="vocabulary 300 vs 320"):
-        calibrate(llama_family.parent, other_tokenizer_model, corpus, tokens=TOKENS, window=WINDOW, progress=False)
+        calibrate(llama_family.parent, other_tokenizer_model, corpus, SETTINGS, progress=False)
 
 
 def test_corpus_too_small(llama_family):
     tok = load_tokenizer(llama_family.parent)
-    cfg = CalibrationConfig(tokens=TOKENS, window=WINDOW)
+    cfg = CalibrationSettings(tokens=TOKENS, window=WINDOW)
     with pytest.raises(CorpusTooSmallError, match="empty"):
         prepare_windows([], tok, cfg)
     with pytest.raises(CorpusTooSmallError, match="empty"):
@@ -179,7 +216,7 @@ def test_corpus_too_small(llama_family):
 
 def test_window_split_single_text(llama_family, corpus):
     tok = load_tokenizer(llama_family.parent)
-    windows = prepare_windows([corpus[0][1]], tok, CalibrationConfig(tokens=512, window=64))
+    windows = prepare_windows([corpus[0][1]], tok, CalibrationSettings(tokens=512, window=64))
     assert windows.heldout_from == "tail of the corpus"
     assert len(windows.train) == 8 and len(windows.heldout) == 1
     train_ids = {tuple(w.tolist()) for w in windows.train}
@@ -190,8 +227,8 @@ def test_overlapping_fitting_windows_never_touch_heldout_tokens(llama_family, co
     tok = load_tokenizer(llama_family.parent)
     text = corpus[0][1]
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    plain = prepare_windows([text], tok, CalibrationConfig(tokens=512, window=64, max_heldout_windows=2))
-    strided = prepare_windows([text], tok, CalibrationConfig(tokens=len(ids), window=64, stride=32,
+    plain = prepare_windows([text], tok, CalibrationSettings(tokens=512, window=64, max_heldout_windows=2))
+    strided = prepare_windows([text], tok, CalibrationSettings(tokens=len(ids), window=64, stride=32,
                                                              heldout_fraction=0.01, max_heldout_windows=2))
     assert len(strided.train) > len(ids) // 64  # more windows than the text holds without overlap
     assert len(strided.heldout) == 1
@@ -205,17 +242,16 @@ def test_short_corpus_falls_back_to_overlapping_windows(llama_family, corpus):
     tok = load_tokenizer(llama_family.parent)
     text = corpus[0][1]
     n = len(tok(text, add_special_tokens=False)["input_ids"])
-    assert prepare_windows([text], tok, CalibrationConfig(tokens=n // 2, window=64)).stride == 64
-    auto = prepare_windows([text], tok, CalibrationConfig(tokens=int(n * 1.5), window=64, max_heldout_windows=1))
+    assert prepare_windows([text], tok, CalibrationSettings(tokens=n // 2, window=64)).stride == 64
+    auto = prepare_windows([text], tok, CalibrationSettings(tokens=int(n * 1.5), window=64, max_heldout_windows=1))
     assert auto.stride == 32 and len(auto.train) == math.ceil(n * 1.5 / 64)
     with pytest.raises(CorpusTooSmallError):
-        prepare_windows([text], tok, CalibrationConfig(tokens=n * 8, window=64))
+        prepare_windows([text], tok, CalibrationSettings(tokens=n * 8, window=64))
 
 
 def test_grid_search_tries_every_option(llama_family, corpus):
     spec = METHODS["anchored_kl"].model_copy(update={"name": "anchored_grid", "search": "grid", "alphas": (0.1, 1.0)})
-    mapping = calibrate(llama_family.parent, llama_family.child, corpus, method=spec, tokens=TOKENS, window=WINDOW,
-                        progress=False)
+    mapping = calibrate(llama_family.parent, llama_family.child, corpus, SETTINGS, method=spec, progress=False)
     for row, entry in zip(mapping.manifest.metrics, mapping.manifest.layer_plan, strict=True):
         assert set(row.kl_by_option) == {"alpha=0.1", "alpha=1", "passthrough"}
         chosen = "passthrough" if entry.mode == "passthrough" else f"alpha={entry.alpha:g}"

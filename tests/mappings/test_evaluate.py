@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from mappings.calibrate import calibrate
 from mappings.errors import DocumentTooLongError, DocumentTooShortError, StaleMappingError
-from mappings.evaluate import evaluate, write_report
+from mappings.evaluate import BASELINES, EvaluationSettings, evaluate, write_report
 from tests.mappings.conftest import TOKENS, WINDOW, load_tokenizer
 
 PREFIX, SUFFIX, TAIL, GREEDY = 192, 32, 32, 16
@@ -14,8 +15,35 @@ PREFIX, SUFFIX, TAIL, GREEDY = 192, 32, 32, 16
 
 @pytest.fixture(scope="session")
 def tiny_report(tiny_mapping, document):
-    return evaluate(tiny_mapping.path, document, prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL,
-                    greedy_tokens=GREEDY, document_name="gpl-3.txt", repair_costs="compute")
+    settings = EvaluationSettings(prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL, greedy_tokens=GREEDY,
+                                  repair_costs="compute")
+    return evaluate(tiny_mapping.path, document, settings, document_name="gpl-3.txt")
+
+
+def test_settings_keep_the_former_defaults_and_are_frozen_and_validated():
+    from mappings.repair import RepairPolicy
+
+    s = EvaluationSettings()
+    assert (s.prefix_tokens, s.suffix_tokens, s.windows, s.tail_tokens, s.sink_tokens, s.greedy_tokens, s.baselines,
+            s.layer_curves, s.repairs, s.repair_costs, s.timing_repeats, s.device) == (
+        1024, 32, 1, 64, 4, 64, BASELINES, True, (), "measured", 2, "cpu")
+    policy = RepairPolicy(budget=0.5)
+    given = EvaluationSettings(baselines=["identity"], repairs=[policy])
+    assert given.baselines == ("identity",) and given.repairs == (policy,)  # frozen all the way down
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        given.windows = 2  # type: ignore[misc]
+    with pytest.raises(ValueError, match="repair_costs"):
+        EvaluationSettings(repair_costs="guessed")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timing_repeats"):
+        dataclasses.replace(s, timing_repeats=0)
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_the_settings():
+    # refused before anything is loaded: neither the mapping nor the document exist
+    with pytest.raises(TypeError, match=r"evaluate\(\) got an unexpected keyword argument 'prefix'.*prefix_tokens, "):
+        evaluate("no/such/mapping", "text", prefix=8)
+    with pytest.raises(TypeError, match="EvaluationSettings, not dict"):
+        evaluate("no/such/mapping", "text", {"prefix_tokens": 8})  # type: ignore[arg-type]
 
 
 def test_report_has_every_method_and_field(tiny_report, tiny_mapping):
@@ -120,9 +148,10 @@ def test_several_windows_average_single_window_results(tiny_mapping, document):
     tok = load_tokenizer(tiny_mapping.family.child)
     ids = tok(document, add_special_tokens=False)["input_ids"]
     kwargs = dict(prefix_tokens=64, suffix_tokens=8, tail_tokens=8, greedy_tokens=4, baselines=("identity",))
-    both = evaluate(tiny_mapping.path, ids, windows=2, **kwargs)
-    first = evaluate(tiny_mapping.path, ids[:73], **kwargs)
-    second = evaluate(tiny_mapping.path, ids[72:], **kwargs)
+    settings = EvaluationSettings(**kwargs)
+    both = evaluate(tiny_mapping.path, ids, settings, windows=2)  # a keyword over the settings
+    first = evaluate(tiny_mapping.path, ids[:73], settings)
+    second = evaluate(tiny_mapping.path, ids[72:], **kwargs)  # the keywords alone
     assert both.windows == 2
     for name in ("identity", "anchored_kl", "anchored_kl+tail8"):
         assert both.row(name).kl == pytest.approx((first.row(name).kl + second.row(name).kl) / 2, rel=1e-5)
@@ -215,7 +244,7 @@ def test_timing_repeats_change_timings_only(tiny_mapping, document):
     kw = dict(prefix_tokens=PREFIX, suffix_tokens=SUFFIX, tail_tokens=TAIL, greedy_tokens=0, layer_curves=False,
               baselines=(), repairs=[RepairPolicy(budget=0.5)], repair_costs="compute")
     once = evaluate(tiny_mapping.path, document, timing_repeats=1, **kw)
-    thrice = evaluate(tiny_mapping.path, document, timing_repeats=3, **kw)
+    thrice = evaluate(tiny_mapping.path, document, EvaluationSettings(timing_repeats=3, **kw))
     for a, b in zip(once.methods, thrice.methods, strict=True):
         assert (a.method, a.kl, a.top1, a.cost_fraction) == (b.method, b.kl, b.top1, b.cost_fraction)
     row = thrice.row("anchored_kl+repair@50%")

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from mappings.calibrate import (
-    CalibrationConfig,
+    CalibrationSettings,
     HeldOut,
     KLJudge,
+    MapLayout,
     accumulate_stats,
     capture_heldout,
     prepare_windows,
@@ -48,13 +49,13 @@ def test_rows_keep_all_but_the_sinks_and_weigh_values_by_received_attention(llam
 
 def test_fit_statistics_leave_out_the_sinks_and_plain_ones_keep_every_row(llama_family, corpus):
     source, target = load(llama_family.parent), load(llama_family.child)
-    windows = prepare_windows(corpus, load_tokenizer(llama_family.parent), CalibrationConfig(tokens=256, window=WINDOW))
+    windows = prepare_windows(corpus, load_tokenizer(llama_family.parent), CalibrationSettings(tokens=256, window=WINDOW))
     s, t = kv_shape(source.config), kv_shape(target.config)
     ropes = RopeSpec.from_config(source.config), RopeSpec.from_config(target.config)
-    plan = [(i,) for i in range(t.num_layers)]
-    fit, plain = accumulate_stats(source, target, windows.train, plan, s, t, *ropes, "content", progress=False,
+    layout = MapLayout([(i,) for i in range(t.num_layers)], s, t, *ropes)
+    fit, plain = accumulate_stats(source, target, windows.train, layout, "content", progress=False,
                                   weighting=RowWeighting.of(METHODS["anchored_kl"]))
-    alone, same = accumulate_stats(source, target, windows.train, plan, s, t, *ropes, "content", progress=False)
+    alone, same = accumulate_stats(source, target, windows.train, layout, "content", progress=False)
     assert alone is same  # without a weighting the fit sees the plain statistics
     rows = len(windows.train) * WINDOW
     for a, b, c in zip(fit, plain, alone, strict=True):
@@ -65,7 +66,7 @@ def test_fit_statistics_leave_out_the_sinks_and_plain_ones_keep_every_row(llama_
 
 def test_the_judge_scores_candidates_with_the_targets_own_sinks(llama_family, corpus):
     source, target = load(llama_family.parent), load(llama_family.child)
-    windows = prepare_windows(corpus, load_tokenizer(llama_family.parent), CalibrationConfig(tokens=256, window=WINDOW))
+    windows = prepare_windows(corpus, load_tokenizer(llama_family.parent), CalibrationSettings(tokens=256, window=WINDOW))
     held = capture_heldout(source, target, windows.heldout, queries=False)
     with_sinks, bare = KLJudge(target, held, 16, sinks=4), KLJudge(target, held, 16)
     candidate = with_sinks.source_prefix  # the source's K/V unchanged, as a candidate map
@@ -80,4 +81,5 @@ def test_windows_no_longer_than_the_sinks_are_refused(llama_family, corpus):
     from mappings.calibrate import calibrate
 
     with pytest.raises(CorpusTooSmallError, match="raise --window"):
-        calibrate(llama_family.parent, llama_family.child, corpus, tokens=64, window=4, progress=False)
+        calibrate(llama_family.parent, llama_family.child, corpus, CalibrationSettings(tokens=64, window=4),
+                  progress=False)
