@@ -98,7 +98,7 @@ def format_event(event: AnyEvent) -> str | None:
         elif s.step == "join":
             what = f"joined a build in flight on {s.member}"
         elif s.step == "load" and s.tokens:
-            what = f"read {s.tokens:,} {s.detail.get('kind', 'exact')} tokens from disk on {s.member}"
+            what = f"read {s.tokens:,} {s.entry_kind or 'exact'} tokens from disk on {s.member}"
         else:
             what = f"{s.step} on {s.member}" + (f": {s.reason}" if s.reason else "")
         return f"{who}: {what}" + (f" ({_secs(s.seconds)})" if s.seconds >= 0.01 else "")

@@ -31,7 +31,7 @@ import structlog
 from agents.bridge import run_in_thread
 from orchestra.errors import DocumentError
 from orchestra.familycache._disk_tier import DiskTier
-from orchestra.familycache._events import CacheStep
+from orchestra.familycache._events import CacheStep, HitDetail, PrefillDetail
 from orchestra.familycache._executor import Executor, LocalExecutor
 from orchestra.familycache._flights import Builds
 from orchestra.familycache._lease import CacheLease, CachePath, StepSink
@@ -257,7 +257,7 @@ class FamilyCache:
         hit = entry.id not in req.joined
         if hit:
             req.step(CacheStep(step="hit", member=req.member, tokens=n, reused_tokens=n,
-                               detail={"entry_tokens": len(entry.tokens), "kind": entry.namespace.kind}))
+                               detail=HitDetail(entry_tokens=len(entry.tokens), kind=entry.namespace.kind)))
         lease = self._lease(req, entry, path, reused=n, gates=gates)
         lease.hit = hit
         return lease
@@ -323,7 +323,7 @@ class FamilyCache:
                                                         want_hidden))
         req.prefill_s += computed.seconds
         req.step(CacheStep(step="prefill", member=req.member, tokens=len(ids) - start, reused_tokens=start,
-                           seconds=computed.seconds, detail={"over": over} if over else {}))
+                           seconds=computed.seconds, detail=PrefillDetail(over="mapped") if over else None))
         return computed
 
     def _nbytes(self, cache: CacheRef, *extra: Tensor | HiddenRef | None) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import structlog
 
 from orchestra.errors import OrchestraError
-from orchestra.familycache._events import CacheStep
+from orchestra.familycache._events import CacheStep, EvictDetail, LoadDetail
 from orchestra.familycache._pool import Entry
 from orchestra.familycache._records import MappedFrom, ProbeReading
 from orchestra.familycache._request import CacheRequest, variant_of
@@ -133,7 +133,7 @@ class DiskTier:
             loaded = self.store.load(stored)
             if loaded is None:
                 req.step(CacheStep(step="load", member=req.member, tokens=0, reason="the stored cache was corrupt "
-                                   "or gone: deleted, computing instead", detail={"from": "disk"}))
+                                   "or gone: deleted, computing instead", detail=LoadDetail()))
                 return
             cache = self.cache.executor.import_cache(member, loaded.layers)
             mapped = self._mapped_from_disk(loaded.mapped, member, req) if space.kind == "mapped" else None
@@ -144,7 +144,7 @@ class DiskTier:
                           seconds=loaded.seconds, on_disk=True)
             for victim in self.cache.pool.add(entry, pin=True):
                 req.step(CacheStep(step="evict", member=victim.member, tokens=len(victim.tokens),
-                                   detail={"bytes": victim.nbytes, "kind": victim.namespace.kind}))
+                                   detail=EvictDetail(bytes=victim.nbytes, kind=victim.namespace.kind)))
             req.pinned.append(entry)
             seconds = time.perf_counter() - t0
         if space.kind == "exact" and len(stored.tokens) >= 64 and loaded.seconds > 0:
@@ -154,8 +154,8 @@ class DiskTier:
         req.saved_s += loaded.seconds * length / max(1, len(stored.tokens))
         req.step(CacheStep(step="load", member=req.member, tokens=length, reused_tokens=length, seconds=seconds,
                            source=member if member != req.member else None,
-                           detail={"from": "disk", "kind": space.kind, "entry_tokens": len(stored.tokens),
-                                   "bytes": stored.nbytes, "key": stored.key}))
+                           detail=LoadDetail(kind=space.kind, entry_tokens=len(stored.tokens), bytes=stored.nbytes,
+                                             key=stored.key)))
         log.info("cache_loaded", member=req.member, tokens=length, kind=space.kind, seconds=round(seconds, 3))
 
     def _mapped_from_disk(self, record: dict[str, object] | None, source_of_entry: str,

@@ -2,13 +2,80 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["CacheStep", "StepKind"]
+from mappings.repair_records import RepairSummary
+
+__all__ = ["CacheStep", "StepKind", "StepDetail", "HitDetail", "JoinDetail", "PrefillDetail", "MapDetail",
+           "LoadDetail", "EvictDetail", "RepairSummary"]
 
 StepKind = Literal["hit", "join", "prefill", "map", "repair", "gate", "shadow", "fallback", "evict", "load"]
+
+
+EntryKind = Literal["exact", "mapped"]
+
+
+class StepDetail(BaseModel):
+    """What a step of one kind records beyond the fields every step has."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+
+class HitDetail(StepDetail):
+    """hit: the entry served, as long as it is (a prefix of it may be what the request holds)."""
+
+    entry_tokens: int
+    kind: EntryKind
+
+
+class JoinDetail(StepDetail):
+    """join: the build waited for (a shadow's reference records none of this)."""
+
+    waited_for: EntryKind
+    prefix_of: int
+    """Tokens of the build waited for."""
+    on: str
+    """The member it was built on."""
+
+
+class PrefillDetail(StepDetail):
+    """prefill: what the exact tokens were computed over (None: the member's own cache or nothing)."""
+
+    over: Literal["mapped"] | None = None
+
+
+class MapDetail(StepDetail):
+    """map: the mapping applied, the tail recomputed on the target, the sinks made exact before the map was read."""
+
+    mapping: str
+    tail: int
+    exact_sinks: int
+
+
+class LoadDetail(StepDetail):
+    """load: a cache read from the disk tier (a corrupt or vanished one records only where it was looked for)."""
+
+    from_: Literal["disk"] = Field("disk", alias="from")
+    kind: EntryKind | None = None
+    entry_tokens: int | None = None
+    bytes: int | None = None
+    key: str | None = None
+
+
+class EvictDetail(StepDetail):
+    """evict: what the dropped entry held."""
+
+    bytes: int
+    kind: EntryKind
+
+
+Detail = HitDetail | JoinDetail | PrefillDetail | MapDetail | LoadDetail | EvictDetail | RepairSummary
+_DETAILS: dict[str, type[BaseModel]] = {"hit": HitDetail, "join": JoinDetail, "prefill": PrefillDetail,
+                                        "map": MapDetail, "load": LoadDetail, "evict": EvictDetail,
+                                        "repair": RepairSummary}
+"""Step kind -> the type of its detail (the other kinds have none)."""
 
 
 class CacheStep(BaseModel):
@@ -36,5 +103,22 @@ class CacheStep(BaseModel):
     """Why: the gate's reason, the fallback's cause."""
     metrics: dict[str, float] = Field(default_factory=dict)
     """Measurements behind a decision (probe NLL, KL, ...)."""
-    detail: dict[str, Any] = Field(default_factory=dict)
-    """Anything else worth logging: the repair plan, the mapping's folder, bytes evicted."""
+    detail: Detail | None = None
+    """What this kind of step records besides: the entry hit, the build joined, the mapping applied, the repair
+    summary, the entry loaded or evicted (the type is the step kind's: `HitDetail`, ..., `RepairSummary`)."""
+
+    @property
+    def entry_kind(self) -> EntryKind | None:
+        """The kind of the entry a hit, load or eviction was about (None for other steps, or not recorded)."""
+        return getattr(self.detail, "kind", None) if isinstance(self.detail, (HitDetail, LoadDetail, EvictDetail)) \
+            else None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _detail_of_its_kind(cls, data: object) -> object:
+        """A detail given as a mapping (read back from JSON) is validated as its step kind's type."""
+        if isinstance(data, dict) and isinstance(data.get("detail"), dict):
+            kind = _DETAILS.get(str(data.get("step")))
+            detail = data["detail"]
+            data = {**data, "detail": kind.model_validate(detail) if kind is not None and detail else None}
+        return data

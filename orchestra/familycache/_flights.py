@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from orchestra.familycache._events import CacheStep
+from orchestra.familycache._events import CacheStep, EvictDetail
 from orchestra.familycache._request import CacheRequest, Flight
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class Builds:
         else:
             for victim in self.pool.add(entry, pin=True, held=held):
                 req.step(CacheStep(step="evict", member=victim.member, tokens=len(victim.tokens),
-                                   detail={"bytes": victim.nbytes, "kind": victim.namespace.kind}))
+                                   detail=EvictDetail(bytes=victim.nbytes, kind=victim.namespace.kind)))
             if self.on_stored is not None and not entry.on_disk:
                 self.on_stored(entry)
         req.pinned.append(entry)

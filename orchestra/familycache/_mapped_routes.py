@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
-from orchestra.familycache._events import CacheStep
+from orchestra.familycache._events import CacheStep, MapDetail
 from orchestra.familycache._mapped import MapJob, MappedPath, MappedPrefix
 from orchestra.familycache._pool import Entry, Namespace
 from orchestra.familycache._records import MappedFrom
@@ -192,11 +192,11 @@ class MappedRoutes:
         length, seconds = len(job.prefix), mapped.computed.seconds
         req.map_s += seconds
         req.step(CacheStep(step="map", member=req.member, source=job.source, tokens=length, seconds=seconds,
-                           detail={"mapping": str(getattr(mapping, "path", "") or ""), "tail": mapped.tail,
-                                   "exact_sinks": mapped.sinks}))
+                           detail=MapDetail(mapping=str(getattr(mapping, "path", "") or ""), tail=mapped.tail,
+                                            exact_sinks=mapped.sinks)))
         if mapped.repair is not None:
             req.step(CacheStep(step="repair", member=req.member, source=job.source, tokens=mapped.repair.tokens,
-                               seconds=mapped.repair.total_seconds, detail=mapped.repair.model_dump()))
+                               seconds=mapped.repair.total_seconds, detail=mapped.repair))
         cache, logits = mapped.computed.cache, mapped.computed.logits
         if len(req.ids) > length:
             cache = self.cache._compute(req, req.ids, cache, length, 0, over="mapped").cache

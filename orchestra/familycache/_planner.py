@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from orchestra.errors import OrchestraError
-from orchestra.familycache._events import CacheStep
+from orchestra.familycache._events import CacheStep, JoinDetail
 from orchestra.familycache._pool import Entry, common_prefix
 from orchestra.familycache._request import CacheRequest, Flight, variant_of
 from orchestra.familycache._route import (
@@ -94,8 +94,8 @@ class Planner:
                 req.joined.add(waited.entry.id)
             req.step(CacheStep(step="join", member=req.member, tokens=route.tokens,
                                reused_tokens=len(req.ids) if whole else 0, seconds=time.perf_counter() - t0,
-                               detail={"waited_for": "mapped" if route.mapped else "exact", "prefix_of": route.tokens,
-                                       "on": route.member}))
+                               detail=JoinDetail(waited_for="mapped" if route.mapped else "exact",
+                                                 prefix_of=route.tokens, on=route.member)))
 
     def plan(self, req: CacheRequest, mapped_ok: bool, seed_ok: bool = False) -> tuple[Route, Flight | None]:
         """`plan_route` over the pool and the builds in flight, and the build it plans registered, atomically.

@@ -99,7 +99,7 @@ class ServeMetrics:
         elif step.step == "evict":
             self.evictions.inc()
         elif step.step == "load" and step.tokens:
-            self.disk_loads.labels(kind=str(step.detail.get("kind", "exact"))).inc()
+            self.disk_loads.labels(kind=step.entry_kind or "exact").inc()
             self.disk_load_seconds.inc(step.seconds)
 
     def on_lease(self, model: str, lease: CacheLease, saved_seconds: float) -> None:

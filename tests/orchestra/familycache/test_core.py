@@ -119,7 +119,7 @@ def test_prefix_on_one_member_serves_another_through_a_map(registry, mapstore):
     # the question ran exactly on the target over the mapped document
     tail = next(s for s in steps if s.step == "prefill")
     assert tail.tokens == len(question) and tail.reused_tokens == len(doc)
-    assert mapped_step.detail["exact_sinks"] == 4  # the policy's default: the first positions are the target's own
+    assert mapped_step.detail.exact_sinks == 4  # the policy's default: the first positions are the target's own
     assert lease.reused_tokens == len(doc) - lease.tail_tokens - 4 and lease.gates and all(g.passed for g in lease.gates)
     assert lease.tokens == len(doc) + len(question)
     with cache.acquire_sync("child", doc + question, reuse=False) as own:  # the target's own prefill
@@ -291,8 +291,8 @@ def test_repair_budgets_are_priced_in_the_targets_timed_passes(registry, mapstor
         with cache.acquire_sync("child", doc, on_step=steps.append) as lease:
             assert lease.path == "mapped"
         repair = next(s for s in steps if s.step == "repair").detail
-        assert repair["costs"] == costs and repair["exact"] == 4  # the sinks: exact already, paid, not redone
-        assert 0 < repair["cost"] <= 0.9 + 1e-9
+        assert repair.costs == costs and repair.exact == 4  # the sinks: exact already, paid, not redone
+        assert 0 < repair.cost <= 0.9 + 1e-9
         if costs == "measured":  # timed on the child, kept for its architecture
             from mappings.passcost import costs_key
 
@@ -313,7 +313,7 @@ def test_a_map_fitted_without_its_sinks_is_served_with_them(registry, mapstore):
         assert lease.path == "mapped"
         mapping = cache.load_mapping("base", "child")
     assert mapping.manifest.method.exact_sinks == 4
-    assert next(s for s in steps if s.step == "map").detail["exact_sinks"] == 4
+    assert next(s for s in steps if s.step == "map").detail.exact_sinks == 4
 
 
 def _burst(cache, asks, *, first=None):

@@ -56,7 +56,7 @@ def test_a_new_cache_reads_the_document_from_disk_instead_of_prefilling(registry
             counter.remove()
         assert counter.tokens == []  # not one position computed
         assert lease.path == "exact" and lease.loaded_tokens == len(doc) and lease.load_seconds > 0
-        assert [s.step for s in steps] == ["load", "hit"] and steps[0].detail["kind"] == "exact"
+        assert [s.step for s in steps] == ["load", "hit"] and steps[0].entry_kind == "exact"
         assert lease.saved_seconds > 0 and later.prefill_estimate("base", len(doc)) > 0
         _same(lease.cache, built.cache)
         lease.release()
@@ -78,7 +78,7 @@ def test_a_mapped_entry_read_from_disk_stays_mapped_and_passes_its_gates(registr
         lease = later.acquire_sync("child", doc, on_step=steps.append)
         kinds = [s.step for s in steps]
         assert lease.path == "mapped" and lease.source == "base" and "map" not in kinds and "prefill" not in kinds
-        assert steps[0].step == "load" and steps[0].detail["kind"] == "mapped"
+        assert steps[0].step == "load" and steps[0].entry_kind == "mapped"
         assert lease.gates and all(g.passed for g in lease.gates)  # its probe reading, read back, decided again
         _same(lease.cache, mapped.cache)
         lease.release()
@@ -110,7 +110,7 @@ def test_a_mapped_entry_of_a_replaced_mapping_is_deleted_not_served(registry, ma
     steps = []
     with later.acquire_sync("child", doc, on_step=steps.append) as lease:
         assert lease.path == "mapped" and "map" in [s.step for s in steps]  # mapped afresh from base's disk entry
-        assert not any(s.step == "load" and s.detail.get("kind") == "mapped" for s in steps)
+        assert not any(s.step == "load" and s.entry_kind == "mapped" for s in steps)
     assert all(e.namespace.mapping_id != "0" * 64 for e in KVStore(tmp_path).entries())
 
 

@@ -104,9 +104,9 @@ def test_a_failing_probe_climbs_to_the_smallest_passing_budget(registry, mapstor
     # first, every rung's probe excess (an unpassable gate climbs the whole ladder) ...
     probe_all = RepairPolicy(ladder=LADDER, max_spend=5.0)
     lease, steps, _ = _acquire(registry, mapstore, doc, _gate(-100.0), probe_all)
-    ladder = next(s for s in steps if s.step == "repair").detail["ladder"]
-    excess = [s["metrics"]["excess_nll"] for s in ladder["steps"]]
-    assert len(excess) == 4 and ladder["passed"] is None
+    ladder = next(s for s in steps if s.step == "repair").detail.ladder
+    excess = [s.metrics["excess_nll"] for s in ladder.steps]
+    assert len(excess) == 4 and ladder.passed is None
     # ... then a threshold between the pure map's excess and a lower rung's: the ladder stops there
     j = next(i for i in range(1, 4) if excess[i] < min(excess[:i]))
     threshold = (excess[j] + min(excess[:j])) / 2
@@ -133,24 +133,24 @@ def test_an_unpassable_gate_reprefills_with_the_reason_and_the_spend(registry, m
     assert lease.path == "reprefilled"
     reason = lease.fallback_reason
     assert reason.startswith("probe gate failed") and "repair ladder tried 0%, 10%, 20%, 30%" in reason
-    ladder = next(s for s in steps if s.step == "repair").detail["ladder"]
-    assert f"spending {ladder['spent']:.1%} of a prefill" in reason and ladder["spent"] > 0
+    ladder = next(s for s in steps if s.step == "repair").detail.ladder
+    assert f"spending {ladder.spent:.1%} of a prefill" in reason and ladder.spent > 0
     assert next(s for s in steps if s.step == "fallback").reason == reason
     # repaired positions are recomputed once; only the probe tokens again, once per rung
     ladder_passes = [p for p in passes if p != list(range(n))]  # the fallback's own prefill left out
     flat = [p for pass_ in ladder_passes for p in pass_]
     probe = set(range(n - TAIL, n))
     outside = [p for p in flat if p not in probe]
-    assert len(outside) == len(set(outside)) == ladder["repaired"] > 0
-    assert all(flat.count(p) == len(ladder["steps"]) for p in probe)
-    assert ladder["recomputed"] == len(flat)
+    assert len(outside) == len(set(outside)) == ladder.repaired > 0
+    assert all(flat.count(p) == len(ladder.steps) for p in probe)
+    assert ladder.recomputed == len(flat)
 
 
 def test_spend_cap_stops_the_climb_early(registry, mapstore, doc):
     lease, steps, _ = _acquire(registry, mapstore, doc, _gate(-100.0), RepairPolicy(ladder=LADDER, max_spend=0.15))
-    ladder = next(s for s in steps if s.step == "repair").detail["ladder"]
+    ladder = next(s for s in steps if s.step == "repair").detail.ladder
     assert lease.path == "reprefilled" and "max_spend" in lease.fallback_reason
-    assert ladder["spent"] <= 0.15 and len(ladder["steps"]) < 4
+    assert ladder.spent <= 0.15 and len(ladder.steps) < 4
 
 
 def test_without_a_probe_gate_the_ladder_repairs_at_its_first_budget(registry, mapstore, doc):
@@ -166,4 +166,4 @@ def test_a_ladder_with_scattered_tokens_ranks_them_once_on_the_source(registry, 
     policy = RepairPolicy(ladder=LADDER, scattered_share=0.5, probe_tokens=8)
     lease, steps, _ = _acquire(registry, mapstore, doc, _gate(-100.0), policy)
     detail = next(s for s in steps if s.step == "repair").detail
-    assert lease.path == "reprefilled" and detail["scattered"] > 0 and len(detail["ladder"]["steps"]) == 4
+    assert lease.path == "reprefilled" and detail.scattered > 0 and len(detail.ladder.steps) == 4
