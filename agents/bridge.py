@@ -20,16 +20,29 @@ reaches the caller as it was raised. `ThreadStream` does it once:
 for blocking callers (a Ray actor's streaming method, a driver thread). Nothing polls: items and the
 end of the work wake the async side through the event loop, and `CancelFlag` (a `threading.Event` that
 calls back when set) lets a cancel reach what cannot wait on an event, such as a remote actor.
+
+The other crossings have one helper each, and the packages use only these (``scripts/code_health.py``
+counts any other):
+
+- `in_thread(fn, *args)`: a short blocking call (a tokenizer load, a file write) from async code; a
+  cancelled caller waits for it to return, so no thread is abandoned;
+- `run_blocking(async_fn, *args)`: async code from a blocking caller (a script, the CLI), in an event
+  loop of its own;
+- `call_in_loop(async_fn, *args)`: from a worker thread anyio started, a coroutine on its caller's loop;
+- `start_thread(target, name=...)`: a long-lived worker thread a component owns and joins when it closes
+  (`live_threads()` lists those still running).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import sys
 import threading
+import weakref
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from types import TracebackType
 from typing import Generic, TypeVar
 
@@ -42,7 +55,8 @@ from anyio.abc import TaskGroup
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["CancelFlag", "ThreadStream", "WorkerCancelledError", "iterate_sync", "run_in_thread"]
+__all__ = ["CancelFlag", "ThreadStream", "WorkerCancelledError", "call_in_loop", "in_thread", "iterate_sync",
+           "live_threads", "run_blocking", "run_in_thread", "start_thread"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -204,8 +218,7 @@ class ThreadStream(Generic[T, R]):
             finally:
                 _call_soon(token, exited.set)
 
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
+        thread = start_thread(target, name=name)
         with anyio.CancelScope(shield=True):  # the thread is running: wait for it, whatever is cancelled
             await exited.wait()
         thread.join()  # it has only its return left to do
@@ -346,9 +359,7 @@ def iterate_sync(fn: Work[T, R], *, cancel: threading.Event | None = None,
         else:
             entries.put(_Ended(result, None))
 
-    thread = threading.Thread(target=target, name=thread_name or f"bridge-{getattr(fn, '__name__', 'work')}",
-                              daemon=True)
-    thread.start()
+    thread = start_thread(target, name=thread_name or f"bridge-{getattr(fn, '__name__', 'work')}")
     ended = False
     try:
         while True:
@@ -377,3 +388,48 @@ async def run_in_thread(fn: Callable[[threading.Event], R], *, limiter: anyio.Ca
 
     async with ThreadStream(work, limiter=limiter, discard=discard) as stream:
         return await stream.result()
+
+
+async def in_thread(fn: Callable[..., R], *args: object, limiter: anyio.CapacityLimiter | None = None) -> R:
+    """``fn(*args)``, a blocking call, from async code: in an anyio worker thread (context variables follow it).
+
+    Cancelling the caller waits for `fn` to return: its thread is never abandoned. Work that can stop early
+    takes a cancel event instead: `run_in_thread`.
+    """
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=limiter, abandon_on_cancel=False)
+
+
+def run_blocking(fn: Callable[..., Awaitable[R]], *args: object) -> R:
+    """``await fn(*args)`` from blocking code, in an event loop of its own; RuntimeError in a thread that already
+    runs one (the caller should await `fn` there instead)."""
+    async def call() -> R:
+        return await fn(*args)
+
+    return anyio.run(call)
+
+
+def call_in_loop(fn: Callable[..., Coroutine[object, object, R]], *args: object) -> R:
+    """``await fn(*args)`` on the event loop that started this worker thread (`in_thread`, `run_in_thread`,
+    `ThreadStream`); blocks this thread until it is done."""
+    return anyio.from_thread.run(fn, *args)
+
+
+_LIVE: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def start_thread(target: Callable[..., object], *, name: str, args: tuple[object, ...] = (),
+                 kwargs: dict[str, object] | None = None) -> threading.Thread:
+    """A started daemon thread named `name` running ``target(*args, **kwargs)``; its owner joins it when done.
+
+    Daemon, so a thread its owner never joins cannot keep the interpreter from exiting; named, so a dump of
+    the threads says whose it is. `live_threads()` lists the ones still running.
+    """
+    thread = threading.Thread(target=target, name=name, args=args, kwargs=kwargs or {}, daemon=True)
+    thread.start()
+    _LIVE.add(thread)
+    return thread
+
+
+def live_threads() -> list[threading.Thread]:
+    """The threads `start_thread` started that are still running."""
+    return [t for t in list(_LIVE) if t.is_alive()]

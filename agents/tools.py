@@ -28,6 +28,7 @@ from typing import Any, get_type_hints
 import anyio
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, create_model, model_validator
 
+from agents.bridge import run_blocking, start_thread
 from agents.errors import AgentError
 from agents.references import import_reference
 
@@ -273,13 +274,12 @@ def run_tool(tools: list[Tool], name: str, arguments: object, *, document: str, 
                         return None
                     return result
 
-                value = anyio.run(bounded)
+                value = run_blocking(bounded)
             outcome["value"] = value
         except Exception as exc:  # the agent reads the error; the run goes on
             outcome["error"] = f"{type(exc).__name__}: {exc}"
 
-    worker = threading.Thread(target=work, name=f"tool-{name}", daemon=True)
-    worker.start()
+    worker = start_thread(work, name=f"tool-{name}")
     worker.join(timeout)
     if worker.is_alive() and in_loop.is_set():
         worker.join(CANCEL_GRACE_S)  # its scope is cancelled at the deadline: the thread ends right after

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import anyio
 import anyio.abc
 
+from agents.bridge import in_thread
 from orchestra import events as ev
 from orchestra._mapreduce import Combined, Part, combine, notes_document, pointer, round_label
 from orchestra._runstate import MemberPrompt, RunState, TokenSink, unavailable
@@ -93,7 +94,7 @@ class ChunkedRuns:
                     raise
                 refused = exc
         self._check_chunk_agents()
-        room = await anyio.to_thread.run_sync(self._default_window, run)
+        room = await in_thread(self._default_window, run)
         held = self.o._held_windows.get(held_key(run.document))
         window = policy.window_tokens or (min(held) if held else None) or room
         if window is None:
@@ -107,9 +108,9 @@ class ChunkedRuns:
                                 f"for chunks of at most {room} tokens: lower it to {room} or less, or unset it")
         from orchestra.chunking import prefix_tokens, split_document
 
-        tokenizer = await anyio.to_thread.run_sync(self.o.cache.executor.tokenizer, self.o.source_alias)
+        tokenizer = await in_thread(self.o.cache.executor.tokenizer, self.o.source_alias)
         try:
-            chunks = await anyio.to_thread.run_sync(functools.partial(
+            chunks = await in_thread(functools.partial(
                 split_document, run.document, tokenizer, window, policy.overlap_tokens))
         except DocumentError as exc:
             raise DocumentError(f"{refused}; chunking cannot help: {exc}" if refused else str(exc)) from exc
@@ -117,7 +118,7 @@ class ChunkedRuns:
         def layout() -> list[Part]:
             return [Part(c, c.label(len(chunks)), prefix_tokens(c.text, tokenizer), self.o.source_alias) for c in chunks]
 
-        run.chunks, run.window = await anyio.to_thread.run_sync(layout), window
+        run.chunks, run.window = await in_thread(layout), window
         widest = max(run.chunks, key=lambda part: len(part.ids))
         try:
             self.o._check_length(widest.ids)
@@ -164,7 +165,7 @@ class ChunkedRuns:
             return MemberPrompt(part.ids)
         key = (member, part.round, part.chunk.index)
         if key not in run.chunk_prompts:
-            run.chunk_prompts[key] = await anyio.to_thread.run_sync(self.o._member_prompt, part.chunk.text, part.ids,
+            run.chunk_prompts[key] = await in_thread(self.o._member_prompt, part.chunk.text, part.ids,
                                                                     member)
         return run.chunk_prompts[key]
 
@@ -203,13 +204,13 @@ class ChunkedRuns:
         upstream = {**inputs, **{up: pointer(up) for up in agent.upstream}}
         notes = notes_document({up: run.outputs.get(up) or unavailable(up, report.missing_upstreams)
                                 for up in agent.upstream})
-        tokenizer = await anyio.to_thread.run_sync(self.o.cache.executor.tokenizer, agent.model)
+        tokenizer = await in_thread(self.o.cache.executor.tokenizer, agent.model)
         json_output = self.o.specs[name].output.kind == "json"
         for round_ in range(1, _MAX_ROUNDS + 1):
-            chunks = await anyio.to_thread.run_sync(functools.partial(
+            chunks = await in_thread(functools.partial(
                 split_document, notes, tokenizer, run.window, self.o.pipeline.chunking.overlap_tokens))
             parts = [Part(c, round_label(c, len(chunks), round_),
-                          await anyio.to_thread.run_sync(prefix_tokens, c.text, tokenizer), agent.model, round_)
+                          await in_thread(prefix_tokens, c.text, tokenizer), agent.model, round_)
                      for c in chunks]
             combined = combine(json_output, await self._map(run, name, report, parts, upstream, on_token))
             if len(parts) == 1 or combined.degenerate is not None:

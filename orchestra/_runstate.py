@@ -42,7 +42,7 @@ class RunState:
     run_id: str
     started: float
     prefix_ids: list[int]
-    emit: Callable[[ev.Event], Coroutine[object, object, None]]  # a coroutine: anyio.from_thread.run takes no other
+    emit: Callable[[ev.Event], Coroutine[object, object, None]]  # a coroutine: call_in_loop takes no other
     leases: list[tuple[str | None, CacheLease]] = field(default_factory=list)
     charged: set[int] = field(default_factory=set)
     outputs: dict[str, str] = field(default_factory=dict)

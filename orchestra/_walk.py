@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
+from agents.bridge import in_thread
 from orchestra import events as ev
 from orchestra._runstate import MemberPrompt, RunState, jsonable, skip_reason, token_sink, unavailable
 from orchestra.report import AgentReport
@@ -212,7 +213,7 @@ class DagWalk:
     async def checkpoint(self, run: RunState, report: AgentReport) -> None:
         """Record a finished agent before anyone hears of it (a run killed after the event has it on record)."""
         if run.checkpointer is not None:
-            await anyio.to_thread.run_sync(run.checkpointer.record, run.run_id, report, run.outputs.get(report.name))
+            await in_thread(run.checkpointer.record, run.run_id, report, run.outputs.get(report.name))
 
     def record_cache(self, run: RunState, report: AgentReport, lease: CacheLease) -> None:
         """The agent's cache path, gate decisions and prefill seconds (a shared cache is charged once)."""

@@ -23,6 +23,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from agents.bridge import run_blocking
 from agents.spec import AgentSpec
 from orchestra._loop import refuse_inside_event_loop
 from orchestra.checkpoint import Checkpointer, SqliteCheckpointer
@@ -511,10 +512,9 @@ class Pipeline:
         use ``await pipeline.run(document)`` there.
         """
         refuse_inside_event_loop()
-        import anyio
 
-        return anyio.run(functools.partial(self.run, document, on_event=on_event, inputs=inputs, run_id=run_id,
-                                           resume=resume))
+        return run_blocking(functools.partial(self.run, document, on_event=on_event, inputs=inputs, run_id=run_id,
+                                              resume=resume))
 
 
 def _role_aliases(family: FamilyManifest | None) -> dict[str, str]:

@@ -22,6 +22,7 @@ import anyio
 import anyio.from_thread
 import structlog
 
+from agents.bridge import call_in_loop, in_thread
 from orchestra import events as ev
 from orchestra._chunked import ChunkedRuns, held_key
 from orchestra._runstate import (
@@ -301,7 +302,7 @@ class Orchestra:
         from agents import DocumentPrompt
         from agents.errors import EmptyDocumentError
 
-        tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, self.source_alias)
+        tokenizer = await in_thread(self.cache.executor.tokenizer, self.source_alias)
         try:
             prefix_ids = DocumentPrompt(document).token_ids(tokenizer)
         except EmptyDocumentError as exc:
@@ -344,7 +345,7 @@ class Orchestra:
                 lease.release()
         report = await self._report(run, started, warned, moved)
         if run.checkpointer is not None:
-            await anyio.to_thread.run_sync(run.checkpointer.finish, run.run_id)
+            await in_thread(run.checkpointer.finish, run.run_id)
         return report
 
     async def _report(self, run: RunState, started: float, warned: int, moved: dict[str, int] | None = None) -> RunReport:
@@ -400,7 +401,7 @@ class Orchestra:
         gate = (node.gate if node is not None else None) or self.pipeline.gate
 
         def on_step(step: CacheStep) -> None:  # in the FamilyCache's worker thread
-            anyio.from_thread.run(run.emit, step_event(run.run_id, agent, step, chunk))
+            call_in_loop(run.emit, step_event(run.run_id, agent, step, chunk))
 
         prompt = prompt or MemberPrompt(run.prefix_ids)
         repair = self._repair_for(agent) if agent is not None else None
@@ -427,7 +428,7 @@ class Orchestra:
         if member == self.source_alias:
             return MemberPrompt(run.prefix_ids)
         if member not in run.prompts:
-            run.prompts[member] = await anyio.to_thread.run_sync(self._member_prompt, run.document,
+            run.prompts[member] = await in_thread(self._member_prompt, run.document,
                                                                  run.prefix_ids, member)
         prompt = run.prompts[member]
         if len(prompt.ids) != len(run.prefix_ids):

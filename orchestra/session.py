@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from agents.bridge import run_blocking
 from orchestra.chunking import HOLD_INPUT_TOKENS
 from orchestra.errors import SessionError
 
@@ -102,12 +103,11 @@ class Session:
         self.close()
 
     def __enter__(self) -> Session:
-        import anyio
 
         from orchestra._loop import refuse_inside_event_loop
 
         refuse_inside_event_loop()
-        return anyio.run(self.open)
+        return run_blocking(self.open)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -129,12 +129,10 @@ class Session:
         """`run` for synchronous code."""
         import functools
 
-        import anyio
-
         from orchestra._loop import refuse_inside_event_loop
 
         refuse_inside_event_loop()
-        return anyio.run(functools.partial(self.run, inputs, run_id=run_id))
+        return run_blocking(functools.partial(self.run, inputs, run_id=run_id))
 
     async def aask(self, question: str, **inputs: object) -> str:
         """Put `question` in the pipeline's question input (`question`, or its only input), run, and return the
@@ -150,12 +148,10 @@ class Session:
         """`aask` for synchronous code."""
         import functools
 
-        import anyio
-
         from orchestra._loop import refuse_inside_event_loop
 
         refuse_inside_event_loop()
-        return anyio.run(functools.partial(self.aask, question, **inputs))
+        return run_blocking(functools.partial(self.aask, question, **inputs))
 
     def _question_input(self) -> str:
         declared = list(self.pipeline.spec.inputs)

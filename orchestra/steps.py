@@ -13,6 +13,7 @@ so are the nodes that depend only on it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
@@ -165,7 +166,7 @@ class StepNode(BaseModel):
 
 async def call_step(node: StepNode, document: str, upstream: Mapping[str, str], inputs: Mapping[str, str]) -> str:
     """Run the step's function with the arguments it asks for (a sync one in a worker thread); its output as text."""
-    import anyio.to_thread
+    from agents.bridge import in_thread
 
     fn = node.function()
     params = inspect.signature(fn).parameters
@@ -177,7 +178,7 @@ async def call_step(node: StepNode, document: str, upstream: Mapping[str, str], 
     if inspect.iscoroutinefunction(fn):
         result = await fn(**kwargs)
     else:
-        result = await anyio.to_thread.run_sync(lambda: fn(**kwargs))
+        result = await in_thread(functools.partial(fn, **kwargs))
         if inspect.isawaitable(result):
             result = await result
     return step_output(result)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agents.bridge import run_blocking
+
 if TYPE_CHECKING:
     from orchestra.bench._context import BenchFamily
     from orchestra.pipeline import PipelineSpec
@@ -74,16 +76,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def compare_pipeline(shared: Orchestra, baseline: Orchestra, document: str, *, repeats: int = 1,
                      warmup: bool = True) -> PipelineComparison:
     """Run ``shared`` and ``baseline`` (same spec, ``share_prefill=False``) ``repeats`` times each."""
-    import anyio
 
     spec = shared.pipeline
     if warmup:
-        anyio.run(shared.run, document)  # loads models, calibrates missing mappings, measures probe references
+        run_blocking(shared.run, document)  # loads models, calibrates missing mappings, measures probe references
     runs = []
     for _ in range(repeats):
         shared.cache.clear()  # every repeat prefills the document again: the warm-up's caches do not count
-        a = anyio.run(shared.run, document)
-        b = anyio.run(baseline.run, document)
+        a = run_blocking(shared.run, document)
+        b = run_blocking(baseline.run, document)
         runs.append((a, b))
 
     def med(values: list[float | None]) -> float | None:

@@ -184,8 +184,7 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
                   metrics: tuple[PipelineMetrics, Path] | None = None):
     import uuid
 
-    import anyio
-
+    from agents.bridge import run_blocking
     from orchestra.commands._live import RunDisplay, quiet_library_output
     from orchestra.documents import load_document
 
@@ -218,7 +217,7 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
                             finished = event.report  # this run's own report, whatever else runs in the process
                 return finished
 
-            report = anyio.run(main)
+            report = run_blocking(main)
             if live is not None:
                 live[1].finish_with(report)
         if not jsonl:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from agents.bridge import start_thread
 from orchestra.familycache._pool import Namespace, common_prefix, token_hash
 
 if TYPE_CHECKING:
@@ -211,8 +212,7 @@ class KVStore:
                            seconds, mapped)
         with self._lock:
             if self._writer is None or not self._writer.is_alive():
-                self._writer = threading.Thread(target=self._write_loop, name="orchestra-kv-writer", daemon=True)
-                self._writer.start()
+                self._writer = start_thread(self._write_loop, name="orchestra-kv-writer")
         self._queue.put(pending)
         return pending.done
 

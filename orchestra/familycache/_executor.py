@@ -307,11 +307,11 @@ class LocalExecutor(Executor):
                        prefix_cache: CacheRef | None, upstream: Mapping[str, object],
                        on_token: OnToken | None = None, placement: dict[str, str] | None = None) -> AgentResult:
         import anyio
-        import anyio.to_thread
 
+        from agents.bridge import in_thread
         from agents.streaming import run_agent
 
-        model = await anyio.to_thread.run_sync(self._registry.load, member)
+        model = await in_thread(self._registry.load, member)
         limiter = self._limiters.get(model.device)
         if limiter is None:  # agents running at once per device (their steps still take the model lock)
             limiter = self._limiters[model.device] = anyio.CapacityLimiter(self.max_concurrency_per_device)

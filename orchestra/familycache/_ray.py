@@ -59,7 +59,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from agents.bridge import CancelFlag, iterate_sync
+from agents.bridge import CancelFlag, in_thread, iterate_sync, start_thread
 from orchestra.errors import ActorLostError, ExecutorError, ExecutorUnavailableError, MappingUnavailableError
 from orchestra.familycache._executor import Executor
 from orchestra.familycache._handles import (
@@ -850,9 +850,8 @@ class RayExecutor(Executor):
                        on_token: OnToken | None = None, placement: dict[str, str] | None = None) -> AgentResult:
         import inspect
 
-        import anyio.to_thread
 
-        actor = await anyio.to_thread.run_sync(self._pick, member)
+        actor = await in_thread(self._pick, member)
         if placement is not None:
             placement.update(actor=actor.name, node=actor.node)
         key = uuid.uuid4().hex
@@ -962,7 +961,7 @@ def _init_from_a_lasting_thread(kwargs: _InitArgs) -> None:
         done.set()
         threading.Event().wait()  # never returns: Ray's processes live as long as this process
 
-    threading.Thread(target=owner, name="orchestra-ray-owner", daemon=True).start()
+    start_thread(owner, name="orchestra-ray-owner")
     done.wait()
     if "error" in box:
         raise box["error"]

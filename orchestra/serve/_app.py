@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import ContentStream
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from agents.bridge import in_thread
 from orchestra.errors import ActorLostError, ExecutorError
 from orchestra.serve._config import ServeConfig
 from orchestra.serve._engine import Generation, ServeEngine
@@ -218,7 +219,7 @@ class _EngineSlot:
         if self.engine is None:
             async with self._building:
                 if self.engine is None:
-                    self.engine = await anyio.to_thread.run_sync(ServeEngine, self.config)
+                    self.engine = await in_thread(ServeEngine, self.config)
                     self.owned = True
         return self.engine
 

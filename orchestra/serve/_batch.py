@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
+from agents.bridge import start_thread
+
 if TYPE_CHECKING:
     import torch
     from transformers.cache_utils import DynamicCache
@@ -143,8 +145,7 @@ class BatchDecoder:
                 raise RuntimeError("the decoder is closed")
             self._waiting.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"batch-{self.model.info.alias}", daemon=True)
-                self._thread.start()
+                self._thread = start_thread(self._loop, name=f"batch-{self.model.info.alias}")
             self._cv.notify()
         job.done.wait()
         if job.error is not None:

@@ -14,6 +14,7 @@ member's lock. Backends that do not want HTTP use this class directly:
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -27,7 +28,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from agents.bridge import CancelFlag, ThreadStream, WorkerCancelledError
+from agents.bridge import CancelFlag, ThreadStream, WorkerCancelledError, in_thread, start_thread
 from orchestra.familycache import CacheLease, CachePolicy, FamilyCache, make_executor
 from orchestra.serve._config import ServeConfig
 from orchestra.serve._errors import (
@@ -290,10 +291,10 @@ class ServeEngine:
 
     async def prompt_ids(self, member: str, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True,
                          response_format: ResponseFormat | None = None) -> list[int]:
-        tokenizer = await anyio.to_thread.run_sync(self.cache.executor.tokenizer, member)
-        return await anyio.to_thread.run_sync(
-            lambda: render_messages(tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                                    response_format=response_format))
+        tokenizer = await in_thread(self.cache.executor.tokenizer, member)
+        return await in_thread(functools.partial(render_messages, tokenizer, messages,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 response_format=response_format))
 
     @asynccontextmanager
     async def open(self, req: ChatCompletionRequest) -> AsyncIterator[Generation]:
@@ -312,7 +313,7 @@ class ServeEngine:
                 f"this model's maximum context length is {limit} tokens; the messages are {len(ids)} tokens and "
                 f"{max_tokens} completion tokens were asked for: shorten the messages or lower max_tokens",
                 param="messages")
-        constraint = await anyio.to_thread.run_sync(self._json_constraint, member, req)
+        constraint = await in_thread(self._json_constraint, member, req)
         if self._slots.value == 0 and self._waiting >= self.config.max_queue:
             self.metrics.rejected.inc()
             wait = math.ceil(self._mean_s * (self._waiting + 1) / self.config.max_concurrent)
@@ -528,4 +529,4 @@ def release_memory() -> None:
         finally:
             _TRIMMING.release()
 
-    threading.Thread(target=trim, name="malloc-trim", daemon=True).start()
+    start_thread(trim, name="malloc-trim")

@@ -25,13 +25,12 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Literal
 
-import anyio
-import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.staticfiles import StaticFiles
 
+from agents.bridge import in_thread, start_thread
 from orchestra.errors import OrchestraError
 from orchestra.serve._errors import ModelNotFound
 from orchestra.serve._runs import RunNotFound, RunState, RunStatus
@@ -277,8 +276,7 @@ def add_ui(app: FastAPI, engine: Callable[[], Awaitable[ServeEngine]], *, auth: 
         """The pipeline files POST /v1/runs can run by name (the server's --pipelines folder), with their DAGs."""
         served = await engine()
         folder = served.config.pipelines_dir
-        found = await anyio.to_thread.run_sync(
-            lambda: folder_pipelines(folder, lambda spec, alias: _served_member(served, spec, alias)))
+        found = await in_thread(folder_pipelines, folder, lambda spec, alias: _served_member(served, spec, alias))
         return PipelineList(data=found)
 
     # its own path: a GET route beside POST /v1/runs would answer a 405 there with `Allow: POST` only
@@ -294,7 +292,7 @@ def add_ui(app: FastAPI, engine: Callable[[], Awaitable[ServeEngine]], *, auth: 
         """The family-wide cache: documents held on which member (exact or mapped), hits, runs' cache paths."""
         served = await engine()
         reports = [run.report for run in _kept_runs(served.runs) if run.report is not None]
-        return await anyio.to_thread.run_sync(lambda: cache_view(served.cache, reports, _chat_lookups(served)))
+        return await in_thread(cache_view, served.cache, reports, _chat_lookups(served))
 
     _mount_page(app, lambda: UiConfig(mode="server", auth=auth, can_start_runs=True))
 
@@ -407,7 +405,7 @@ def run_view_app(log: RunLog, pipeline: PipelineInfo, cache: FamilyCache) -> Fas
     @app.get("/v1/cache", response_model=CacheView)
     async def cache_route() -> CacheView:
         reports = [log.report] if log.report is not None else []
-        return await anyio.to_thread.run_sync(lambda: cache_view(cache, reports))
+        return await in_thread(cache_view, cache, reports)
 
     _mount_page(app, lambda: UiConfig(mode="run", auth=False, can_start_runs=False, run_id=log.run_id,
                                       title=f"orchestra run {log.run_id}"))
@@ -434,11 +432,10 @@ class RunView:
         self.url = f"http://{VIEW_HOST}:{sock.getsockname()[1]}{UI_PATH}/"
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
         self._server: uvicorn.Server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="orchestra-ui",
-                                        daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self, timeout: float = 30.0) -> None:
-        self._thread.start()
+        self._thread = start_thread(self._server.run, name="orchestra-ui", kwargs={"sockets": [self._socket]})
         deadline = time.monotonic() + timeout
         while not self._server.started:  # uvicorn says nothing else when it is up
             if not self._thread.is_alive() or time.monotonic() > deadline:
@@ -455,7 +452,7 @@ class RunView:
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while self._thread.is_alive() and not stop.wait(0.2):
+            while self._thread is not None and self._thread.is_alive() and not stop.wait(0.2):
                 pass
         finally:
             for sig, old in previous.items():
@@ -463,7 +460,8 @@ class RunView:
 
     def close(self) -> None:
         self._server.should_exit = True
-        self._thread.join(10.0)
+        if self._thread is not None:
+            self._thread.join(10.0)
         self._socket.close()
 
 

@@ -273,3 +273,33 @@ def test_cancel_flag_calls_back_once_when_set():
     assert calls == ["a"] and flag.is_set()
     flag.on_set(lambda: calls.append("late"))  # already set: called at once
     assert calls == ["a", "late"]
+
+
+def test_threads_the_bridge_starts_are_listed_until_they_end():
+    from agents.bridge import live_threads, start_thread
+
+    go = threading.Event()
+    thread = start_thread(go.wait, name="bridge-test-worker")
+    assert thread in live_threads() and thread.daemon and thread.name == "bridge-test-worker"
+    go.set()
+    thread.join()
+    assert thread not in live_threads()
+
+
+async def test_in_thread_waits_for_its_call_when_the_caller_is_cancelled():
+    """A cancelled caller does not return before the blocking call it started has: no thread is abandoned."""
+    from agents.bridge import in_thread
+
+    started, release, ended = threading.Event(), threading.Event(), []
+
+    def blocking() -> None:
+        started.set()
+        release.wait(30)
+        ended.append(True)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(in_thread, blocking)
+        await in_thread(started.wait)  # the call is under way
+        tg.cancel_scope.cancel()
+        threading.Timer(0.2, release.set).start()  # it ends later: an abandoning caller would be gone by then
+    assert ended == [True]
