@@ -207,47 +207,12 @@ class Pipeline:
         built-in (with a did-you-mean), a bad or missing built-in argument, an out-of-range
         ``max_new_tokens``, a bad template, an undeclared model alias or a duplicate name.
         """
-        data: dict[str, object] = {"model": model}
-        if name is not None:
-            data["name"] = name
-        if isinstance(agent, str):
-            data["builtin"] = agent
-            data["args"] = builtin_args
-        elif isinstance(agent, (AgentSpec, Mapping)):
-            if builtin_args:
-                given = agent.name if isinstance(agent, AgentSpec) else agent.get("name")
-                shown = name or (given if isinstance(given, str) else None)
-                raise PipelineValidationError(problems=[PipelineProblem(
-                    f"keyword arguments ({', '.join(builtin_args)}) are a built-in agent's arguments, and this "
-                    f"agent is a spec: put its settings in the spec", field="args", agent=shown)])
-            data["spec"] = agent
-        else:
-            raise PipelineValidationError(problems=[PipelineProblem(
-                f"expected a built-in agent's name, an agents.AgentSpec or a mapping of its fields, not "
-                f"{type(agent).__name__}", field="spec", agent=name)])
-        if after is not None:
-            data["upstream"] = [after] if isinstance(after, str) else list(after)
-        if gate is not None:
-            data["gate"] = gate
-        if timeout_s is not None:
-            data["timeout_s"] = timeout_s
-        data.update({key: value for key, value in (("per_chunk", per_chunk), ("chunks", chunks)) if value is not None})
-        node = AgentNode.model_validate(data).with_condition(
+        fields: dict[str, object] = {"model": model, "name": name, "gate": gate, "timeout_s": timeout_s,
+                                     "per_chunk": per_chunk, "chunks": chunks,
+                                     "upstream": [after] if isinstance(after, str) else after}
+        node = _agent_node(agent, builtin_args, {k: v for k, v in fields.items() if v is not None}).with_condition(
             Condition.model_validate(when) if isinstance(when, Mapping) else when)
-        problems = []
-        if node.model not in self._models:
-            close = suggest(node.model, list(self._models))
-            problems.append(PipelineProblem(
-                f"model alias {node.model!r} is not one of this pipeline's models"
-                + (f" (did you mean {close!r}?)" if close else "")
-                + f"; models: {', '.join(self._models)}; add it with Pipeline(..., models={{{node.model!r}: ...}})",
-                field="model", agent=node.name))
-        if node.name in {n.name for n in self._nodes} | {n.name for n in self._steps}:
-            problems.append(PipelineProblem(
-                f"the pipeline already has an agent named {node.name!r}; give this one another `name=`",
-                field="name", agent=node.name))
-        if problems:
-            raise PipelineValidationError(problems=problems)
+        _refuse_new_node(node, self._models, {n.name for n in self._nodes} | {n.name for n in self._steps})
         self._nodes.append(node)
         self._changed()
         return self
@@ -287,24 +252,8 @@ class Pipeline:
         if rounds < 1:
             raise PipelineValidationError(problems=[PipelineProblem("rounds must be at least 1", field="rounds",
                                                                     agent=name)])
-        word = approve.strip()
-        generation = {"max_new_tokens": max_new_tokens, "repetition_penalty": 1.15, "no_repeat_ngram_size": 6}
-        drafts = []
-        for k in range(1, rounds + 1):
-            draft, check = f"{name}_draft_{k}", f"{name}_review_{k}"
-            when: Condition | None = None
-            task = write
-            if k > 1:
-                previous, notes = f"{name}_draft_{k - 1}", f"{name}_review_{k - 1}"
-                task = (f"{write}\n\nYour previous draft:\n{{{previous}}}\n\nThe reviewer's notes:\n{{{notes}}}\n\n"
-                        "Write an improved version that addresses every note.")
-                when = Condition(agent=notes, not_contains=word)  # approved: no further round
-            self.agent({"name": draft, "task": task, "generation": generation}, model=model,
-                       after=after if k == 1 else None, when=when)
-            self.agent({"name": check, "task": f"{review}\n\nThe draft:\n{{{draft}}}\n\nIf it needs no change, "
-                        f"reply with the single word {word}. Otherwise list what to change.",
-                        "generation": generation}, model=critic_model or model)
-            drafts.append(draft)
+        drafts = _revise_rounds(self, name, write=write, review=review, model=model, critic_model=critic_model,
+                                rounds=rounds, approve=approve.strip(), max_new_tokens=max_new_tokens, after=after)
 
         def last_draft(upstream: dict[str, str]) -> str:
             return upstream[max(upstream, key=lambda n: int(n.rsplit("_", 1)[1]))]
@@ -445,18 +394,8 @@ class Pipeline:
             return self._orch
 
     def _resolve_family(self, spec: PipelineSpec) -> FamilyManifest | None:
-        if self._family is not None:
-            return self._family
-        from orchestra.family.manifest import load_family
-
-        try:
-            self._family = load_family(self._home)
-        except FamilyError:
-            used = {a.model for a in spec.agents} | {spec.source_alias}
-            used |= {t.base for a, t in spec.models.items() if a in used and isinstance(t, AdapterSpec | QuantizeSpec)}
-            if all(_outside_family(spec.models[alias]) for alias in used):
-                return None  # only local model folders and Hub ids: no family needed
-            raise  # its message says how to build the family
+        if self._family is None:
+            self._family = _family_for(spec, self._home)
         return self._family
 
     @property
@@ -547,3 +486,82 @@ def _text(document: str | os.PathLike[str] | bytes) -> str:
     from orchestra.documents import load_document
 
     return load_document(document).text  # unreadable files are an InputFileError / DocumentFormatError saying so
+
+
+def _agent_node(agent: str | AgentSpec | Mapping[str, object], builtin_args: Mapping[str, object],
+                fields: dict[str, object]) -> AgentNode:
+    """The node `Pipeline.agent` adds: a built-in with its arguments, or a spec (typed, or its fields)."""
+    data = dict(fields)
+    name = fields.get("name")
+    if isinstance(agent, str):
+        data["builtin"] = agent
+        data["args"] = dict(builtin_args)
+    elif isinstance(agent, (AgentSpec, Mapping)):
+        if builtin_args:
+            given = agent.name if isinstance(agent, AgentSpec) else agent.get("name")
+            shown = name if isinstance(name, str) else (given if isinstance(given, str) else None)
+            raise PipelineValidationError(problems=[PipelineProblem(
+                f"keyword arguments ({', '.join(builtin_args)}) are a built-in agent's arguments, and this "
+                f"agent is a spec: put its settings in the spec", field="args", agent=shown)])
+        data["spec"] = agent
+    else:
+        raise PipelineValidationError(problems=[PipelineProblem(
+            f"expected a built-in agent's name, an agents.AgentSpec or a mapping of its fields, not "
+            f"{type(agent).__name__}", field="spec", agent=name if isinstance(name, str) else None)])
+    return AgentNode.model_validate(data)
+
+
+def _refuse_new_node(node: AgentNode, models: Mapping[str, object], names: set[str]) -> None:
+    """PipelineValidationError when `node` uses a model the pipeline lacks, or a name it already has."""
+    problems = []
+    if node.model not in models:
+        close = suggest(node.model, list(models))
+        problems.append(PipelineProblem(
+            f"model alias {node.model!r} is not one of this pipeline's models"
+            + (f" (did you mean {close!r}?)" if close else "")
+            + f"; models: {', '.join(models)}; add it with Pipeline(..., models={{{node.model!r}: ...}})",
+            field="model", agent=node.name))
+    if node.name in names:
+        problems.append(PipelineProblem(
+            f"the pipeline already has an agent named {node.name!r}; give this one another `name=`",
+            field="name", agent=node.name))
+    if problems:
+        raise PipelineValidationError(problems=problems)
+
+
+def _family_for(spec: PipelineSpec, home: str | os.PathLike[str] | None) -> FamilyManifest | None:
+    """The family the pipeline's members come from; None when it names only folders and Hub ids (and no family is
+    built); FamilyError, saying how to build one, when it needs a family that is not there."""
+    from orchestra.family.manifest import load_family
+
+    try:
+        return load_family(home)
+    except FamilyError:
+        used = {a.model for a in spec.agents} | {spec.source_alias}
+        used |= {t.base for a, t in spec.models.items() if a in used and isinstance(t, AdapterSpec | QuantizeSpec)}
+        if all(_outside_family(spec.models[alias]) for alias in used):
+            return None  # only local model folders and Hub ids: no family needed
+        raise  # its message says how to build the family
+
+
+def _revise_rounds(pipeline: Pipeline, name: str, *, write: str, review: str, model: str, critic_model: str | None,
+                   rounds: int, approve: str, max_new_tokens: int, after: str | Sequence[str] | None) -> list[str]:
+    """Add `Pipeline.revise`'s draft and review agents, round by round; the drafts' names."""
+    generation = {"max_new_tokens": max_new_tokens, "repetition_penalty": 1.15, "no_repeat_ngram_size": 6}
+    drafts = []
+    for k in range(1, rounds + 1):
+        draft, check = f"{name}_draft_{k}", f"{name}_review_{k}"
+        when: Condition | None = None
+        task = write
+        if k > 1:
+            previous, notes = f"{name}_draft_{k - 1}", f"{name}_review_{k - 1}"
+            task = (f"{write}\n\nYour previous draft:\n{{{previous}}}\n\nThe reviewer's notes:\n{{{notes}}}\n\n"
+                    "Write an improved version that addresses every note.")
+            when = Condition(agent=notes, not_contains=approve)  # approved: no further round
+        pipeline.agent({"name": draft, "task": task, "generation": generation}, model=model,
+                       after=after if k == 1 else None, when=when)
+        pipeline.agent({"name": check, "task": f"{review}\n\nThe draft:\n{{{draft}}}\n\nIf it needs no change, "
+                        f"reply with the single word {approve}. Otherwise list what to change.",
+                        "generation": generation}, model=critic_model or model)
+        drafts.append(draft)
+    return drafts
