@@ -256,6 +256,56 @@ def _from_pairs(z: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(z).permute(0, 2, 1, 4, 3).reshape(b, h, t, 2 * half)
 
 
+def _inputs(get: Callable[[int], torch.Tensor], sources: tuple[int, ...]) -> torch.Tensor:
+    """The features a target layer maps from: its one source layer's, or several concatenated."""
+    import torch
+
+    return get(sources[0]) if len(sources) == 1 else torch.cat([get(i) for i in sources], -1)
+
+
+@dataclass(frozen=True)
+class _MapCall:
+    """One :meth:`LinearKVMap.apply` call, resolved: source layers, positions, output device and dtype."""
+
+    source_layers: KVLayers
+    positions: torch.Tensor
+    seq_len: int
+    """Positions the RoPE tables cover (the largest position + 1)."""
+    device: DeviceLike
+    dtype: DType
+    only: set[int] | None
+    check_finite: bool
+    width: int
+    """The source's K/V features per token (heads x head dim)."""
+
+    @property
+    def batch(self) -> int:
+        """The source cache's batch size."""
+        return int(self.source_layers[0][0].shape[0])
+
+    @property
+    def seq(self) -> int:
+        """The source cache's length in positions."""
+        return int(self.source_layers[0][0].shape[2])
+
+    @property
+    def rows(self) -> int:
+        """Token rows of a converted layer: batch x positions."""
+        return self.batch * self.seq
+
+    def values(self, i: int) -> torch.Tensor:
+        """Source layer ``i``'s values as ``[B*T, width]`` fp32 token rows on the output device."""
+        import torch
+
+        return self.source_layers[i][1].to(device=self.device, dtype=torch.float32).transpose(1, 2).reshape(
+            self.rows, self.width)
+
+    def unchanged(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source layer ``i``'s K/V as cached, on the output's device and dtype (a pass-through layer)."""
+        k, v = self.source_layers[i]
+        return k.to(device=self.device, dtype=self.dtype), v.to(device=self.device, dtype=self.dtype)
+
+
 @dataclass
 class LinearKVMap:
     """A per-layer linear map from one model's KV cache to another's."""
@@ -324,86 +374,85 @@ class LinearKVMap:
         k0 = source_layers[0][0]
         device = device if device is not None else k0.device
         dtype = dtype if dtype is not None else k0.dtype
-        batch, seq = k0.shape[0], k0.shape[2]
+        seq = k0.shape[2]
         if positions is None:
             positions = torch.arange(seq, device=device)
         positions = positions.to(device)
         seq_len = int(positions.max().item()) + 1 if positions.numel() else 1
+        s, t = self.source_shape, self.target_shape
+        call = _MapCall(source_layers, positions, seq_len, device, dtype, only, check_finite, s.width)
+        fast = (fast and self.key_space == "content" and self.source_rope.full_rotary
+                and self.target_rope.full_rotary and s.head_dim % 2 == 0 and t.head_dim % 2 == 0)
+        return self._apply_pairs(call) if fast else self._apply_generic(call)
+
+    def _apply_generic(self, call: _MapCall) -> KVLayers:
+        """The mapped layers by the real-valued path: keys rotated with RoPE tables shared by every layer."""
+        import torch
+
         content = self.key_space == "content"
         same_rope = self.source_rope.same_as(self.target_rope)
-        s, t = self.source_shape, self.target_shape
-        rows = batch * seq
-        # RoPE tables once per call, shared by every layer.
-        src_tables = self.source_rope.tables(positions, seq_len, device) if content and self.source_rope.is_rotary else None
-        tgt_tables = self.target_rope.tables(positions, seq_len, device) if content and self.target_rope.is_rotary else None
+        t = self.target_shape
+        device, dtype, batch, seq = call.device, call.dtype, call.batch, call.seq
+        src_tables = (self.source_rope.tables(call.positions, call.seq_len, device)
+                      if content and self.source_rope.is_rotary else None)
+        tgt_tables = (self.target_rope.tables(call.positions, call.seq_len, device)
+                      if content and self.target_rope.is_rotary else None)
 
         def convert_keys(i: int) -> torch.Tensor:  # [B*T, Hs*Ds] fp32, content space
-            k = source_layers[i][0].to(device=device, dtype=torch.float32).transpose(1, 2)  # [B, T, H, D]
+            k = call.source_layers[i][0].to(device=device, dtype=torch.float32)
+            k = k.transpose(1, 2)  # [B, T, H, D]
             if src_tables is not None:
                 k = self.source_rope.strip(k, tables=src_tables, heads_last=True)
-            return k.reshape(rows, s.width)
+            return k.reshape(call.rows, call.width)
 
-        def convert_values(i: int) -> torch.Tensor:
-            return source_layers[i][1].to(device=device, dtype=torch.float32).transpose(1, 2).reshape(rows, s.width)
-
-
-        def inputs(get, sources: tuple[int, ...]) -> torch.Tensor:
-            return get(sources[0]) if len(sources) == 1 else torch.cat([get(i) for i in sources], -1)
-
-        fast = (fast and content and self.source_rope.full_rotary and self.target_rope.full_rotary
-                and s.head_dim % 2 == 0 and t.head_dim % 2 == 0)
-        if fast:
-            return self._apply_pairs(source_layers, positions, seq_len, device, dtype, only, check_finite,
-                                     convert_values, inputs)
-
-        src = _Sources(convert_keys, convert_values, self.layers, only)
+        src = _Sources(convert_keys, call.values, self.layers, call.only)
         out: KVLayers = [(None, None)] * len(self.layers)  # type: ignore[list-item]
         for ti, lm in src.walk():
             if lm.mode == "passthrough" and (same_rope or not content):
-                k, v = source_layers[lm.sources[0]]
-                out[ti] = (k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
+                out[ti] = call.unchanged(lm.sources[0])
                 continue
             if lm.mode == "passthrough":
                 yk, yv = src.keys(lm.sources[0]), src.values(lm.sources[0])
             else:
-                yk = _layer_product(inputs(src.keys, lm.sources), lm, "k", device)
-                yv = _layer_product(inputs(src.values, lm.sources), lm, "v", device)
+                yk = _layer_product(_inputs(src.keys, lm.sources), lm, "k", device)
+                yv = _layer_product(_inputs(src.values, lm.sources), lm, "v", device)
             k = yk.view(batch, seq, t.kv_heads, t.head_dim)
             if tgt_tables is not None:
                 k = self.target_rope.apply(k, tables=tgt_tables, heads_last=True)
             k = k.transpose(1, 2)
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
-            if check_finite:
+            if call.check_finite:
                 _require_finite(ti, yk, yv)
             out[ti] = (k.to(dtype), v.to(dtype))
         return out
 
-    def _apply_pairs(self, source_layers, positions, seq_len, device, dtype, only, check_finite, convert_values,
-                     inputs) -> KVLayers:
-        """Keys via complex RoPE pairs: strip and re-apply are one complex multiply each, and the map's
-        key weights are reordered once to pair order, so keys need two copies instead of a dozen passes."""
+    def _apply_pairs(self, call: _MapCall) -> KVLayers:
+        """The mapped layers, keys via complex RoPE pairs (two copies per key instead of a dozen passes).
+
+        Strip and re-apply are one complex multiply each, and the map's key weights are reordered once to pair
+        order.
+        """
         import torch
 
         s, t = self.source_shape, self.target_shape
-        k0 = source_layers[0][0]
-        batch, seq = k0.shape[0], k0.shape[2]
-        rows = batch * seq
+        device, dtype, batch, seq = call.device, call.dtype, call.batch, call.seq
+        source_layers = call.source_layers
         same_rope = self.source_rope.same_as(self.target_rope)
-        unrotate = self.source_rope.phases(positions, seq_len, device, inverse=True).unsqueeze(-2)  # [T|B,T, 1, h]
-        rotate = self.target_rope.phases(positions, seq_len, device).unsqueeze(-2)
+        # Phases [T, 1, h] or [B, T, 1, h]: one per position and pair, broadcast over the heads.
+        unrotate = self.source_rope.phases(call.positions, call.seq_len, device, inverse=True).unsqueeze(-2)
+        rotate = self.target_rope.phases(call.positions, call.seq_len, device).unsqueeze(-2)
         out_index = pair_order_index(t.kv_heads, t.head_dim)
 
         def convert_keys(i: int) -> torch.Tensor:  # [B*T, Hs*Ds] content space, pair order
             z = _to_pairs(source_layers[i][0].to(device=device, dtype=torch.float32))
             z.mul_(unrotate)
-            return torch.view_as_real(z).reshape(rows, s.width)
+            return torch.view_as_real(z).reshape(call.rows, s.width)
 
-        src = _Sources(convert_keys, convert_values, self.layers, only)
+        src = _Sources(convert_keys, call.values, self.layers, call.only)
         out: KVLayers = [(None, None)] * len(self.layers)  # type: ignore[list-item]
         for ti, lm in src.walk():
             if lm.mode == "passthrough" and same_rope:
-                k, v = source_layers[lm.sources[0]]
-                out[ti] = (k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
+                out[ti] = call.unchanged(lm.sources[0])
                 continue
             if lm.mode == "passthrough":
                 z = _to_pairs(source_layers[lm.sources[0]][0].to(device=device, dtype=torch.float32))
@@ -411,12 +460,13 @@ class LinearKVMap:
                 out[ti] = (k.to(dtype), source_layers[lm.sources[0]][1].to(device=device, dtype=dtype))
                 continue
             in_index = pair_order_index(s.kv_heads, s.head_dim, len(lm.sources))
-            yk = map_product(inputs(src.keys, lm.sources), lm.prepared("k", device, in_index, out_index), lm.anchored)
+            yk = map_product(_inputs(src.keys, lm.sources), lm.prepared("k", device, in_index, out_index),
+                             lm.anchored)
             z = torch.view_as_complex(yk.view(batch, seq, t.kv_heads, t.head_dim // 2, 2))
             k = _from_pairs(z.mul_(rotate))
-            yv = map_product(inputs(src.values, lm.sources), lm.prepared("v", device), lm.anchored)
+            yv = map_product(_inputs(src.values, lm.sources), lm.prepared("v", device), lm.anchored)
             v = yv.view(batch, seq, t.kv_heads, t.head_dim).transpose(1, 2)
-            if check_finite:
+            if call.check_finite:
                 _require_finite(ti, yk, yv)
             out[ti] = (k.to(dtype), v.to(dtype))
         return out

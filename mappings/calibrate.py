@@ -23,10 +23,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingABC
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from mappings.errors import CorpusTooSmallError, DocumentTooLongError, ShapeMismatchError
 
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
-    from _typeshed import DataclassInstance
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from mappings.apply import LayerMap, LinearKVMap
@@ -97,7 +96,13 @@ CalibrationConfig = CalibrationSettings
 """The former name of :class:`CalibrationSettings` (its budget and splits were all it held)."""
 
 
-_S = TypeVar("_S", bound="DataclassInstance")
+class _Dataclass(Protocol):
+    """A dataclass instance (what `dataclasses.replace` takes), without reaching for typeshed's private name."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+_S = TypeVar("_S", bound=_Dataclass)
 
 
 def _with_overrides(kind: type[_S], settings: _S | None, overrides: MappingABC[str, object], caller: str) -> _S:
@@ -388,11 +393,9 @@ def select_layers(
 
     The first ``exact`` layers are passed through, neither fitted nor scored: both models compute them alike.
     """
-    from tqdm.auto import tqdm
+    from mappings.assemble import PASSTHROUGH
 
-    from mappings.assemble import PASSTHROUGH, fit_layer
-
-    plan, s, t = layout.plan, layout.source, layout.target
+    t = layout.target
     choices: list[float | None] = [PASSTHROUGH if i < exact else spec.default_alpha for i in range(t.num_layers)]
     free = range(min(exact, t.num_layers), t.num_layers)
     kv_map = layout.fit(stats, spec, choices)
@@ -402,41 +405,79 @@ def select_layers(
     options: list[float | None] = list(spec.alphas)
     if spec.passthrough:
         options.append(None)
-    fitted: dict[tuple[int, float | None], LayerMap] = {}
-
-    def layer_for(i: int, option: float | None) -> LayerMap:
-        if (i, option) not in fitted:
-            fitted[(i, option)] = fit_layer(stats[i], spec, option, plan[i], s, t)
-        return fitted[(i, option)]
-
+    search = _LayerSearch(stats, spec, layout, kv_map, choices, scores, free, options)
     if spec.selection == "error":
-        from mappings.fit import RegressionStats
+        _select_by_error(search, heldout)
+    else:
+        assert judge is not None
+        _select_by_kl(search, judge, sweeps, progress)
+    return kv_map, choices, scores
 
-        hk, hv = _content(heldout.source, layout.source_rope, spec.key_space)
-        tk, tv = _content(heldout.target, layout.target_rope, spec.key_space)
-        for i in free:
-            xk = _cat_sources(hk, plan[i])
-            xv = _cat_sources(hv, plan[i])
-            sk, sv = RegressionStats.from_data(xk, tk[i]), RegressionStats.from_data(xv, tv[i])
-            for option in options:
-                lm = layer_for(i, option)
-                wk, wv = _effective(lm, xk.shape[1], tk[i].shape[1])
-                scores[i][_option_name(option)] = sk.relative_error(wk, lm.k_bias) + sv.relative_error(wv, lm.v_bias)
-            best = min(options, key=lambda o: scores[i][_option_name(o)])
-            choices[i] = best
-            kv_map.layers[i] = layer_for(i, best)
-        return kv_map, choices, scores
 
-    assert judge is not None
+@dataclass(frozen=True)
+class _LayerSearch:
+    """One per-layer selection: the map it changes, its choices and scores so far, the options it tries."""
+
+    stats: Sequence[LayerStats]
+    spec: MethodSpec
+    layout: MapLayout
+    kv_map: LinearKVMap
+    choices: list[float | None]
+    scores: list[dict[str, float]]
+    free: range
+    """The layers to choose for (the exact ones before them stay passed through)."""
+    options: list[float | None]
+    """α values, and None for pass-through when the method allows it."""
+    fitted: dict[tuple[int, float | None], LayerMap] = field(default_factory=dict)
+
+    def layer_for(self, i: int, option: float | None) -> LayerMap:
+        """Layer ``i``'s map fitted with ``option`` (fitted once, then reused by every score and choice)."""
+        from mappings.assemble import fit_layer
+
+        if (i, option) not in self.fitted:
+            self.fitted[(i, option)] = fit_layer(self.stats[i], self.spec, option, self.layout.plan[i],
+                                                 self.layout.source, self.layout.target)
+        return self.fitted[(i, option)]
+
+    def choose(self, i: int, option: float | None) -> None:
+        """Nothing: records ``option`` as layer ``i``'s choice and puts its map in place."""
+        self.choices[i] = option
+        self.kv_map.layers[i] = self.layer_for(i, option)
+
+
+def _select_by_error(search: _LayerSearch, heldout: HeldOut) -> None:
+    """Nothing: chooses each free layer's option by its held-out relative error of keys plus values."""
+    from mappings.fit import RegressionStats
+
+    layout, spec, scores = search.layout, search.spec, search.scores
+    hk, hv = _content(heldout.source, layout.source_rope, spec.key_space)
+    tk, tv = _content(heldout.target, layout.target_rope, spec.key_space)
+    for i in search.free:
+        xk = _cat_sources(hk, layout.plan[i])
+        xv = _cat_sources(hv, layout.plan[i])
+        sk, sv = RegressionStats.from_data(xk, tk[i]), RegressionStats.from_data(xv, tv[i])
+        for option in search.options:
+            lm = search.layer_for(i, option)
+            wk, wv = _effective(lm, xk.shape[1], tk[i].shape[1])
+            error = sk.relative_error(wk, lm.k_bias) + sv.relative_error(wv, lm.v_bias)
+            scores[i][_option_name(option)] = error
+        search.choose(i, min(search.options, key=lambda o: scores[i][_option_name(o)]))
+
+
+def _select_by_kl(search: _LayerSearch, judge: KLJudge, sweeps: int, progress: bool) -> None:
+    """Nothing: chooses each free layer's option by ``judge``'s held-out KL, in coordinate sweeps."""
+    from tqdm.auto import tqdm
+
+    spec, kv_map, scores = search.spec, search.kv_map, search.scores
     current = kv_map.apply(judge.source_prefix)
     # Options in order of increasing regularisation; pass-through is the α → ∞ end of the same line.
-    ordered = sorted(o for o in options if o is not None) + ([None] if None in options else [])
+    ordered = sorted(o for o in search.options if o is not None) + ([None] if None in search.options else [])
     start = ordered.index(spec.default_alpha) if spec.default_alpha in ordered else len(ordered) // 2
 
     def score(i: int, option: float | None) -> float:
         name = _option_name(option)
         if name not in scores[i]:
-            kv_map.layers[i] = layer_for(i, option)
+            kv_map.layers[i] = search.layer_for(i, option)
             trial = list(current)
             trial[i] = kv_map.apply(judge.source_prefix, only={i})[i]
             scores[i][name] = judge.kl(trial)
@@ -444,22 +485,21 @@ def select_layers(
         return scores[i][name]
 
     per_layer = len(ordered) if spec.search == "grid" else min(len(ordered), 4)
-    bar = tqdm(total=sweeps * len(free) * per_layer, desc="selecting per-layer maps", disable=not progress)
+    bar = tqdm(total=sweeps * len(search.free) * per_layer, desc="selecting per-layer maps",
+               disable=not progress)
     try:
         for sweep in range(sweeps):
-            for i in free:
+            for i in search.free:
                 if sweep:
                     scores[i] = {}
                 if spec.search == "grid":
                     best = min(ordered, key=lambda o: score(i, o))
                 else:
                     best = _local_search(ordered, start, partial(score, i))
-                choices[i] = best
-                kv_map.layers[i] = layer_for(i, best)
+                search.choose(i, best)
                 current[i] = kv_map.apply(judge.source_prefix, only={i})[i]
     finally:
         bar.close()
-    return kv_map, choices, scores
 
 
 def _local_search(ordered: Sequence[_T], start: int, cost: Callable[[_T], float]) -> _T:
@@ -643,11 +683,7 @@ def calibrate(
     calibration statistics. Raises :class:`TokenizerMismatchError`, :class:`CorpusTooSmallError`,
     :class:`NonFiniteKVError`, :class:`ShapeMismatchError` (method not possible for this pair).
     """
-    from mappings.apply import identity_map
-    from mappings.capture import kv_shape
-    from mappings.compat import check_pair
     from mappings.models import load_model
-    from mappings.rope import RopeSpec
     from mappings.store import Mapping
     from mappings.weighting import RowWeighting
 
@@ -656,6 +692,50 @@ def calibrate(
     started = time.perf_counter()
     src = load_model(source, source_tokenizer, device=cfg.device, dtype=cfg.dtype)
     tgt = load_model(target, target_tokenizer, device=cfg.device, dtype=cfg.dtype)
+    pair = _check_pair(src, tgt, corpus, cfg, say)
+    heldout = capture_heldout(src.model, tgt.model, pair.windows.heldout, queries=True,
+                              batch_size=cfg.batch_size)
+    layout = pair.layout(_layer_plan(pair, heldout, cfg, say))
+    fit_stats, stats = accumulate_stats(src.model, tgt.model, pair.windows.train, layout, pair.spec.key_space,
+                                        batch_size=cfg.batch_size, progress=progress,
+                                        weighting=RowWeighting.of(pair.spec))
+    fitted = _select_and_measure(pair, layout, heldout, fit_stats, sweeps=cfg.sweeps, progress=progress)
+    summary = fitted.summary
+    say(f"held-out KL {summary['kl']:.4f}" + (
+        f" (source KV unchanged: {summary['kl_identity']:.4f})" if summary["kl_identity"] is not None else ""))
+    manifest = _manifest(src, tgt, fitted, pair.windows, cfg.window, pair.card.differences,
+                         seconds=round(time.perf_counter() - started, 3))
+    return Mapping(fitted.kv_map, manifest, stats)
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """A checked pair: both models, its card, the method, exact layers, corpus windows, KV shapes and RoPE."""
+
+    src: ModelHandle
+    tgt: ModelHandle
+    card: PairCard
+    spec: MethodSpec
+    exact: int
+    """Leading layers passed through unfitted (both models compute them alike)."""
+    windows: CorpusWindows
+    source_shape: KVShape
+    target_shape: KVShape
+    source_rope: RopeSpec
+    target_rope: RopeSpec
+
+    def layout(self, plan: Sequence[tuple[int, ...]]) -> MapLayout:
+        """The pair's map layout with ``plan``'s source layers feeding each target layer."""
+        return MapLayout(plan, self.source_shape, self.target_shape, self.source_rope, self.target_rope)
+
+
+def _check_pair(src: ModelHandle, tgt: ModelHandle, corpus: Corpus, cfg: CalibrationSettings,
+                say: Callable[[str], None]) -> _Pair:
+    """The pair checked for ``cfg``'s method, window and exact layers, with its corpus windows cut."""
+    from mappings.capture import kv_shape
+    from mappings.compat import check_pair
+    from mappings.rope import RopeSpec
+
     card = check_pair(src.model, src.tokenizer, tgt.model, tgt.tokenizer, source_name=src.name, target_name=tgt.name)
     say(card.render())
     spec = _method_for(cfg.method, card)
@@ -666,36 +746,37 @@ def calibrate(
     src_rope, tgt_rope = RopeSpec.from_config(src.model.config), RopeSpec.from_config(tgt.model.config)
     say(f"method {spec.name}: {len(windows.train)} x {cfg.window} fitting tokens, "
         f"{len(windows.heldout)} held-out window(s) from the {windows.heldout_from}")
+    return _Pair(src, tgt, card, spec, exact, windows, s, t, src_rope, tgt_rope)
 
-    heldout = capture_heldout(src.model, tgt.model, windows.heldout, queries=True, batch_size=cfg.batch_size)
-    if card.same_depth:
-        plan: list[tuple[int, ...]] = [(i,) for i in range(t.num_layers)]
-    else:  # which source layers feed each target layer
-        n_screen = max(1, min(len(windows.train), cfg.screen_tokens // cfg.window))
-        plan, _ = screen_sources(src.model, tgt.model, windows.train[:n_screen], heldout, src_rope, tgt_rope,
-                                 spec.top_k, spec.key_space, cfg.batch_size)
-        say("layer plan: " + ", ".join(f"{i}<-{list(p)}" for i, p in enumerate(plan)))
-    layout = MapLayout(plan, s, t, src_rope, tgt_rope)
 
-    fit_stats, stats = accumulate_stats(src.model, tgt.model, windows.train, layout, spec.key_space,
-                                        batch_size=cfg.batch_size, progress=progress, weighting=RowWeighting.of(spec))
+def _layer_plan(pair: _Pair, heldout: HeldOut, cfg: CalibrationSettings,
+                say: Callable[[str], None]) -> list[tuple[int, ...]]:
+    """Per target layer, the source layers its map reads: its own at equal depths, else the best screened."""
+    if pair.card.same_depth:
+        return [(i,) for i in range(pair.target_shape.num_layers)]
+    n_screen = max(1, min(len(pair.windows.train), cfg.screen_tokens // cfg.window))
+    plan, _ = screen_sources(pair.src.model, pair.tgt.model, pair.windows.train[:n_screen], heldout,
+                             pair.source_rope, pair.target_rope, pair.spec.top_k, pair.spec.key_space,
+                             cfg.batch_size)
+    say("layer plan: " + ", ".join(f"{i}<-{list(p)}" for i, p in enumerate(plan)))
+    return plan
 
-    # Per-layer selection.
-    judge = KLJudge(tgt.model, heldout, spec.kl_suffix_tokens, sinks=spec.exact_sinks)
-    kv_map, choices, scores = select_layers(fit_stats, spec, layout, judge, heldout, sweeps=cfg.sweeps,
-                                            progress=progress, exact=exact)
-    identity = identity_map(src.model.config, tgt.model.config) if card.identical_layout else None
+
+def _select_and_measure(pair: _Pair, layout: MapLayout, heldout: HeldOut, fit_stats: Sequence[LayerStats], *,
+                        sweeps: int, progress: bool) -> _Fitted:
+    """The map with each layer's option selected, its held-out metrics and KL summary."""
+    from mappings.apply import identity_map
+
+    spec, tgt_model = pair.spec, pair.tgt.model
+    judge = KLJudge(tgt_model, heldout, spec.kl_suffix_tokens, sinks=spec.exact_sinks)
+    kv_map, choices, scores = select_layers(fit_stats, spec, layout, judge, heldout, sweeps=sweeps,
+                                            progress=progress, exact=pair.exact)
+    identity = identity_map(pair.src.model.config, tgt_model.config) if pair.card.identical_layout else None
     summary = _heldout_summary(judge, kv_map, identity, heldout)
     if spec.selection == "kl":
-        summary["kl_default_alpha"] = _default_alpha_kl(judge, fit_stats, spec, layout, exact)
-    metrics = _selected_metrics(kv_map, heldout, tgt.model, identity, judge.sinks, spec, choices, scores)
-    say(f"held-out KL {summary['kl']:.4f}" + (
-        f" (source KV unchanged: {summary['kl_identity']:.4f})" if summary["kl_identity"] is not None else ""))
-
-    fitted = _Fitted(spec, plan, kv_map, metrics, summary, exact)
-    manifest = _manifest(src, tgt, fitted, windows, cfg.window, card.differences,
-                         seconds=round(time.perf_counter() - started, 3))
-    return Mapping(kv_map, manifest, stats)
+        summary["kl_default_alpha"] = _default_alpha_kl(judge, fit_stats, spec, layout, pair.exact)
+    metrics = _selected_metrics(kv_map, heldout, tgt_model, identity, judge.sinks, spec, choices, scores)
+    return _Fitted(spec, layout.plan, kv_map, metrics, summary, pair.exact)
 
 
 def _default_alpha_kl(judge: KLJudge, stats: Sequence[LayerStats], spec: MethodSpec, layout: MapLayout,

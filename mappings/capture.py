@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.hooks import RemovableHandle
 
+    from mappings.cache_io import KVLayers
     from mappings.types import Model, ModelConfig, Module, Tokenizer
 
 __all__ = [
@@ -214,9 +215,53 @@ def capture_kv(
     ``attention_mask`` marks valid tokens (1) and padding (0), left or right. Raises
     :class:`NonFiniteKVError` when a valid position holds NaN/inf.
     """
-    import torch
+    batch = _padded_batch(model, input_ids, attention_mask)
+    valid = batch.valid
+    hooks: AbstractContextManager[dict[int, torch.Tensor]] = capture_queries(model) if queries else nullcontext({})
+    with hooks as store:
+        out_logits, cache, out = forward_with_cache(
+            model, batch.ids, None, attention_mask=batch.mask, position_ids=batch.positions,
+            output_hidden_states=hidden_states, logits_to_keep=None if logits else 1,
+        )
+    layers = cache_layers(cache)
+    keys, values = _valid_kv(layers, batch, check_finite)
+    rows = valid.nonzero()[:, 0]
+    capture = KVCapture(
+        keys=keys,
+        values=values,
+        positions=batch.positions[valid],
+        rows=rows,
+        lengths=[int(n) for n in valid.sum(-1).tolist()],
+    )
+    if hidden_states:
+        capture.hidden = [h[valid].float() for h in out.hidden_states[: len(layers)]]
+    if queries:
+        capture.queries = _valid_queries(model, store, batch, len(layers))
+    if logits:
+        capture.logits = out_logits[valid].float()
+    return capture
 
-    from mappings.rope import RopeSpec
+
+@dataclass(frozen=True)
+class _Batch:
+    """A batch ready to run: ids and mask on the model's device, where its tokens are, their positions."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+    """``[batch, seq]`` bool: True where a token is, False on padding."""
+    positions: torch.Tensor
+    """``[batch, seq]`` position ids counted over each row's tokens (0 on leading padding)."""
+
+    @property
+    def seq(self) -> int:
+        """Positions per row, padding included."""
+        return int(self.ids.shape[1])
+
+
+def _padded_batch(model: Model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> _Batch:
+    """``input_ids`` (a sequence or a padded batch) on ``model``'s device, with its mask and position ids."""
+    import torch
 
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -229,14 +274,13 @@ def capture_kv(
     if not bool(valid.any()):
         raise CorpusTooSmallError("nothing to capture: every position of the batch is padding")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    hooks: AbstractContextManager[dict[int, torch.Tensor]] = capture_queries(model) if queries else nullcontext({})
-    with hooks as store:
-        out_logits, cache, out = forward_with_cache(
-            model, input_ids, None, attention_mask=attention_mask, position_ids=position_ids,
-            output_hidden_states=hidden_states, logits_to_keep=None if logits else 1,
-        )
-    layers = cache_layers(cache)
-    seq = input_ids.shape[1]
+    return _Batch(input_ids, attention_mask, valid, position_ids)
+
+
+def _valid_kv(layers: KVLayers, batch: _Batch,
+              check_finite: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's keys and values at the batch's token positions, ``[tokens, kv_heads, head_dim]`` fp32."""
+    seq = batch.seq
     keys, values = [], []
     for i, (k, v) in enumerate(layers):
         if k.shape[-2] != seq:
@@ -244,35 +288,30 @@ def capture_kv(
                 f"layer {i} cached {k.shape[-2]} of {seq} positions (a sliding-window or compressed cache); "
                 "capture needs every position: use shorter windows than the sliding window"
             )
-        kk = k.transpose(1, 2)[valid].float()
-        vv = v.transpose(1, 2)[valid].float()
+        kk = k.transpose(1, 2)[batch.valid].float()
+        vv = v.transpose(1, 2)[batch.valid].float()
         if check_finite:
             _check_finite("keys", i, kk)
             _check_finite("values", i, vv)
         keys.append(kk)
         values.append(vv)
-    rows = valid.nonzero()[:, 0]
-    capture = KVCapture(
-        keys=keys,
-        values=values,
-        positions=position_ids[valid],
-        rows=rows,
-        lengths=[int(n) for n in valid.sum(-1).tolist()],
-    )
-    if hidden_states:
-        capture.hidden = [h[valid].float() for h in out.hidden_states[: len(layers)]]
-    if queries:
-        rope = RopeSpec.from_config(model.config)
-        qs = []
-        heads = model.config.num_attention_heads
-        for i in range(len(layers)):
-            q = store[i].reshape(input_ids.shape[0], seq, heads, -1).float()
-            q = rope.apply(q.transpose(1, 2), position_ids, seq_len=seq).transpose(1, 2)
-            qs.append(q[valid])
-        capture.queries = qs
-    if logits:
-        capture.logits = out_logits[valid].float()
-    return capture
+    return keys, values
+
+
+def _valid_queries(model: Model, store: Mapping[int, torch.Tensor], batch: _Batch,
+                   count: int) -> list[torch.Tensor]:
+    """The first ``count`` layers' captured queries, RoPE applied, at the batch's token positions (fp32)."""
+    from mappings.rope import RopeSpec
+
+    rope = RopeSpec.from_config(model.config)
+    seq = batch.seq
+    qs = []
+    heads = model.config.num_attention_heads
+    for i in range(count):
+        q = store[i].reshape(batch.ids.shape[0], seq, heads, -1).float()
+        q = rope.apply(q.transpose(1, 2), batch.positions, seq_len=seq).transpose(1, 2)
+        qs.append(q[batch.valid])
+    return qs
 
 
 def capture_texts(

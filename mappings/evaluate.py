@@ -282,14 +282,21 @@ def evaluate(
     compute (the report's ``pass_costs`` is None). ``timing_repeats``: on a shared machine one run can take twice
     as long as the next, and a measured cost is a ratio of two such timings.
     """
-    import torch
-    from tqdm.auto import tqdm
-
     cfg = _with_overrides(EvaluationSettings, settings, overrides, "evaluate")
     mapping, mapping_dir, src, tgt = _load_pair(mapping, source, target, cfg.device)
     ids_all, doc_sha = _document_ids(document, tgt.tokenizer)
     n, m, windows = int(cfg.prefix_tokens), int(cfg.suffix_tokens), int(cfg.windows)
     _check_spans(len(ids_all), n, m, windows, cfg.greedy_tokens, document_name, src.model, tgt.model)
+    ctx, skipped = _eval_context(cfg, mapping, mapping_dir, src, tgt)
+    per_window = _evaluate_windows(ctx, ids_all, windows, progress)
+    document_record: dict[str, object] = {"name": document_name, "sha256": doc_sha, "tokens": len(ids_all)}
+    return _report(ctx, _Subject(mapping_dir, src, tgt, document_record), per_window, skipped)
+
+
+def _eval_context(cfg: EvaluationSettings, mapping: Mapping, mapping_dir: Path | None, src: ModelHandle,
+                  tgt: ModelHandle) -> tuple[_EvalContext, dict[str, str]]:
+    """What every window runs (rows, maps, spans, pass costs), and the rows this pair skips with why."""
+    n, m = int(cfg.prefix_tokens), int(cfg.suffix_tokens)
     tail = max(0, min(int(cfg.tail_tokens), n - 1))
     costs = _repair_pass_costs(cfg.repairs, cfg.repair_costs, mapping_dir, tgt)
     maps, skipped = _methods(mapping, cfg.baselines, src.model.config, tgt.model.config)
@@ -304,6 +311,16 @@ def evaluate(
         greedy_tokens=cfg.greedy_tokens, layer_curves=cfg.layer_curves, repairs=cfg.repairs, costs=costs,
         timing_repeats=int(cfg.timing_repeats) if cfg.repairs else 1,
     )
+    return ctx, skipped
+
+
+def _evaluate_windows(ctx: _EvalContext, ids_all: Sequence[int], windows: int,
+                      progress: bool) -> list[_Window]:
+    """The results of each of the first ``windows`` consecutive ``n + m`` spans of the document, in order."""
+    import torch
+    from tqdm.auto import tqdm
+
+    n, m = ctx.n, ctx.m
     per_window: list[_Window] = []
     bar = tqdm(total=windows, desc="evaluating windows", disable=not progress)
     for w in range(windows):
@@ -311,20 +328,37 @@ def evaluate(
         per_window.append(_evaluate_window(ctx, span))
         bar.update(1)
     bar.close()
+    return per_window
 
+
+@dataclass(frozen=True)
+class _Subject:
+    """What an evaluation's report names: the mapping's folder, both models and the document."""
+
+    mapping_dir: Path | None
+    source: ModelHandle
+    target: ModelHandle
+    document: dict[str, object]
+    """Its name, sha256 and token count."""
+
+
+def _report(ctx: _EvalContext, subject: _Subject, per_window: Sequence[_Window],
+            skipped: dict[str, str]) -> EvaluationReport:
+    """The evaluation's report: every row and layer curve averaged over the windows, with what was scored."""
+    src, tgt = subject.source, subject.target
     return EvaluationReport(
-        mapping=str(mapping_dir) if mapping_dir is not None else None,
-        mapping_method=own,
+        mapping=str(subject.mapping_dir) if subject.mapping_dir is not None else None,
+        mapping_method=ctx.own,
         source={"path": str(src.path) if src.path else None, "fingerprint": src.fingerprint.as_dict()},
         target={"path": str(tgt.path) if tgt.path else None, "fingerprint": tgt.fingerprint.as_dict()},
-        document={"name": document_name, "sha256": doc_sha, "tokens": len(ids_all)},
-        prefix_tokens=n, suffix_tokens=m, windows=windows, tail_tokens=tail,
+        document=subject.document,
+        prefix_tokens=ctx.n, suffix_tokens=ctx.m, windows=len(per_window), tail_tokens=ctx.tail,
         reference_prefill_seconds=_mean([pw.ref_seconds for pw in per_window]),
         source_prefill_seconds=_mean([pw.src_seconds for pw in per_window]),
-        methods=_method_results(per_window, cfg.greedy_tokens), skipped=skipped,
+        methods=_method_results(per_window, ctx.greedy_tokens), skipped=skipped,
         single_layer=_layer_curve([pw.single for pw in per_window]),
         accumulation=_layer_curve([pw.accum for pw in per_window]),
-        pass_costs=None if costs is None else _pass_cost_summary(costs, n),
+        pass_costs=None if ctx.costs is None else _pass_cost_summary(ctx.costs, ctx.n),
     )
 
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:
     import torch
 
+    from mappings.cache_io import KVLayers
     from mappings.types import KVCache, Model
 
 __all__ = ["PassCosts", "CostModel", "measure_pass_costs", "load_or_measure", "pass_features", "prefill_features",
@@ -248,8 +249,7 @@ def measure_pass_costs(model: Model, *, max_tokens: int = 4096, repeats: int = 2
     """
     import torch
 
-    from mappings.cache_io import cache_layers, forward_with_cache, model_device, sync_device
-    from mappings.recompute import repair_tokens_and_logits
+    from mappings.cache_io import model_device
 
     limit = getattr(model.config, "max_position_embeddings", None) or max_tokens
     n = max(64, min(int(max_tokens), int(limit) - 1))
@@ -258,67 +258,124 @@ def measure_pass_costs(model: Model, *, max_tokens: int = 4096, repeats: int = 2
     ids = torch.randint(0, vocab, (1, n), generator=gen)
     dev = model_device(model)
     flash = "flash" in str(getattr(model.config, "_attn_implementation", None) or "")
+    bench = _Bench(model, ids, dev, repeats, flash)
+    timed = _Timed()
+    with torch.no_grad():
+        layers = _time_prefills(bench, timed)
+        _time_repairs(bench, layers, timed)
+    return _fit_pass_costs(timed, key, flash, measured_on)
 
-    def timed(fn: Callable[[], _T], times: int = repeats) -> tuple[float, _T]:
+
+@dataclass(frozen=True)
+class _Bench:
+    """What every timed pass of one measurement shares: the model, its random document, device and repeats."""
+
+    model: Model
+    ids: torch.Tensor
+    """``[1, n]`` random token ids (shorter prefills and the half-length cache read their leading part)."""
+    dev: torch.device
+    repeats: int
+    flash: bool
+
+    @property
+    def n(self) -> int:
+        """The longest prefill's length (the repairs' cache)."""
+        return int(self.ids.shape[1])
+
+    def fastest(self, fn: Callable[[], _T], times: int) -> tuple[float, _T]:
+        """The fastest of ``times`` runs of ``fn`` in seconds (device work included), with its last output."""
+        from mappings.cache_io import sync_device
+
         t0 = time.perf_counter()
         out = fn()
-        sync_device(dev)
+        sync_device(self.dev)
         best = time.perf_counter() - t0
         for _ in range(times - 1):
             t0 = time.perf_counter()
             out = fn()
-            sync_device(dev)
+            sync_device(self.dev)
             best = min(best, time.perf_counter() - t0)
         return best, out
 
-    rows: list[tuple[float, ...]] = []
-    ys: list[float] = []
-    labels: list[str] = []
-    with torch.no_grad():
-        forward_with_cache(model, ids[:, : min(n, 32)], None, logits_to_keep=1)  # warm-up: allocations, kernels
-        cache: KVCache | None = None
-        for m in sorted({max(8, n // 8), max(8, n // 4), max(8, n // 2), n}):
-            # the longest prefill is timed once (seconds long, it varies least) and its cache is the repairs' own
-            secs, out = timed(partial(forward_with_cache, model, ids[:, :m], None, logits_to_keep=1),
-                              1 if m == n else repeats)
-            rows.append(prefill_features(m))
-            ys.append(secs)
-            labels.append(f"prefill {m}")
-            cache = out[1]
-        assert cache is not None  # the loop above runs at least once
-        layers = list(cache_layers(cache))
-        sink = min(4, n // 8)
-        mid = n // 2
-        plans = {
-            "sinks": range(sink),
-            "tail 4": range(n - 4, n),
-            "tail 16": range(n - 16, n),
-            f"tail {n // 16}": range(n - n // 16, n),
-            f"tail {n // 8}": range(n - n // 8, n),
-            "sinks + tail 64": [*range(sink), *range(n - 64, n)],
-            f"sinks + tail {n // 4}": [*range(sink), *range(n - n // 4, n)],
-            "run 32 + tail 16": [*range(mid, mid + 32), *range(n - 16, n)],
-        }
-        for name, tokens in plans.items():
-            pos = sorted(set(tokens))
-            secs, _ = timed(partial(repair_tokens_and_logits, model, layers, ids, pos), repeats + 1)
-            rows.append(pass_features(n, pos, flash=flash))
-            ys.append(secs)
-            labels.append(name)
-        half = [(k[:, :, :mid], v[:, :, :mid]) for k, v in layers]
-        for q in (4, max(8, mid // 16), max(8, mid // 8)):
-            pos = list(range(mid - q, mid))
-            secs, _ = timed(partial(repair_tokens_and_logits, model, half, ids[:, :mid], pos), repeats + 1)
-            rows.append(pass_features(mid, pos, flash=flash))
-            ys.append(secs)
-            labels.append(f"tail {q} of {mid}")
+
+@dataclass
+class _Timed:
+    """The timed passes so far: their names, features (:data:`FEATURES`) and fastest seconds, in order."""
+
+    labels: list[str] = field(default_factory=list)
+    rows: list[tuple[float, ...]] = field(default_factory=list)
+    ys: list[float] = field(default_factory=list)
+
+    def add(self, label: str, features: tuple[float, ...], seconds: float) -> None:
+        """Nothing: records one timed pass."""
+        self.rows.append(features)
+        self.ys.append(seconds)
+        self.labels.append(label)
+
+
+def _time_prefills(bench: _Bench, timed: _Timed) -> KVLayers:
+    """The longest prefill's cache layers, after timing prefills of ``n / 8 .. n`` tokens into ``timed``."""
+    from mappings.cache_io import cache_layers, forward_with_cache
+
+    model, ids, n = bench.model, bench.ids, bench.n
+    forward_with_cache(model, ids[:, : min(n, 32)], None, logits_to_keep=1)  # warm-up: allocations, kernels
+    cache: KVCache | None = None
+    for m in sorted({max(8, n // 8), max(8, n // 4), max(8, n // 2), n}):
+        # the longest prefill is timed once (seconds long, it varies least) and its cache is the repairs' own
+        secs, out = bench.fastest(partial(forward_with_cache, model, ids[:, :m], None, logits_to_keep=1),
+                                  1 if m == n else bench.repeats)
+        timed.add(f"prefill {m}", prefill_features(m), secs)
+        cache = out[1]
+    assert cache is not None  # the loop above runs at least once
+    return list(cache_layers(cache))
+
+
+def _repair_plans(n: int) -> dict[str, Sequence[int]]:
+    """The repairs timed over an ``n``-token cache, by name: shaped as plans are (sinks, tails, a run)."""
+    sink = min(4, n // 8)
+    mid = n // 2
+    return {
+        "sinks": range(sink),
+        "tail 4": range(n - 4, n),
+        "tail 16": range(n - 16, n),
+        f"tail {n // 16}": range(n - n // 16, n),
+        f"tail {n // 8}": range(n - n // 8, n),
+        "sinks + tail 64": [*range(sink), *range(n - 64, n)],
+        f"sinks + tail {n // 4}": [*range(sink), *range(n - n // 4, n)],
+        "run 32 + tail 16": [*range(mid, mid + 32), *range(n - 16, n)],
+    }
+
+
+def _time_repairs(bench: _Bench, layers: KVLayers, timed: _Timed) -> None:
+    """Nothing: times the plans' repairs over ``layers`` and tails over its first half into ``timed``."""
+    from mappings.recompute import repair_tokens_and_logits
+
+    model, ids, n, flash = bench.model, bench.ids, bench.n, bench.flash
+    mid = n // 2
+    for name, tokens in _repair_plans(n).items():
+        pos = sorted(set(tokens))
+        secs, _ = bench.fastest(partial(repair_tokens_and_logits, model, layers, ids, pos), bench.repeats + 1)
+        timed.add(name, pass_features(n, pos, flash=flash), secs)
+    # Tails of a second, half-length cache: cached keys and cached positions are priced at two cache sizes.
+    half = [(k[:, :, :mid], v[:, :, :mid]) for k, v in layers]
+    for q in (4, max(8, mid // 16), max(8, mid // 8)):
+        pos = list(range(mid - q, mid))
+        secs, _ = bench.fastest(partial(repair_tokens_and_logits, model, half, ids[:, :mid], pos),
+                                bench.repeats + 1)
+        timed.add(f"tail {q} of {mid}", pass_features(mid, pos, flash=flash), secs)
+
+
+def _fit_pass_costs(timed: _Timed, key: dict[str, str] | None, flash: bool, measured_on: str) -> PassCosts:
+    """The :class:`PassCosts` fitted to the timed passes, which it keeps as its samples."""
+    rows, ys, labels = timed.rows, timed.ys, timed.labels
     # Relative error: divide every row by its seconds, so small passes weigh as much as prefills.
     coef = _nnls([tuple(f / y for f in r) for r, y in zip(rows, ys, strict=True)], [1.0] * len(ys))
     per_pass, per_token, per_key, per_past_key, per_past, per_copied = coef  # one per FEATURES entry
     costs = PassCosts(per_pass, per_token, per_key, per_past_key, per_past, per_copied, key=dict(key or {}),
                       flash=flash)
-    samples: list[dict[str, float | str]] = [{"pass": label, **dict(zip(FEATURES, r, strict=True)), "seconds": y, "fitted": costs.seconds(r)}
-               for label, r, y in zip(labels, rows, ys, strict=True)]
+    samples: list[dict[str, float | str]] = [
+        {"pass": label, **dict(zip(FEATURES, r, strict=True)), "seconds": y, "fitted": costs.seconds(r)}
+        for label, r, y in zip(labels, rows, ys, strict=True)]
     return replace(costs, measured_on=measured_on, samples=samples)
 
 

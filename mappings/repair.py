@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -282,27 +282,54 @@ def plan_repair(
     """
     if n < 1:
         raise ShapeMismatchError("nothing to repair: the document is empty")
-    layer_budget = policy.budget * policy.layer_share
+    blocks = _plan_blocks(policy, num_layers, layer_scores)
+    block_layers = sum(z - a for a, z in blocks)
+    block_share = block_layers / num_layers
+    model = costs if costs is not None else _ComputeModel.of(config)
+    done = set(range(min(max(0, exact), n)))
+    slots = _TokenSlots(n, policy.sink_tokens, policy.scattered_share, importance)
+    chosen, tail_n, sink = slots.choose(_slot_count(slots, model, done, block_share, policy.budget))
+    spent = sorted(done.union(chosen))
+    token_share = len(spent) / n + block_share
+    cost = model.share(n, spent) + block_share if model is not None else token_share
+    tokens = tuple(p for p in chosen if p not in done)
+    return RepairPlan(tokens=tokens, blocks=blocks, tail=tail_n, scattered=len(chosen) - tail_n - sink, cost=cost,
+                      token_share=token_share, costs=model.kind if model is not None else "tokens", exact=len(done))
+
+
+def _plan_blocks(policy: RepairPolicy, num_layers: int,
+                 layer_scores: Sequence[float] | None) -> tuple[tuple[int, int], ...]:
+    """The layer blocks ``[start, stop)`` to recompute: the policy's own, or the best-scored for its share."""
     if policy.blocks is not None:
         blocks = tuple(policy.blocks)
         for _a, z in blocks:
             if z > num_layers:
                 raise ShapeMismatchError(f"layer block ending at {z} is outside the target's {num_layers} layers")
-    else:
-        count = int(math.floor(layer_budget * num_layers + 1e-9))
-        if count and layer_scores is None:
-            raise RepairUnavailableError("choosing layer blocks needs per-layer scores from the mapping's metrics")
-        blocks = choose_blocks(layer_scores or [], count) if count else ()
-    block_layers = sum(z - a for a, z in blocks)
-    block_share = block_layers / num_layers
-    model = costs if costs is not None else _ComputeModel.of(config)
-    done = set(range(min(max(0, exact), n)))
+        return blocks
+    layer_budget = policy.budget * policy.layer_share
+    count = int(math.floor(layer_budget * num_layers + 1e-9))
+    if count and layer_scores is None:
+        raise RepairUnavailableError(
+            "choosing layer blocks needs per-layer scores from the mapping's metrics")
+    return choose_blocks(layer_scores or [], count) if count else ()
 
-    def choose(k: int) -> tuple[tuple[int, ...], int, int]:
+
+@dataclass(frozen=True)
+class _TokenSlots:
+    """How a plan fills token slots on an ``n``-token document: the sinks, interior tokens, the tail."""
+
+    n: int
+    sink_tokens: int
+    scattered_share: float
+    importance: torch.Tensor | None
+    """The source's attention ranking of interior tokens; None plans no interior tokens."""
+
+    def choose(self, k: int) -> tuple[tuple[int, ...], int, int]:
         """The plan of ``k`` token slots: (positions, tail length, sink count)."""
-        sink = min(policy.sink_tokens, k, n)
+        n, importance = self.n, self.importance
+        sink = min(self.sink_tokens, k, n)
         rest = k - sink
-        scattered_n = int(rest * policy.scattered_share) if importance is not None else 0
+        scattered_n = int(rest * self.scattered_share) if importance is not None else 0
         tail_n = min(rest - scattered_n, n - sink)
         chosen = set(range(sink)) | set(range(n - tail_n, n))
         if scattered_n:
@@ -313,32 +340,29 @@ def plan_repair(
                 chosen.add(int(p))
         return tuple(sorted(chosen)), tail_n, sink
 
-    if model is None:
-        k = max(0, int(math.floor((policy.budget - block_share) * n + 1e-9)))
-    else:
-        def fits(k: int) -> bool:
-            return model.share(n, sorted(done.union(choose(k)[0]))) + block_share <= policy.budget + 1e-12
 
-        # The largest k that fits: a full recompute (one prefill) is checked first, since a plan one token short
-        # of it (sinks and tail split by a gap) costs more; below it the cost grows with k.
-        if fits(n):
-            k = n
+def _slot_count(slots: _TokenSlots, model: CostModel | None, done: set[int], block_share: float,
+                budget: float) -> int:
+    """The most token slots whose plan, with ``done`` and the blocks' ``block_share``, fits ``budget``."""
+    n = slots.n
+    if model is None:
+        return max(0, int(math.floor((budget - block_share) * n + 1e-9)))
+
+    def fits(k: int) -> bool:
+        return model.share(n, sorted(done.union(slots.choose(k)[0]))) + block_share <= budget + 1e-12
+
+    # The largest k that fits: a full recompute (one prefill) is checked first, since a plan one token short
+    # of it (sinks and tail split by a gap) costs more; below it the cost grows with k.
+    if fits(n):
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
         else:
-            lo, hi = 0, n
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    lo = mid
-                else:
-                    hi = mid
-            k = lo
-    chosen, tail_n, sink = choose(k)
-    spent = sorted(done.union(chosen))
-    token_share = len(spent) / n + block_share
-    cost = model.share(n, spent) + block_share if model is not None else token_share
-    tokens = tuple(p for p in chosen if p not in done)
-    return RepairPlan(tokens=tokens, blocks=blocks, tail=tail_n, scattered=len(chosen) - tail_n - sink, cost=cost,
-                      token_share=token_share, costs=model.kind if model is not None else "tokens", exact=len(done))
+            hi = mid
+    return lo
 
 
 @dataclass(frozen=True)
@@ -470,7 +494,7 @@ def repair_cache(
     probe to climb against: :func:`climb_repair`. ``costs`` and ``exact``: as :func:`plan_repair`.
     """
     from mappings.cache_io import sync_device
-    from mappings.recompute import embed, repair_tokens_and_logits, run_layers
+    from mappings.recompute import repair_tokens_and_logits
 
     if policy.adaptive:
         raise RepairUnavailableError("an adaptive policy (ladder) climbs against a probe: use climb_repair, or "
@@ -486,23 +510,7 @@ def repair_cache(
     layers = list(mapped)
     if plan.blocks:
         t0 = time.perf_counter()
-        for a, z in plan.blocks:
-            if a == 0:
-                hidden = embed(target, input_ids)
-            else:
-                if residual is None or source_hidden is None:
-                    raise RepairUnavailableError(
-                        f"layer block [{a}, {z}) starts after layer 0: it needs the mapping's residual maps "
-                        "(add them with `orchestra calibrate-repair --mapping DIR --corpus FILE`) and the "
-                        "source's hidden states"
-                    )
-                s = residual.layers[a].source
-                if s not in source_hidden:
-                    raise RepairUnavailableError(f"source hidden state entering layer {s} was not captured")
-                hidden = residual.apply(a, source_hidden[s]).to(layers[0][0].dtype)
-            _, kv = run_layers(target, hidden, a, z)
-            for j, pair in enumerate(kv):
-                layers[a + j] = (pair[0].to(layers[a + j][0].dtype), pair[1].to(layers[a + j][1].dtype))
+        _recompute_blocks(target, layers, input_ids, plan.blocks, residual, source_hidden)
         sync_device(layers[0][0].device)
         seconds["layers"] = time.perf_counter() - t0
     logits = None
@@ -512,6 +520,37 @@ def repair_cache(
         sync_device(layers[0][0].device)
         seconds["tokens"] = time.perf_counter() - t0
     return RepairResult(layers, plan, policy, seconds, logits=logits)
+
+
+def _recompute_blocks(target: Model, layers: KVLayers, input_ids: torch.Tensor,
+                      blocks: Sequence[tuple[int, int]], residual: ResidualMap | None,
+                      source_hidden: dict[int, torch.Tensor] | None) -> None:
+    """Nothing: writes the target's own K/V of every block into ``layers``, run from the state entering it."""
+    from mappings.recompute import embed, run_layers
+
+    for a, z in blocks:
+        if a == 0:
+            hidden = embed(target, input_ids)
+        else:
+            hidden = _mapped_hidden(a, z, residual, source_hidden).to(layers[0][0].dtype)
+        _, kv = run_layers(target, hidden, a, z)
+        for j, pair in enumerate(kv):
+            layers[a + j] = (pair[0].to(layers[a + j][0].dtype), pair[1].to(layers[a + j][1].dtype))
+
+
+def _mapped_hidden(a: int, z: int, residual: ResidualMap | None,
+                   source_hidden: dict[int, torch.Tensor] | None) -> torch.Tensor:
+    """The state entering target layer ``a`` (block ``[a, z)``), mapped from the source's residual stream."""
+    if residual is None or source_hidden is None:
+        raise RepairUnavailableError(
+            f"layer block [{a}, {z}) starts after layer 0: it needs the mapping's residual maps "
+            "(add them with `orchestra calibrate-repair --mapping DIR --corpus FILE`) and the "
+            "source's hidden states"
+        )
+    s = residual.layers[a].source
+    if s not in source_hidden:
+        raise RepairUnavailableError(f"source hidden state entering layer {s} was not captured")
+    return residual.apply(a, source_hidden[s])
 
 
 def climb_repair(
@@ -549,67 +588,137 @@ def climb_repair(
     :func:`repair_cache`) only when a rung above 0 needs them. ``costs`` prices the rungs (as
     :func:`plan_repair`); the first ``exact`` positions are already exact and never recomputed.
     """
-    from mappings.cache_io import sync_device
-    from mappings.recompute import repair_tokens_and_logits
-
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    n, num_layers = input_ids.shape[1], len(mapped)
+    climb = _start_climb(target, input_ids, policy, probe, tail=tail, num_layers=len(mapped), costs=costs,
+                         exact=exact)
+    state = _ClimbState(list(mapped), set(climb.given))
+    for i, budget in enumerate(policy.rungs):
+        if budget and policy.scattered_share and importance is None:
+            importance = _rank(source, source_layers, input_ids, policy.probe_tokens, state.seconds)
+        if _climb_rung(climb, state, i, budget, importance):
+            break
+    else:
+        state.stopped = "no budget of the ladder passed the probe"
+    return _climb_result(climb, state)
+
+
+@dataclass(frozen=True)
+class _Climb:
+    """What every rung of one ladder climb shares: target, document, policy, probe and pricing."""
+
+    target: Model
+    input_ids: torch.Tensor
+    policy: RepairPolicy
+    probe: Probe
+    tail: int
+    num_layers: int
+    exact: int
+    config: ModelConfig | None
+    model: CostModel | None
+    probe_pos: frozenset[int]
+    given: frozenset[int]
+    """The sinks: exact already, never recomputed."""
+    first_probe: float
+    """The first rung's probe pass, which the pure map pays anyway (left out of the spend)."""
+
+    @property
+    def n(self) -> int:
+        """The document's length in tokens."""
+        return int(self.input_ids.shape[1])
+
+    def share(self, positions: Collection[int]) -> float:
+        """One rung's pass (its new positions with the probe tokens) as a share of a prefill."""
+        return _pass_share(self.model, self.n, positions)
+
+
+def _pass_share(model: CostModel | None, n: int, positions: Collection[int]) -> float:
+    """A pass over ``positions`` of an ``n``-token cache as a share of a prefill (token share if no model)."""
+    return model.share(n, sorted(positions)) if model is not None else len(positions) / n
+
+
+def _start_climb(target: Model, input_ids: torch.Tensor, policy: RepairPolicy, probe: Probe, *, tail: int,
+                 num_layers: int, costs: CostModel | None, exact: int) -> _Climb:
+    """The climb's shared context, once the probe's ``tail`` tokens are known to fit the document."""
+    n = input_ids.shape[1]
     if not 1 <= tail <= n:
         raise ShapeMismatchError(f"cannot probe the last {tail} tokens of a {n}-token prefix")
-    probe_pos = set(range(n - tail, n))
+    probe_pos = frozenset(range(n - tail, n))
     config = getattr(target, "config", None)
     model = costs if costs is not None else _ComputeModel.of(config)
+    first_probe = _pass_share(model, n, probe_pos)
+    given = frozenset(range(min(max(0, exact), n - tail)))
+    return _Climb(target, input_ids, policy, probe, tail, num_layers, exact, config, model, probe_pos, given,
+                  first_probe)
 
-    def share(positions: set[int]) -> float:
-        """One rung's pass (its new positions with the probe tokens) as a share of a prefill."""
-        return model.share(n, sorted(positions)) if model is not None else len(positions) / n
 
-    first_probe = share(probe_pos)
-    given = set(range(min(max(0, exact), n - tail)))  # the sinks: exact already, never recomputed
-    repaired: set[int] = set(given)
-    seconds: dict[str, float] = {"tokens": 0.0}
-    steps: list[LadderStep] = []
-    layers, owned = list(mapped), False
-    spent, recomputed = 0.0, 0
+@dataclass
+class _ClimbState:
+    """Where a climb stands: its working layers, what its rungs recomputed and spent, and how it ended."""
+
+    layers: KVLayers
+    repaired: set[int]
+    seconds: dict[str, float] = field(default_factory=lambda: {"tokens": 0.0})
+    steps: list[LadderStep] = field(default_factory=list)
+    owned: bool = False
+    """The working layers are this climb's own fresh tensors (a rung may then repair them in place)."""
+    spent: float = 0.0
+    recomputed: int = 0
     passed: float | None = None
     stopped: str | None = None
     plan: RepairPlan | None = None
     logits: torch.Tensor | None = None
-    for i, budget in enumerate(policy.rungs):
-        if budget and policy.scattered_share and importance is None:
-            importance = _rank(source, source_layers, input_ids, policy.probe_tokens, seconds)
-        rung = plan_repair(policy.at(budget), n, num_layers, importance=importance, config=config, costs=model,
-                           exact=exact)
-        new = sorted(set(rung.tokens) - repaired - probe_pos)
-        if i and not new:
-            steps.append(LadderStep(budget=budget, tokens=0, skipped=True))
-            continue
-        cost = share(set(new) | probe_pos) - (0.0 if i else first_probe)  # the first probe: the map's own tail
-        if i and spent + cost > policy.max_spend + 1e-12:
-            stopped = (f"the {budget:.0%} rung would bring the repair spend to {spent + cost:.1%} of a "
-                       f"prefill, over max_spend {policy.max_spend:.0%}")
-            break
-        t0 = time.perf_counter()
-        layers, logits = repair_tokens_and_logits(target, layers, input_ids, new, logits=tail, in_place=owned)
-        assert logits is not None  # tail >= 1 always asks for logits
-        sync_device(layers[0][0].device)
-        seconds["tokens"] += time.perf_counter() - t0
-        owned = True  # from here on the working layers are this climb's own fresh tensors
-        repaired.update(new)
-        spent += cost
-        recomputed += len(new) + tail
-        plan = rung
-        ok, metrics = probe(logits)
-        steps.append(LadderStep(budget=budget, tokens=len(new) + tail, passed=bool(ok),
-                                metrics={k: float(v) for k, v in metrics.items()}))
-        if ok:
-            passed = budget
-            break
-    else:
-        stopped = "no budget of the ladder passed the probe"
-    assert plan is not None and logits is not None  # the first rung always runs
-    ladder = RepairLadder(budgets=list(policy.rungs), passed=passed, spent=spent,
-                          token_share=(recomputed - tail) / n, recomputed=recomputed,
-                          repaired=len(repaired - given), probe_tokens=tail, stopped=stopped, steps=steps)
-    return RepairResult(layers, plan, policy, seconds, logits=logits, ladder=ladder)
+
+
+def _climb_rung(climb: _Climb, state: _ClimbState, i: int, budget: float,
+                importance: torch.Tensor | None) -> bool:
+    """True when the climb ends at rung ``i``: its probe passed, or it would overspend (see ``state``)."""
+    rung = plan_repair(climb.policy.at(budget), climb.n, climb.num_layers, importance=importance,
+                       config=climb.config, costs=climb.model, exact=climb.exact)
+    new = sorted(set(rung.tokens) - state.repaired - climb.probe_pos)
+    if i and not new:
+        state.steps.append(LadderStep(budget=budget, tokens=0, skipped=True))
+        return False
+    # The first probe is the map's own tail: the pure map pays it too.
+    cost = climb.share(set(new) | climb.probe_pos) - (0.0 if i else climb.first_probe)
+    if i and state.spent + cost > climb.policy.max_spend + 1e-12:
+        state.stopped = (f"the {budget:.0%} rung would bring the repair spend to {state.spent + cost:.1%} "
+                         f"of a prefill, over max_spend {climb.policy.max_spend:.0%}")
+        return True
+    logits = _recompute_rung(climb, state, new)
+    state.repaired.update(new)
+    state.spent += cost
+    state.recomputed += len(new) + climb.tail
+    state.plan = rung
+    ok, metrics = climb.probe(logits)
+    state.steps.append(LadderStep(budget=budget, tokens=len(new) + climb.tail, passed=bool(ok),
+                                  metrics={k: float(v) for k, v in metrics.items()}))
+    if ok:
+        state.passed = budget
+    return bool(ok)
+
+
+def _recompute_rung(climb: _Climb, state: _ClimbState, new: Sequence[int]) -> torch.Tensor:
+    """The probe tokens' logits, once ``new`` and they are recomputed over the climb's working layers."""
+    from mappings.cache_io import sync_device
+    from mappings.recompute import repair_tokens_and_logits
+
+    t0 = time.perf_counter()
+    state.layers, state.logits = repair_tokens_and_logits(climb.target, state.layers, climb.input_ids, new,
+                                                          logits=climb.tail, in_place=state.owned)
+    assert state.logits is not None  # tail >= 1 always asks for logits
+    sync_device(state.layers[0][0].device)
+    state.seconds["tokens"] += time.perf_counter() - t0
+    state.owned = True  # from here on the working layers are this climb's own fresh tensors
+    return state.logits
+
+
+def _climb_result(climb: _Climb, state: _ClimbState) -> RepairResult:
+    """The last rung's cache and probe logits, with the ladder's record of the climb."""
+    assert state.plan is not None and state.logits is not None  # the first rung always runs
+    ladder = RepairLadder(budgets=list(climb.policy.rungs), passed=state.passed, spent=state.spent,
+                          token_share=(state.recomputed - climb.tail) / climb.n, recomputed=state.recomputed,
+                          repaired=len(state.repaired - climb.given), probe_tokens=climb.tail,
+                          stopped=state.stopped, steps=state.steps)
+    return RepairResult(state.layers, state.plan, climb.policy, state.seconds, logits=state.logits,
+                        ladder=ladder)
