@@ -185,16 +185,7 @@ def continue_ids(
     Raises ContextOverflowError before any compute when prefix + new ids + max_new_tokens do not fit.
     """
     new = [int(t) for t in new_ids]
-    if not new:
-        raise ValueError("new_ids is empty: give at least one token to continue from")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-    if prefix_cache is None:
-        if prefix_len:
-            raise ValueError(f"prefix_len is {prefix_len} but no prefix_cache was given")
-    else:
-        check_prefix_cache(prefix_cache, prefix_len)
-    check_context(model, prefix_len, len(new), max_new_tokens)
+    _check_request(model, prefix_cache, prefix_len, new, max_new_tokens)
     cancelled = _cancel_check(cancel)
     held = lock if lock is not None else contextlib.nullcontext()
     stream = TokenStream(tokenizer, eos_token_ids(model, tokenizer), max_new_tokens=max_new_tokens,
@@ -212,17 +203,47 @@ def continue_ids(
             logits = forward_tokens(model, new, cache, prefix_len)
             sync_device(device)
         t1 = time.perf_counter()
-        position = prefix_len + len(new)
-        while True:
-            token = stream.push(logits)
-            if stream.finish is not None:
-                break
-            if cancelled():
-                stream.finish = "cancelled"
-                break
-            with held:  # per step: other work on this model interleaves token by token
-                logits = forward_tokens(model, [token], cache, position)
-            position += 1
+        _decode_steps(_Passes(model, cache, held), stream, logits, prefix_len + len(new), cancelled)
         sync_device(device)
     t2 = time.perf_counter()
     return stream.result(len(new), t1 - t0, t2 - t1)
+
+
+def _check_request(model: Model, prefix_cache: CacheLike | None, prefix_len: int, new: list[int],
+                   max_new_tokens: int) -> None:
+    """Refuse a continuation before any compute: no new ids, no tokens to decode, a cache of another length,
+    or more positions than the model takes."""
+    if not new:
+        raise ValueError("new_ids is empty: give at least one token to continue from")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+    if prefix_cache is None:
+        if prefix_len:
+            raise ValueError(f"prefix_len is {prefix_len} but no prefix_cache was given")
+    else:
+        check_prefix_cache(prefix_cache, prefix_len)
+    check_context(model, prefix_len, len(new), max_new_tokens)
+
+
+@dataclass(frozen=True)
+class _Passes:
+    """The decoding steps' forward passes: the model, the continuation's private cache, the lock held per pass."""
+
+    model: Model
+    cache: CacheLike
+    held: AbstractContextManager[object]
+
+
+def _decode_steps(passes: _Passes, stream: TokenStream, logits: torch.Tensor, position: int,
+                  cancelled: Callable[[], bool]) -> None:
+    """Feed each chosen token back until ``stream`` finishes, or mark it 'cancelled' when cancelled between tokens."""
+    while True:
+        token = stream.push(logits)
+        if stream.finish is not None:
+            break
+        if cancelled():
+            stream.finish = "cancelled"
+            break
+        with passes.held:  # per step: other work on this model interleaves token by token
+            logits = forward_tokens(passes.model, [token], passes.cache, position)
+        position += 1

@@ -217,34 +217,74 @@ def _decode_once(
     lock: AbstractContextManager[object] | None = None,
     document: str | None = None,
 ) -> _Generation:
+    """Decode one reply of ``spec`` to ``suffix`` over the prefix (a copy of its cache, or re-prefilled)."""
     settings = spec.generation
     n_prefix = len(prefix_ids)
-    check_context(model, n_prefix, len(suffix.ids), settings.max_new_tokens, agent=spec.name)
+    _check_attempt(model, spec, n_prefix, suffix, cancelled)
+    device = model_device(model)
+    constraint = _json_constraint(model, tokenizer, spec, document)
+    tracker = JsonObjectTracker() if spec.output.kind == "json" and constraint is None else None
+
+    # a free-text reply also ends where it starts writing the document markers (JSON and calls have their grammar);
+    # repair attempts of a seeded agent draw with seed + attempt: a retry must not replay the rejected reply
+    frame = FRAME_ECHOES if constraint is None and tracker is None else ()
+    stream = TokenStream(tokenizer, eos, max_new_tokens=settings.max_new_tokens, stop=(*settings.stop, *frame),
+                         on_token=_emitter(spec.name, attempt, on_token, clock), constraint=constraint,
+                         sampler=Sampler.from_settings(settings, seed_offset=attempt),
+                         ends=tracker.feed if tracker is not None else None)
+
+    passes = _Passes(model=model, held=lock if lock is not None else contextlib.nullcontext(), clock=clock,
+                     cancelled=cancelled, agent=spec.name)
+    cache, logits, prefilled = _prefill(passes, prefix_ids, prefix_cache, suffix, device)
+    _decode_tokens(passes, stream, cache, logits, n_prefix + len(suffix.ids), since=prefilled)
+    return _finished(stream, frame, suffix, constrained=constraint is not None)
+
+
+def _check_attempt(model: Model, spec: AgentSpec, n_prefix: int, suffix: Suffix, cancelled: CancelCheck) -> None:
+    """Refuse an attempt before any compute: one that cannot fit the context, has no task, or is cancelled."""
+    check_context(model, n_prefix, len(suffix.ids), spec.generation.max_new_tokens, agent=spec.name)
     if not suffix.ids:
         raise ValueError(f"agent {spec.name!r}: the suffix is empty; an agent needs a task")
     if cancelled():
         raise GenerationCancelledError(spec.name, 0)
-    device = model_device(model)
-    constraint = _json_constraint(model, tokenizer, spec, document)
-    tracker = JsonObjectTracker() if spec.output.kind == "json" and constraint is None else None
+
+
+def _emitter(agent: str, attempt: int, on_token: Callable[[TokenEvent], None] | None,
+             clock: _Clock) -> Callable[[str, int, int], None]:
+    """The stream's per-token callback: times the first token, counts every one, hands each on as a TokenEvent."""
 
     def emit(text: str, token: int, index: int) -> None:
         if clock.first_token_s is None:
             clock.first_token_s = time.perf_counter() - clock.start
         clock.generated += 1
         if on_token is not None:
-            on_token(TokenEvent(agent=spec.name, text=text, token_id=token, index=index, attempt=attempt))
+            on_token(TokenEvent(agent=agent, text=text, token_id=token, index=index, attempt=attempt))
 
-    # a free-text reply also ends where it starts writing the document markers (JSON and calls have their grammar);
-    # repair attempts of a seeded agent draw with seed + attempt: a retry must not replay the rejected reply
-    frame = FRAME_ECHOES if constraint is None and tracker is None else ()
-    stream = TokenStream(tokenizer, eos, max_new_tokens=settings.max_new_tokens, stop=(*settings.stop, *frame),
-                         on_token=emit, constraint=constraint, sampler=Sampler.from_settings(settings, seed_offset=attempt),
-                         ends=tracker.feed if tracker is not None else None)
+    return emit
 
-    held = lock if lock is not None else contextlib.nullcontext()
+
+@dataclass(frozen=True)
+class _Passes:
+    """How one attempt runs its forward passes: on which model, under which lock, timed and cancelled how."""
+
+    model: Model
+    held: AbstractContextManager[object]
+    clock: _Clock
+    cancelled: CancelCheck
+    agent: str
+
+
+def _prefill(passes: _Passes, prefix_ids: list[int], prefix_cache: CacheLike | None, suffix: Suffix,
+             device: torch.device) -> tuple[CacheLike, torch.Tensor, float]:
+    """Prefill the suffix over a copy of the prefix cache (or the whole prompt over a new cache).
+
+    Returns the attempt's private cache, the logits of the last prompt position and when the prefill ended;
+    the copy and the prefill are added to the clock.
+    """
+    model = passes.model
+    cache: CacheLike
     t0 = time.perf_counter()
-    with held:
+    with passes.held:
         if prefix_cache is None:
             cache = new_cache(model)
             t1 = t0
@@ -252,30 +292,42 @@ def _decode_once(
         else:
             cache = copy_cache(prefix_cache, model)
             t1 = time.perf_counter()
-            logits = forward_tokens(model, list(suffix.ids), cache, n_prefix)
+            logits = forward_tokens(model, list(suffix.ids), cache, len(prefix_ids))
         sync_device(device)
     t2 = time.perf_counter()
-    clock.copy_s += t1 - t0
-    clock.prefill_s += t2 - t1
+    passes.clock.copy_s += t1 - t0
+    passes.clock.prefill_s += t2 - t1
+    return cache, logits, t2
 
-    position = n_prefix + len(suffix.ids)
+
+def _decode_tokens(passes: _Passes, stream: TokenStream, cache: CacheLike, logits: torch.Tensor, position: int, *,
+                   since: float) -> None:
+    """Feed each chosen token back until ``stream`` finishes; GenerationCancelledError when cancelled between tokens.
+
+    The decoding time from ``since`` is added to the clock, also when cancelled.
+    """
+    clock = passes.clock
     while True:
         token = stream.push(logits)
         if stream.finish is not None:
             break
-        if cancelled():
-            clock.generation_s += time.perf_counter() - t2
-            raise GenerationCancelledError(spec.name, len(stream.ids))
-        with held:  # per step, so agents sharing a model interleave their tokens
-            logits = forward_tokens(model, [token], cache, position)
+        if passes.cancelled():
+            clock.generation_s += time.perf_counter() - since
+            raise GenerationCancelledError(passes.agent, len(stream.ids))
+        with passes.held:  # per step, so agents sharing a model interleave their tokens
+            logits = forward_tokens(passes.model, [token], cache, position)
         position += 1
-    clock.generation_s += time.perf_counter() - t2
+    clock.generation_s += time.perf_counter() - since
+
+
+def _finished(stream: TokenStream, frame: tuple[str, ...], suffix: Suffix, *, constrained: bool) -> _Generation:
+    """The attempt's generation once ``stream`` has finished."""
     finish: FinishReason = stream.finish if stream.finish in ("eos", "stop", "length") else "length"
     text = stream.assembler.text
     if frame and stream.assembler.stopped_by in frame:
         text = text.rstrip(" \t\n#=*-")  # the heading or rule the marker came under
     return _Generation(text=text, finish_reason=finish, token_ids=list(stream.ids), suffix=suffix,
-                       constrained=constraint is not None)
+                       constrained=constrained)
 
 
 def generate(
@@ -315,53 +367,105 @@ def generate(
     # (`decode` of one id list is one str; transformers types it `str | list[str]` for batches too)
     document = (document_span(cast(str, tokenizer.decode(prefix))) if spec.output.kind == "json" and spec.output.grounded
                 else None)
+    attempt = _Attempts(model=model, tokenizer=tokenizer, spec=spec, prefix_ids=prefix, prefix_cache=prefix_cache,
+                        upstream=upstream, use_chat_template=use_chat_template, eos=eos, on_token=on_token,
+                        cancelled=cancelled, clock=clock, lock=lock, document=document)
+    with torch.no_grad():
+        outcome = _run_agent(attempt)
+    return _agent_result(spec, outcome, clock, len(prefix), reprefilled=prefix_cache is None)
 
-    def attempt(index: int, repairs: Sequence[RepairTurn], turn_spec: AgentSpec = spec) -> _Generation:
+
+@dataclass(frozen=True)
+class _Attempts:
+    """The decoding attempts of one `generate` call: what every attempt shares; call it to decode one."""
+
+    model: Model
+    tokenizer: Tokenizer
+    spec: AgentSpec
+    prefix_ids: list[int]
+    prefix_cache: CacheLike | None
+    upstream: Mapping[str, object] | None
+    use_chat_template: bool | None
+    eos: frozenset[int]
+    on_token: Callable[[TokenEvent], None] | None
+    cancelled: CancelCheck
+    clock: _Clock
+    lock: AbstractContextManager[object] | None
+    document: str | None
+    """The document grounded JSON agents are checked against (None for others)."""
+
+    def __call__(self, index: int, repairs: Sequence[RepairTurn], turn_spec: AgentSpec | None = None) -> _Generation:
+        """Decode attempt ``index`` after the ``repairs`` turns, under ``turn_spec`` (the agent's own by default)."""
+        turn_spec = self.spec if turn_spec is None else turn_spec
+        own = turn_spec is self.spec
         # a tool round decodes under its own spec (the call grammar) and streams nothing: its reply is a call
-        suffix = build_suffix(tokenizer, turn_spec, upstream, repairs=repairs, use_chat_template=use_chat_template)
-        return _decode_once(model, tokenizer, turn_spec, prefix, prefix_cache, suffix, attempt=index, eos=eos,
-                            on_token=on_token if turn_spec is spec else None, cancelled=cancelled, clock=clock,
-                            lock=lock, document=document if turn_spec is spec else None)
+        suffix = build_suffix(self.tokenizer, turn_spec, self.upstream, repairs=repairs,
+                              use_chat_template=self.use_chat_template)
+        return _decode_once(self.model, self.tokenizer, turn_spec, self.prefix_ids, self.prefix_cache, suffix,
+                            attempt=index, eos=self.eos, on_token=self.on_token if own else None,
+                            cancelled=self.cancelled, clock=self.clock, lock=self.lock,
+                            document=self.document if own else None)
 
+
+@dataclass(frozen=True)
+class _Outcome:
+    """The accepted generation of a run and what became known of it, whichever way the agent ran."""
+
+    generation: _Generation
+    parsed: object
+    attempts: int
     degenerate: Degeneracy | None = None
     grounding: Grounding | None = None
-    removed = 0
-    calls: list[ToolCall] = []
-    with torch.no_grad():
-        if spec.tools:
-            text = document_span(cast(str, tokenizer.decode(prefix)))
-            result, calls = _tool_rounds(spec, lambda i, turn_spec, turns: attempt(i, turns, turn_spec), text)
-            parsed, attempts = None, len(calls) + 1
-            if on_token is not None and result.text:  # the answer, once it is known (the rounds are calls)
-                on_token(TokenEvent(agent=spec.name, text=result.text, token_id=-1, index=0, attempt=len(calls)))
-            degenerate = check_text(result.text, spec=spec)
-        elif spec.output.kind == "json":
-            structured = run_with_repairs(spec, attempt, document=document)
-            result, parsed, attempts = structured.generation, structured.value, structured.attempts
-            degenerate, grounding = structured.degenerate, structured.grounding
-            removed = structured.duplicates_removed
-        else:
-            result, parsed, attempts = attempt(0, ()), None, 1
-            degenerate = check_text(result.text, spec=spec)
+    duplicates_removed: int = 0
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
+
+def _run_agent(attempt: _Attempts) -> _Outcome:
+    """Run the agent its way: tool rounds, a JSON reply with its repairs, or one text reply."""
+    spec = attempt.spec
+    if spec.tools:
+        return _run_with_tools(attempt)
+    if spec.output.kind == "json":
+        structured = run_with_repairs(spec, attempt, document=attempt.document)
+        return _Outcome(structured.generation, structured.value, structured.attempts,
+                        degenerate=structured.degenerate, grounding=structured.grounding,
+                        duplicates_removed=structured.duplicates_removed)
+    result = attempt(0, ())
+    return _Outcome(result, None, 1, degenerate=check_text(result.text, spec=spec))
+
+
+def _run_with_tools(attempt: _Attempts) -> _Outcome:
+    """Run an agent with tools: its rounds of calls, then its answer, streamed once it is known."""
+    spec = attempt.spec
+    text = document_span(cast(str, attempt.tokenizer.decode(attempt.prefix_ids)))
+    result, calls = _tool_rounds(spec, lambda i, turn_spec, turns: attempt(i, turns, turn_spec), text)
+    if attempt.on_token is not None and result.text:  # the answer, once it is known (the rounds are calls)
+        attempt.on_token(TokenEvent(agent=spec.name, text=result.text, token_id=-1, index=0, attempt=len(calls)))
+    return _Outcome(result, None, len(calls) + 1, degenerate=check_text(result.text, spec=spec), tool_calls=calls)
+
+
+def _agent_result(spec: AgentSpec, outcome: _Outcome, clock: _Clock, prefix_tokens: int, *,
+                  reprefilled: bool) -> AgentResult:
+    """The `AgentResult` of a finished run, timed up to now."""
+    result = outcome.generation
     assert result.suffix is not None
     return AgentResult(
         agent=spec.name,
         text=result.text,
-        parsed=parsed,
+        parsed=outcome.parsed,
         token_ids=result.token_ids,
         finish_reason=result.finish_reason,
-        attempts=attempts,
+        attempts=outcome.attempts,
         generated_tokens=clock.generated,
-        prefix_tokens=len(prefix),
+        prefix_tokens=prefix_tokens,
         suffix_tokens=len(result.suffix.ids),
-        reprefilled=prefix_cache is None,
+        reprefilled=reprefilled,
         timings=clock.timings(),
         constrained=result.constrained,
-        degenerate=degenerate,
-        grounding=grounding,
-        duplicates_removed=removed,
-        tool_calls=calls,
+        degenerate=outcome.degenerate,
+        grounding=outcome.grounding,
+        duplicates_removed=outcome.duplicates_removed,
+        tool_calls=outcome.tool_calls,
     )
 
 

@@ -21,7 +21,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
@@ -242,6 +242,47 @@ def run_tool(tools: list[Tool], name: str, arguments: object, *, document: str, 
       itself from cancellation) is handled the same way.
     """
     t0 = time.perf_counter()
+    call = _prepared(tools, name, arguments, document=document, round=round, started=t0)
+    if isinstance(call, ToolCall):
+        return call
+    outcome: dict[str, object] = {}
+    in_loop = threading.Event()  # the call returned an awaitable: a cancel scope bounds it
+    worker = start_thread(call.run, name=f"tool-{name}", args=(outcome, in_loop))
+    worker.join(call.timeout)
+    if worker.is_alive() and in_loop.is_set():
+        worker.join(CANCEL_GRACE_S)  # its scope is cancelled at the deadline: the thread ends right after
+    return _recorded(call, outcome, worker, workers)
+
+
+@dataclass(frozen=True)
+class _Invocation:
+    """A validated call about to run: the tool's function, the model's and the injected arguments, its deadline."""
+
+    name: str
+    fn: Callable[..., object]
+    args: dict[str, object]
+    injected: dict[str, object]
+    timeout: float
+    started: float
+    """When `run_tool` was called (`time.perf_counter`): the deadline is `timeout` seconds after it."""
+    round: int
+
+    def run(self, outcome: dict[str, object], in_loop: threading.Event) -> None:
+        """Call the function (in the call's thread), setting ``in_loop`` when it returns an awaitable; its value,
+        its error as text, or that it timed out goes into ``outcome``."""
+        try:
+            value = self.fn(**self.args, **self.injected)
+            if inspect.isawaitable(value):
+                in_loop.set()
+                value = _await_until(value, self.timeout - (time.perf_counter() - self.started), outcome)
+            outcome["value"] = value
+        except Exception as exc:  # the agent reads the error; the run goes on
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _prepared(tools: list[Tool], name: str, arguments: object, *, document: str, round: int,
+              started: float) -> _Invocation | ToolCall:
+    """The call, ready to run; or the ToolCall of its error (an unknown tool, bad arguments)."""
     found = next((t for t in tools if t.name == name), None)
     if found is None:
         return ToolCall(name, {}, f"error: there is no tool {name!r}; tools: {', '.join(t.name for t in tools)}",
@@ -250,44 +291,37 @@ def run_tool(tools: list[Tool], name: str, arguments: object, *, document: str, 
         args = found.validate_arguments(arguments)
     except ValueError as exc:
         return ToolCall(name, dict(arguments) if isinstance(arguments, Mapping) else {},
-                        f"error: bad arguments ({exc})", False, time.perf_counter() - t0, round)
+                        f"error: bad arguments ({exc})", False, time.perf_counter() - started, round)
     fn = found.function()
     params = inspect.signature(fn).parameters
-    injected = {k: document for k in INJECTED if k in params}
-    timeout = found.timeout_s
-    outcome: dict[str, object] = {}
-    in_loop = threading.Event()  # the call returned an awaitable: a cancel scope bounds it
+    return _Invocation(name=name, fn=fn, args=args, injected={k: document for k in INJECTED if k in params},
+                       timeout=found.timeout_s, started=started, round=round)
 
-    def work() -> None:
-        try:
-            value = fn(**args, **injected)
-            if inspect.isawaitable(value):
-                in_loop.set()
-                awaitable = value
-                remaining = timeout - (time.perf_counter() - t0)
 
-                async def bounded() -> object:
-                    with anyio.move_on_after(max(0.0, remaining)) as scope:
-                        result = await awaitable
-                    if scope.cancel_called:  # cancelled at the deadline (or it returned only after it)
-                        outcome["timed_out"] = True
-                        return None
-                    return result
+def _await_until(awaitable: Awaitable[object], remaining: float, outcome: dict[str, object]) -> object:
+    """Await ``awaitable`` in an event loop of this thread for at most ``remaining`` seconds: its result, or None
+    (and ``outcome["timed_out"]``) when the deadline cancelled it."""
 
-                value = run_blocking(bounded)
-            outcome["value"] = value
-        except Exception as exc:  # the agent reads the error; the run goes on
-            outcome["error"] = f"{type(exc).__name__}: {exc}"
+    async def bounded() -> object:
+        with anyio.move_on_after(max(0.0, remaining)) as scope:
+            result = await awaitable
+        if scope.cancel_called:  # cancelled at the deadline (or it returned only after it)
+            outcome["timed_out"] = True
+            return None
+        return result
 
-    worker = start_thread(work, name=f"tool-{name}")
-    worker.join(timeout)
-    if worker.is_alive() and in_loop.is_set():
-        worker.join(CANCEL_GRACE_S)  # its scope is cancelled at the deadline: the thread ends right after
-    seconds = time.perf_counter() - t0
+    return run_blocking(bounded)
+
+
+def _recorded(call: _Invocation, outcome: dict[str, object], worker: threading.Thread,
+              workers: ToolWorkers | None) -> ToolCall:
+    """The ToolCall of a call whose thread was joined up to its deadline; a thread still running is tracked."""
+    seconds = time.perf_counter() - call.started
+    name, args, round = call.name, call.args, call.round
     if worker.is_alive() or outcome.get("timed_out"):
         if worker.is_alive():  # it cannot be cancelled: it runs on, its result discarded, its thread tracked
             (OVERRUN_TOOLS if workers is None else workers).track(worker)
-        return ToolCall(name, args, f"error: {name} did not answer within {timeout:g} s", False, seconds, round)
+        return ToolCall(name, args, f"error: {name} did not answer within {call.timeout:g} s", False, seconds, round)
     if "error" in outcome:
         return ToolCall(name, args, f"error: {outcome['error']}", False, seconds, round)
     value = outcome.get("value")

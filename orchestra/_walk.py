@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from agents.runner import AgentResult
     from agents.spec import AgentSpec
     from orchestra._chunked import ChunkedRuns
+    from orchestra._runstate import TokenSink
     from orchestra.familycache import CacheLease, FamilyCache
-    from orchestra.pipeline import PipelineSpec
+    from orchestra.pipeline import AgentNode, PipelineSpec
 
 __all__ = ["DagWalk"]
 
@@ -55,6 +56,8 @@ class DagWalk:
         self.o = orchestra
 
     async def agent_task(self, run: RunState, name: str, done: dict[str, anyio.Event]) -> None:
+        """Agent ``name``'s node: after its upstreams it is skipped, or runs over its member's cache; it ends
+        recorded and announced (finished, degenerate or failed), and ``done[name]`` is set however it ends."""
         agent = self.o.pipeline.agent(name)
         if await self._restored(run, name, done):
             return
@@ -74,62 +77,85 @@ class DagWalk:
                 return
             with scope:
                 prompt = await self.o._prompt_for(run, name, agent.model)
-                lease = await self.o._acquire(run, name, agent.model, prompt)
-                self.record_cache(run, report, lease)
-                if prompt.own_reason is not None and self.o.share_prefill and report.fallback_reason is None:
-                    report.cache_path, report.fallback_reason = "reprefilled", prompt.own_reason
-                    await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=agent.model,
-                                               reason=prompt.own_reason))
-                await run.emit(ev.CacheReady(run_id=run.run_id, model=agent.model, agent=name,
-                                             path=report.cache_path or lease.path, seconds=lease.seconds,
-                                             store_hit=lease.hit, repair=lease.repair))
-                where: dict[str, str] = {}
-                try:
-                    result = await self.o.cache.executor.generate(
-                        agent.model, self.o.specs[name], prefix_ids=prompt.ids, prefix_cache=lease.cache,
-                        upstream={**{n: run.inputs[n] for n in self.o.pipeline.input_reads(name)},
-                                  **{up: run.outputs.get(up) or unavailable(up, report.missing_upstreams)
-                                     for up in agent.upstream}},
-                        on_token=on_token, placement=where,
-                    )
-                finally:
-                    report.actor, report.node = where.get("actor"), where.get("node")
-            report.output = result.text
-            report.parsed = jsonable(result.parsed)
-            report.attempts = result.attempts
-            report.constrained = result.constrained
-            report.grounding = jsonable(result.grounding)
-            report.duplicates_removed = result.duplicates_removed
-            report.tool_calls = [call.as_dict() for call in result.tool_calls]
-            await self._emit_tool_calls(run, name, result)
-            report.tokens = result.generated_tokens
-            report.suffix_tokens = result.suffix_tokens
-            report.generation_s = result.timings.generation_s
-            report.ttft_s = (first_token[0] - run.started) if first_token else None
-            estimate = self.o.cache.prefill_estimate(agent.model, len(prompt.ids))
-            report.prefill_s_saved = max(0.0, estimate - report.prefill_s_spent) if self.o.share_prefill else 0.0
-            if result.degenerate is not None:
-                # never handed downstream as an answer: dependants are skipped, naming this agent and why
-                report.status = "degenerate"
-                report.degenerate_reason = str(result.degenerate)
-                await self.checkpoint(run, report)
-                await run.emit(ev.AgentDegenerate(run_id=run.run_id, agent=name, reason=report.degenerate_reason,
-                                                  output=result.text))
-                return
-            run.outputs[name] = result.downstream_text()
-            report.status = "succeeded"
-            await self.checkpoint(run, report)
-            await run.emit(ev.AgentFinished(run_id=run.run_id, agent=name, output=result.text,
-                                            parsed=report.parsed))
+                lease = await self._agent_cache(run, report, prompt)
+                result = await self._generate(run, agent, report, prompt, lease, on_token)
+            await self._record_result(run, report, result, len(prompt.ids), first_token)
+            await self._conclude(run, report, result)
         except Exception as exc:
-            report.status = "failed"
-            report.error_type = type(exc).__name__
-            report.error = str(exc) or (f"timed out after {agent.timeout_s}s" if isinstance(exc, TimeoutError) else "")
-            await self.checkpoint(run, report)
-            await run.emit(ev.AgentFailed(run_id=run.run_id, agent=name, error_type=report.error_type,
-                                          error=report.error))
+            await self._failed(run, report, exc, agent.timeout_s)
         finally:
             done[name].set()
+
+    async def _agent_cache(self, run: RunState, report: AgentReport, prompt: MemberPrompt) -> CacheLease:
+        """Acquire the agent's document cache on its member, record it on the report and announce it."""
+        name, model = report.name, report.model
+        lease = await self.o._acquire(run, name, model, prompt)
+        self.record_cache(run, report, lease)
+        if prompt.own_reason is not None and self.o.share_prefill and report.fallback_reason is None:
+            report.cache_path, report.fallback_reason = "reprefilled", prompt.own_reason
+            await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=model, reason=prompt.own_reason))
+        await run.emit(ev.CacheReady(run_id=run.run_id, model=model, agent=name, path=report.cache_path or lease.path,
+                                     seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair))
+        return lease
+
+    async def _generate(self, run: RunState, agent: AgentNode, report: AgentReport, prompt: MemberPrompt,
+                        lease: CacheLease, on_token: TokenSink) -> AgentResult:
+        """Run the agent over its cache with its upstreams' outputs; where it ran goes on the report, also on failure."""
+        name = agent.name
+        where: dict[str, str] = {}
+        try:
+            return await self.o.cache.executor.generate(
+                agent.model, self.o.specs[name], prefix_ids=prompt.ids, prefix_cache=lease.cache,
+                upstream={**{n: run.inputs[n] for n in self.o.pipeline.input_reads(name)},
+                          **{up: run.outputs.get(up) or unavailable(up, report.missing_upstreams)
+                             for up in agent.upstream}},
+                on_token=on_token, placement=where,
+            )
+        finally:
+            report.actor, report.node = where.get("actor"), where.get("node")
+
+    async def _record_result(self, run: RunState, report: AgentReport, result: AgentResult, prompt_tokens: int,
+                             first_token: list[float]) -> None:
+        """Put what the agent produced and what it cost on its report; its tool calls are announced on the way."""
+        report.output = result.text
+        report.parsed = jsonable(result.parsed)
+        report.attempts = result.attempts
+        report.constrained = result.constrained
+        report.grounding = jsonable(result.grounding)
+        report.duplicates_removed = result.duplicates_removed
+        report.tool_calls = [call.as_dict() for call in result.tool_calls]
+        await self._emit_tool_calls(run, report.name, result)
+        report.tokens = result.generated_tokens
+        report.suffix_tokens = result.suffix_tokens
+        report.generation_s = result.timings.generation_s
+        report.ttft_s = (first_token[0] - run.started) if first_token else None
+        estimate = self.o.cache.prefill_estimate(report.model, prompt_tokens)
+        report.prefill_s_saved = max(0.0, estimate - report.prefill_s_spent) if self.o.share_prefill else 0.0
+
+    async def _conclude(self, run: RunState, report: AgentReport, result: AgentResult) -> None:
+        """Checkpoint the agent and announce it: degenerate, or finished with its output handed downstream."""
+        name = report.name
+        if result.degenerate is not None:
+            # never handed downstream as an answer: dependants are skipped, naming this agent and why
+            report.status = "degenerate"
+            report.degenerate_reason = str(result.degenerate)
+            await self.checkpoint(run, report)
+            await run.emit(ev.AgentDegenerate(run_id=run.run_id, agent=name, reason=report.degenerate_reason,
+                                              output=result.text))
+            return
+        run.outputs[name] = result.downstream_text()
+        report.status = "succeeded"
+        await self.checkpoint(run, report)
+        await run.emit(ev.AgentFinished(run_id=run.run_id, agent=name, output=result.text, parsed=report.parsed))
+
+    async def _failed(self, run: RunState, report: AgentReport, exc: Exception, timeout_s: float | None) -> None:
+        """Record the node as failed with its error (a timeout named as one), checkpoint it and announce it."""
+        report.status = "failed"
+        report.error_type = type(exc).__name__
+        report.error = str(exc) or (f"timed out after {timeout_s}s" if isinstance(exc, TimeoutError) else "")
+        await self.checkpoint(run, report)
+        await run.emit(ev.AgentFailed(run_id=run.run_id, agent=report.name, error_type=report.error_type,
+                                      error=report.error))
 
     @staticmethod
     async def _emit_tool_calls(run: RunState, name: str, result: AgentResult) -> None:
@@ -201,12 +227,7 @@ class DagWalk:
             await self.checkpoint(run, report)
             await run.emit(ev.AgentFinished(run_id=run.run_id, agent=name, output=output))
         except Exception as exc:
-            report.status = "failed"
-            report.error_type = type(exc).__name__
-            report.error = str(exc) or (f"timed out after {step.timeout_s}s" if isinstance(exc, TimeoutError) else "")
-            await self.checkpoint(run, report)
-            await run.emit(ev.AgentFailed(run_id=run.run_id, agent=name, error_type=report.error_type,
-                                          error=report.error))
+            await self._failed(run, report, exc, step.timeout_s)
         finally:
             done[name].set()
 

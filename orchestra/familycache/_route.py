@@ -142,56 +142,110 @@ def plan_route(request: RouteRequest, held: Sequence[Held], mappable: Collection
     6. else `Extend` the member's exact prefix, or `Prefill`.
     """
     n = len(request.ids)
-    own = max((h for h in held if h.member == request.member and not h.mapped), key=lambda h: h.length, default=None)
+    own = _longest_exact(held, request.member)
     have = own.length if own is not None else 0
     if own is not None and have == n:
         return Exact(own.entry)
     exact_route: Extend | Prefill = Extend(own.entry, have) if own is not None else Prefill()
-    mapped_ok = request.allow_mapped and n >= 3
+    facts = _Facts(request, held, mappable, have=have, mapped_ok=request.allow_mapped and n >= 3)
+    route: Route | None = _join_route(facts, flights)
+    if route is None and facts.mapped_ok:
+        route = _mapped_route(facts)
+        if route is None:
+            route = _seed_route(facts)
+    return exact_route if route is None else route
 
-    def joinable(f: InFlight) -> bool:
-        if f.member == request.member:
-            return not f.mapped or mapped_ok
-        return mapped_ok and not f.mapped and f.member in mappable
 
-    live = [f for f in flights if joinable(f)]
+@dataclass(frozen=True)
+class _Facts:
+    """What the steps of a plan read: the request, what the pool holds, and what the member holds itself."""
+
+    request: RouteRequest
+    held: Sequence[Held]
+    mappable: Collection[str]
+    have: int
+    """Leading tokens of the request the member's own longest exact entry holds (0: none)."""
+    mapped_ok: bool
+    """Whether a mapped cache may serve the request at all."""
+
+    @property
+    def need(self) -> int:
+        """Tokens a map (or a wait for a longer prefix) must reach to be worth it."""
+        return self.have + self.request.min_mapped_tokens
+
+
+def _longest_exact(held: Sequence[Held], member: str) -> Held | None:
+    """The exact (unmapped) entry of `member` sharing the most tokens with the request, or None."""
+    return max((h for h in held if h.member == member and not h.mapped), key=lambda h: h.length, default=None)
+
+
+def _joinable(facts: _Facts, f: InFlight) -> bool:
+    """Whether the request may wait for build `f`: the member's own, or an exact one of a member mapping into it."""
+    request = facts.request
+    if f.member == request.member:
+        return not f.mapped or facts.mapped_ok
+    return facts.mapped_ok and not f.mapped and f.member in facts.mappable
+
+
+def _join_route(facts: _Facts, flights: Sequence[InFlight]) -> Join | None:
+    """Steps 2 and 3 of `plan_route`: `Join` a build of these very tokens, else of the longest prefix worth it."""
+    request = facts.request
+    live = [f for f in flights if _joinable(facts, f)]
     same = [f for f in live if f.member == request.member and f.ids == request.ids]
     if same:  # exact builds before mapped ones: an exact cache never needs a gate
         f = min(same, key=lambda f: f.mapped)
         return Join(f.flight, f.member, len(f.ids), f.mapped)
-    need = have + request.min_mapped_tokens
     best_flight, best_common = None, 0
     for f in live:
         common = common_prefix(f.ids, request.ids)
-        if common >= need and common > best_common:
+        if common >= facts.need and common > best_common:
             best_flight, best_common = f, common
     if best_flight is not None:
         return Join(best_flight.flight, best_flight.member, len(best_flight.ids), best_flight.mapped)
-    if mapped_ok:
-        best: Held | None = None
-        for h in held:
-            if h.mapped and h.member == request.member:
-                ok = h.length >= need
-            elif not h.mapped and h.member != request.member and h.member in mappable:
-                ok = h.length >= max(need, 3)
-            else:
-                continue  # the member's own exact entries are `own`; another member's mapped entries are never mapped
-            if ok and (best is None or h.length > best.length or (h.length == best.length and h.mapped
-                                                                   and not best.mapped)):
-                best = h
-        if best is not None and best.mapped:
-            if best.length == n:
-                return Exact(best.entry, mapped=True)
-            return Extend(best.entry, best.length, mapped=True)
-        if best is not None:
-            return Map(best.member, best.entry, best.length)
-        if request.seed is not None and request.seed in mappable and n >= max(3, need):
-            start = max((h for h in held if h.member == request.seed and not h.mapped), key=lambda h: h.length,
-                        default=None)
-            begin = start.length if start else 0
-            # Seed only when the source computes at most `min_mapped_tokens` more than the member would alone
-            # (a chat template's few shared header tokens do not count as holding the document); its build is
-            # then shared by every member it maps into.
-            if begin + request.min_mapped_tokens >= have:
-                return Seed(request.seed, start.entry if start else None, begin)
-    return exact_route
+    return None
+
+
+def _mapped_route(facts: _Facts) -> Exact | Extend | Map | None:
+    """Step 4 of `plan_route`: reuse or extend the member's best mapped entry, or map another member's exact one."""
+    best = _best_mappable(facts)
+    if best is None:
+        return None
+    if best.mapped:
+        if best.length == len(facts.request.ids):
+            return Exact(best.entry, mapped=True)
+        return Extend(best.entry, best.length, mapped=True)
+    return Map(best.member, best.entry, best.length)
+
+
+def _best_mappable(facts: _Facts) -> Held | None:
+    """The longest mapped entry of the member or exact entry of a `mappable` member sharing enough tokens
+    (a mapped entry on ties), or None."""
+    request, need = facts.request, facts.need
+    best: Held | None = None
+    for h in facts.held:
+        if h.mapped and h.member == request.member:
+            ok = h.length >= need
+        elif not h.mapped and h.member != request.member and h.member in facts.mappable:
+            ok = h.length >= max(need, 3)
+        else:
+            continue  # the member's own exact entries are `own`; another member's mapped entries are never mapped
+        if ok and (best is None or h.length > best.length or (h.length == best.length and h.mapped
+                                                               and not best.mapped)):
+            best = h
+    return best
+
+
+def _seed_route(facts: _Facts) -> Seed | None:
+    """Step 5 of `plan_route`: `Seed` the request's tokens on the source when that costs about what the member's
+    own prefill would."""
+    request = facts.request
+    if request.seed is None or request.seed not in facts.mappable or len(request.ids) < max(3, facts.need):
+        return None
+    start = _longest_exact(facts.held, request.seed)
+    begin = start.length if start else 0
+    # Seed only when the source computes at most `min_mapped_tokens` more than the member would alone
+    # (a chat template's few shared header tokens do not count as holding the document); its build is
+    # then shared by every member it maps into.
+    if begin + request.min_mapped_tokens >= facts.have:
+        return Seed(request.seed, start.entry if start else None, begin)
+    return None

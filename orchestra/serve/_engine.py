@@ -202,6 +202,21 @@ class Generation:
                      prompt_tokens_details={"cached_tokens": self.cache_info.cached_tokens})
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A request resolved, rendered and checked, before it waits for a generation slot."""
+
+    req: ChatCompletionRequest
+    """The request as it is decoded (a tool request under its call-or-answer grammar)."""
+    member: str
+    ids: list[int]
+    """The prompt's token ids."""
+    max_tokens: int
+    constraint: JsonConstraint | None
+    started: float
+    """When the request arrived (`time.perf_counter`)."""
+
+
 class ServeEngine:
     """Members by role (and name), one FamilyCache for all of them, admission control, metrics."""
 
@@ -299,7 +314,29 @@ class ServeEngine:
     @asynccontextmanager
     async def open(self, req: ChatCompletionRequest) -> AsyncIterator[Generation]:
         """Admit `req` (429 when the queue is full), get its prompt's cache, and hand out its Generation."""
-        started = time.perf_counter()
+        request = await self._prepared(req, started=time.perf_counter())
+        await self._admit(request.member)
+        lease: CacheLease | None = None
+        try:
+            # concurrent requests over one document build it once: a request finding a longer prefix of its
+            # prompt in flight (on its member, or on one that maps into it) waits for it, then extends or maps it
+            with anyio.fail_after(self.config.request_timeout_s):
+                lease = await self.cache.acquire(request.member, request.ids[:-1], on_step=self.metrics.on_step,
+                                                 inline_tail=self.config.inline_tail_tokens)
+            gen = self._generation(request, lease)
+            try:
+                yield gen
+            finally:
+                await self._finish(request, gen)
+        except TimeoutError as exc:
+            raise RequestTimeout(f"the prompt's cache was not ready within the server's "
+                                 f"{self.config.request_timeout_s:g} s timeout") from exc
+        finally:
+            self._leave(request.member, lease)
+
+    async def _prepared(self, req: ChatCompletionRequest, *, started: float) -> _Prepared:
+        """`req` resolved to its member, its prompt rendered and checked against the context, its JSON constraint
+        compiled: everything that can refuse it before it waits for a slot."""
         member = self.resolve(req.model)
         from orchestra.serve._tools import has_tool_turns, prepare_tool_request
 
@@ -314,6 +351,11 @@ class ServeEngine:
                 f"{max_tokens} completion tokens were asked for: shorten the messages or lower max_tokens",
                 param="messages")
         constraint = await in_thread(self._json_constraint, member, req)
+        return _Prepared(req=req, member=member, ids=ids, max_tokens=max_tokens, constraint=constraint,
+                         started=started)
+
+    async def _admit(self, member: str) -> None:
+        """Wait for a generation slot (counted as waiting, then running); RateLimited when the queue is full."""
         if self._slots.value == 0 and self._waiting >= self.config.max_queue:
             self.metrics.rejected.inc()
             wait = math.ceil(self._mean_s * (self._waiting + 1) / self.config.max_concurrent)
@@ -331,46 +373,43 @@ class ServeEngine:
         self.metrics.running.inc()
         self.metrics.vllm_running.labels(model_name=member).inc()
         self._running += 1
-        lease: CacheLease | None = None
-        try:
-            # concurrent requests over one document build it once: a request finding a longer prefix of its
-            # prompt in flight (on its member, or on one that maps into it) waits for it, then extends or maps it
-            with anyio.fail_after(self.config.request_timeout_s):
-                lease = await self.cache.acquire(member, ids[:-1], on_step=self.metrics.on_step,
-                                                 inline_tail=self.config.inline_tail_tokens)
-            info = _cache_info(lease)
-            self.metrics.on_cache(member, info.path, info.cached_tokens,
-                                  self.cache.prefill_estimate(member, info.cached_tokens), prompt_tokens=len(ids))
-            gen = Generation(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=req.model,
-                             member=member, prompt_ids=ids, lease=lease, cache_info=info, leased_tokens=lease.tokens,
-                             max_tokens=max_tokens,
-                             request=req, engine=self, started=started, constraint=constraint)
-            try:
-                yield gen
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await gen.stop()
-                # counted however it ended (done, cancelled, timed out, failed): its tokens were spent
-                self.metrics.on_done(gen)
-                self._mean_s += 0.2 * (time.perf_counter() - started - self._mean_s)  # what a slot is held for
-                log.info("completion", id=gen.id, model=member, cache=info.path, cached_tokens=info.cached_tokens,
-                         prompt_tokens=len(ids), completion_tokens=gen.usage().completion_tokens,
-                         finish=gen.result.finish_reason if gen.result else None, timed_out=gen.timed_out,
-                         seconds=round(time.perf_counter() - started, 3), **gen.placement)
-        except TimeoutError as exc:
-            raise RequestTimeout(f"the prompt's cache was not ready within the server's "
-                                 f"{self.config.request_timeout_s:g} s timeout") from exc
-        finally:
-            if lease is not None:
-                # the Generation can outlive the request (the response object refers to it): it must not keep
-                # K/V alive that the budget stopped counting when the entry was unpinned and evicted
-                lease.close()
-            self.metrics.running.dec()
-            self.metrics.vllm_running.labels(model_name=member).dec()
-            self._slots.release()
-            self._running -= 1
-            if self._running == 0:  # idle: what the requests freed goes back to the OS
-                release_memory()
+
+    def _generation(self, request: _Prepared, lease: CacheLease) -> Generation:
+        """The admitted request's Generation over its lease (its cache use counted in the metrics)."""
+        member, ids = request.member, request.ids
+        info = _cache_info(lease)
+        self.metrics.on_cache(member, info.path, info.cached_tokens,
+                              self.cache.prefill_estimate(member, info.cached_tokens), prompt_tokens=len(ids))
+        return Generation(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=request.req.model,
+                          member=member, prompt_ids=ids, lease=lease, cache_info=info, leased_tokens=lease.tokens,
+                          max_tokens=request.max_tokens,
+                          request=request.req, engine=self, started=request.started, constraint=request.constraint)
+
+    async def _finish(self, request: _Prepared, gen: Generation) -> None:
+        """Stop `gen`'s decoding (shielded: also when the request is cancelled), then count and log it."""
+        with anyio.CancelScope(shield=True):
+            await gen.stop()
+        started, info = request.started, gen.cache_info
+        # counted however it ended (done, cancelled, timed out, failed): its tokens were spent
+        self.metrics.on_done(gen)
+        self._mean_s += 0.2 * (time.perf_counter() - started - self._mean_s)  # what a slot is held for
+        log.info("completion", id=gen.id, model=request.member, cache=info.path, cached_tokens=info.cached_tokens,
+                 prompt_tokens=len(request.ids), completion_tokens=gen.usage().completion_tokens,
+                 finish=gen.result.finish_reason if gen.result else None, timed_out=gen.timed_out,
+                 seconds=round(time.perf_counter() - started, 3), **gen.placement)
+
+    def _leave(self, member: str, lease: CacheLease | None) -> None:
+        """Close the request's lease (if it got one) and free its slot; an idle server gives memory back."""
+        if lease is not None:
+            # the Generation can outlive the request (the response object refers to it): it must not keep
+            # K/V alive that the budget stopped counting when the entry was unpinned and evicted
+            lease.close()
+        self.metrics.running.dec()
+        self.metrics.vllm_running.labels(model_name=member).dec()
+        self._slots.release()
+        self._running -= 1
+        if self._running == 0:  # idle: what the requests freed goes back to the OS
+            release_memory()
 
     def _decode(self, gen: Generation, on_token) -> Continuation:
         """Decode `gen`'s reply (in a worker thread) over its lease: batched with the member's other requests,
