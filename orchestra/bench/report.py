@@ -63,19 +63,8 @@ def _bytes(n: int) -> str:
 
 
 def render_markdown(r: BenchResults) -> str:
-    m = r.machine
-    lines = [
-        "# orchestra bench", "",
-        f"Command: `{r.command}`", "",
-        f"Machine: {m.cpu_model}, {m.cpu_count} logical CPUs ({m.torch_threads} torch threads), device {m.device}; "
-        f"Python {m.python}, torch {m.torch}, transformers {m.transformers}; {m.platform}.", "",
-        f"Run: {r.created_at}, {r.seconds:.0f} s in all (" + ", ".join(
-            f"{k} {v:.0f} s" for k, v in r.section_seconds.items()) + ").", "",
-    ]
-    for c in r.calibrated:
-        lines.append(f"- Calibrated into the store by this run: {c['pair']} ({c['tokens']} tokens, {c['seconds']:.0f} s).")
-    if r.calibrated:
-        lines.append("")
+    """The whole of ``bench.md``: the run's header, then a section per measured part, then the plots."""
+    lines = _header_markdown(r)
     if r.quality is not None:
         lines += _quality_markdown(r.quality)
     if r.repair is not None:
@@ -84,49 +73,84 @@ def render_markdown(r: BenchResults) -> str:
         lines += _timing_markdown(r.timing)
     if r.tasks is not None:
         lines += tasks_markdown(r.tasks)
-    p = r.pipeline
-    if p is not None:
-        lines += [
-            "## Pipeline: prefill once vs per-agent re-prefill", "",
-            f"N independent agents cycling over {', '.join(p.config.members)} (source {p.config.members[0]}), "
-            f"{p.config.max_new_tokens} new tokens each, the example pipeline's gates; median of "
-            f"{p.config.repeats} repeat(s), both modes in one process.", "",
-            "| agents | members | doc tokens | prefill s shared | prefill s re-prefill | prefill ratio | run s shared | "
-            "run s re-prefill | run ratio | fallbacks |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for run in p.runs:
-            lines.append(f"| {run.agents_count} | {len(run.members)} | {run.document_tokens} | {run.total_prefill_s_shared:.2f} | "
-                         f"{run.total_prefill_s_baseline:.2f} | {_f(run.prefill_ratio_baseline_over_shared, 2)} | "
-                         f"{run.run_s_shared:.2f} | {run.run_s_baseline:.2f} | {_f(run.run_ratio_baseline_over_shared, 2)} | "
-                         f"{run.fallbacks} |")
-        for run in p.runs:
-            lines += [""] + pipeline_markdown(run, heading=f"### {run.agents_count} agents\n")
-            lines += [f"- fallback {a.agent}: {a.fallback_reason}" for a in run.agents if a.fallback_reason]
-        lines += [""]
-    cal = r.calibration
-    if cal is not None:
-        lines += [
-            "## Calibration cost", "",
-            "| pair | origin | method | seconds | tokens | held-out KL | map | stats | map / model | all artifacts / model |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for cr in cal.rows:
-            lines.append(f"| {cr.pair} | {cr.origin} | {cr.method} | {cr.seconds:.1f} | {cr.tokens} | {_f(cr.heldout_kl)} | "
-                         f"{_bytes(cr.map_bytes)} | {_bytes(cr.stats_bytes)} | {cr.map_fraction_of_model:.2%} | "
-                         f"{cr.artifact_fraction_of_model:.2%} |")
-        lines += _skipped(cal.skipped)
-    xf = r.crossfamily
-    if xf is not None:
-        lines += ["## Cross-family pair (must be refused)", "", f"Foreign model: {xf.foreign_model}.", "",
-                  "| check | refused | error | message |", "|---|---|---|---|"]
-        for f in xf.refusals:
-            msg = f.message.replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {f.check} | {f.refused} | {f.error_type or '-'} | {msg[:220]}{'…' if len(msg) > 220 else ''} |")
-        lines += [""]
+    if r.pipeline is not None:
+        lines += _pipeline_section_markdown(r.pipeline)
+    if r.calibration is not None:
+        lines += _calibration_markdown(r.calibration)
+    if r.crossfamily is not None:
+        lines += _crossfamily_markdown(r.crossfamily)
     if r.plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in r.plots] + [""]
     return "\n".join(lines)
+
+
+def _header_markdown(r: BenchResults) -> list[str]:
+    """The title, command, machine and run time, and the mappings this run calibrated into the store."""
+    m = r.machine
+    lines = [
+        "# orchestra bench", "",
+        f"Command: `{r.command}`", "",
+        f"Machine: {m.cpu_model}, {m.cpu_count} logical CPUs ({m.torch_threads} torch threads), "
+        f"device {m.device}; "
+        f"Python {m.python}, torch {m.torch}, transformers {m.transformers}; {m.platform}.", "",
+        f"Run: {r.created_at}, {r.seconds:.0f} s in all (" + ", ".join(
+            f"{k} {v:.0f} s" for k, v in r.section_seconds.items()) + ").", "",
+    ]
+    for c in r.calibrated:
+        lines.append(f"- Calibrated into the store by this run: {c['pair']} ({c['tokens']} tokens, "
+                     f"{c['seconds']:.0f} s).")
+    if r.calibrated:
+        lines.append("")
+    return lines
+
+
+def _pipeline_section_markdown(p: PipelineSection) -> list[str]:
+    """The pipeline section: shared prefill vs per-agent re-prefill per agent count, then each run's table."""
+    lines = [
+        "## Pipeline: prefill once vs per-agent re-prefill", "",
+        f"N independent agents cycling over {', '.join(p.config.members)} (source {p.config.members[0]}), "
+        f"{p.config.max_new_tokens} new tokens each, the example pipeline's gates; median of "
+        f"{p.config.repeats} repeat(s), both modes in one process.", "",
+        "| agents | members | doc tokens | prefill s shared | prefill s re-prefill | prefill ratio | "
+        "run s shared | run s re-prefill | run ratio | fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in p.runs:
+        lines.append(f"| {run.agents_count} | {len(run.members)} | {run.document_tokens} | "
+                     f"{run.total_prefill_s_shared:.2f} | {run.total_prefill_s_baseline:.2f} | "
+                     f"{_f(run.prefill_ratio_baseline_over_shared, 2)} | {run.run_s_shared:.2f} | "
+                     f"{run.run_s_baseline:.2f} | {_f(run.run_ratio_baseline_over_shared, 2)} | "
+                     f"{run.fallbacks} |")
+    for run in p.runs:
+        lines += [""] + pipeline_markdown(run, heading=f"### {run.agents_count} agents\n")
+        lines += [f"- fallback {a.agent}: {a.fallback_reason}" for a in run.agents if a.fallback_reason]
+    return lines + [""]
+
+
+def _calibration_markdown(cal: CalibrationSection) -> list[str]:
+    """The calibration cost table: time, tokens, held-out KL and artifact sizes per pair."""
+    lines = [
+        "## Calibration cost", "",
+        "| pair | origin | method | seconds | tokens | held-out KL | map | stats | map / model | "
+        "all artifacts / model |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cr in cal.rows:
+        lines.append(f"| {cr.pair} | {cr.origin} | {cr.method} | {cr.seconds:.1f} | {cr.tokens} | "
+                     f"{_f(cr.heldout_kl)} | {_bytes(cr.map_bytes)} | {_bytes(cr.stats_bytes)} | "
+                     f"{cr.map_fraction_of_model:.2%} | {cr.artifact_fraction_of_model:.2%} |")
+    return lines + _skipped(cal.skipped)
+
+
+def _crossfamily_markdown(xf: CrossFamilySection) -> list[str]:
+    """The cross-family refusals: one row per check, its message cut to 220 characters."""
+    lines = ["## Cross-family pair (must be refused)", "", f"Foreign model: {xf.foreign_model}.", "",
+             "| check | refused | error | message |", "|---|---|---|---|"]
+    for f in xf.refusals:
+        msg = f.message.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {f.check} | {f.refused} | {f.error_type or '-'} | "
+                     f"{msg[:220]}{'…' if len(msg) > 220 else ''} |")
+    return lines + [""]
 
 
 def _quality_markdown(q: QualitySection) -> list[str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -326,11 +327,66 @@ def _gate_summary(member: str, leases: list[CacheLease]) -> GateSummary:
         reasons=list(dict.fromkeys(lease.fallback_reason or "" for lease in leases if lease.path != "mapped"))[:3])
 
 
+@dataclass(frozen=True)
+class _TaskRun:
+    """One `run_tasks` call's QA set, members, cache and asker, and the windows it has cut so far."""
+
+    config: TaskConfig
+    qa: QASet
+    tok: Tokenizer
+    members: list[str]
+    cache: FamilyCache
+    asker: QAAsker
+    repair: RepairPolicy
+    open_gate: GatePolicy
+    offsets: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    texts: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def window(self, pid: str, tokens: int) -> tuple[list[int], int]:
+        """The passage's window of ~`tokens` document tokens: its prompt prefix ids and document tokens."""
+        from agents import DocumentPrompt
+        from orchestra.bench.qa import passage_window, token_offsets
+
+        p = self.qa.passage(pid)
+        doc = self.qa.document_text(p.document)
+        if p.document not in self.offsets:
+            self.offsets[p.document] = token_offsets(doc, self.tok)
+        text, n = passage_window(doc, p.start, p.end, tokens, self.tok, self.offsets[p.document])
+        self.texts[(pid, tokens)] = text
+        return DocumentPrompt(text).token_ids(self.tok), n
+
+    def answer(self, member: str, condition: Condition, lease: CacheLease, prefix: list[int], n: int,
+               qs: list[QAQuestion]) -> list[QAAnswer]:
+        """`qs` asked by `member` on the lease's cache, scored."""
+        from orchestra.bench.qa import is_correct
+
+        out = []
+        for q in qs:
+            text, err = self.asker.ask(member, lease, prefix, q)
+            out.append(QAAnswer(question=q.id, member=member, condition=condition, window_tokens=n,
+                                prefix_tokens=len(prefix), path=lease.path, prediction=text,
+                                correct=err is None and is_correct(text, q.answers), error=err))
+        return out
+
+    def plain(self, member: str, pid: str, tokens: int, n: int, qs: list[QAQuestion]) -> list[QAAnswer]:
+        """`qs` asked the plain way over the text `window` cut for (`pid`, `tokens`)."""
+        return self.asker.answer_plain(member, self.texts[(pid, tokens)], n, qs)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """One passage's window as asked: its prompt prefix ids, document tokens and questions."""
+
+    prefix: list[int]
+    tokens: int
+    questions: list[QAQuestion]
+
+
 def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) -> TaskSection:
+    """Every passage's questions answered under every condition, scored, and the optional length sweep."""
     from tqdm.auto import tqdm
 
-    from agents import DocumentPrompt
-    from orchestra.bench.qa import is_correct, load_qa, passage_window, token_offsets
+    from orchestra.bench.qa import load_qa
 
     qa = load_qa(config.qa_file)
     chosen = _chosen_questions(qa, config)
@@ -338,74 +394,77 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
     repair = config.repair_policy()
     section = TaskSection(config=config, dataset=f"{qa.name} v{qa.version}", questions=len(chosen),
                           passages=len(groups), repair=repair.model_dump(mode="json"))
-    source = config.source
-    tok = fam.loaded(source).tokenizer
-    members = _mappable_members(fam, source, config.members, section.skipped)
-    # Gates open for the measured conditions: the map itself is what is scored; `config.gate` is asked separately.
-    cache = fam.family_cache(source, tail_tokens=config.tail_tokens, repair_costs=config.repair_costs)
-    open_gate = GatePolicy(offline=None, probe=None)
-    asker = QAAsker(fam, cache, config.max_new_tokens, config.stop)
-    offsets: dict[str, list[tuple[int, int]]] = {}
-    texts: dict[tuple[str, int], str] = {}
-
-    def window(pid: str, tokens: int) -> tuple[list[int], int]:
-        p = qa.passage(pid)
-        doc = qa.document_text(p.document)
-        if p.document not in offsets:
-            offsets[p.document] = token_offsets(doc, tok)
-        text, n = passage_window(doc, p.start, p.end, tokens, tok, offsets[p.document])
-        texts[(pid, tokens)] = text
-        return DocumentPrompt(text).token_ids(tok), n
-
-    def answer(member: str, condition: Condition, lease: CacheLease, prefix: list[int], n: int,
-               qs: list[QAQuestion]) -> list[QAAnswer]:
-        out = []
-        for q in qs:
-            text, err = asker.ask(member, lease, prefix, q)
-            out.append(QAAnswer(question=q.id, member=member, condition=condition, window_tokens=n,
-                                prefix_tokens=len(prefix), path=lease.path, prediction=text,
-                                correct=err is None and is_correct(text, q.answers), error=err))
-        return out
-
-    def plain(member: str, pid: str, tokens: int, n: int, qs: list[QAQuestion]) -> list[QAAnswer]:
-        return asker.answer_plain(member, texts[(pid, tokens)], n, qs)
-
-    gate_log: dict[str, list[CacheLease]] = {m: [] for m in members}
+    run = _task_run(config, fam, qa, repair, section.skipped)
+    gate_log: dict[str, list[CacheLease]] = {m: [] for m in run.members}
     answers: list[QAAnswer] = []
     prefix_lengths: list[int] = []
     bar = tqdm(list(groups.items()), desc="tasks", disable=not progress)
     for pid, qs in bar:
         bar.set_postfix_str(pid)
-        prefix, n = window(pid, config.window_tokens)
-        why = next((w for m in [source, *members] if (w := asker.fits(m, prefix, qs))), None)
-        if why:
-            section.skipped.append(f"{pid}: {why}")
-            continue
-        prefix_lengths.append(len(prefix))
-        with cache.acquire_sync(source, prefix) as lease:
-            answers += answer(source, "source", lease, prefix, n, qs)
-        for m in members:
-            # Order matters: the exact (own) entry is built last, or the mapped requests would find it and hit it.
-            with cache.acquire_sync(m, prefix, gate=open_gate, tail_tokens=config.tail_tokens) as lease:
-                answers += answer(m, "mapped", lease, prefix, n, qs)
-            with cache.acquire_sync(m, prefix, gate=open_gate, tail_tokens=config.tail_tokens, repair=repair) as lease:
-                answers += answer(m, "mapped+repair", lease, prefix, n, qs)
-                section.repair_costs += [float(str(lease.repair["cost"]))] if lease.repair else []
-            # The gates on the same map (a re-prefill when they refuse it: that is then the own prefill, reused).
-            with cache.acquire_sync(m, prefix, gate=config.gate, tail_tokens=config.tail_tokens) as lease:
-                gate_log[m].append(lease)
-            with cache.acquire_sync(m, prefix, allow_mapped=False) as lease:
-                answers += answer(m, "own", lease, prefix, n, qs)
-        for m in [source, *members] if config.plain else []:
-            answers += plain(m, pid, config.window_tokens, n, qs)
-        cache.clear()  # windows share nothing: keep memory flat
+        asked = _answer_passage(run, pid, qs, section, gate_log)
+        if asked is not None:
+            answers += asked[0]
+            prefix_lengths.append(asked[1])
     section.answers = answers
     section.mean_prefix_tokens = sum(prefix_lengths) / len(prefix_lengths) if prefix_lengths else 0.0
-    _fill_scores(section, members, gate_log)
+    _fill_scores(section, run.members, gate_log)
     for length in config.lengths:
-        section.lengths.append(_length_row(length, source, groups, window, asker, cache, answer, progress,
-                                           plain if config.plain else None))
+        section.lengths.append(_length_row(length, config.source, groups, run.window, run.asker, run.cache,
+                                           run.answer, progress, run.plain if config.plain else None))
     return section
+
+
+def _task_run(config: TaskConfig, fam: BenchFamily, qa: QASet, repair: RepairPolicy,
+              skipped: list[str]) -> _TaskRun:
+    """The source's tokenizer, the members it maps into (others noted in `skipped`), cache and asker."""
+    tok = fam.loaded(config.source).tokenizer
+    members = _mappable_members(fam, config.source, config.members, skipped)
+    # Gates open for the measured conditions: the map itself is what is scored; `config.gate` is asked
+    # separately.
+    cache = fam.family_cache(config.source, tail_tokens=config.tail_tokens, repair_costs=config.repair_costs)
+    open_gate = GatePolicy(offline=None, probe=None)
+    asker = QAAsker(fam, cache, config.max_new_tokens, config.stop)
+    return _TaskRun(config=config, qa=qa, tok=tok, members=members, cache=cache, asker=asker, repair=repair,
+                    open_gate=open_gate)
+
+
+def _answer_passage(run: _TaskRun, pid: str, qs: list[QAQuestion], section: TaskSection,
+                    gate_log: dict[str, list[CacheLease]]) -> tuple[list[QAAnswer], int] | None:
+    """A passage's answers under every condition and its prefix length; None (noted) if a prompt won't fit."""
+    config, source = run.config, run.config.source
+    prefix, n = run.window(pid, config.window_tokens)
+    why = next((w for m in [source, *run.members] if (w := run.asker.fits(m, prefix, qs))), None)
+    if why:
+        section.skipped.append(f"{pid}: {why}")
+        return None
+    window = _Window(prefix=prefix, tokens=n, questions=qs)
+    with run.cache.acquire_sync(source, prefix) as lease:
+        answers = run.answer(source, "source", lease, prefix, n, qs)
+    for m in run.members:
+        answers += _member_answers(run, m, window, section.repair_costs, gate_log[m])
+    for m in [source, *run.members] if config.plain else []:
+        answers += run.plain(m, pid, config.window_tokens, n, qs)
+    run.cache.clear()  # windows share nothing: keep memory flat
+    return answers, len(prefix)
+
+
+def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[float],
+                    gate_log: list[CacheLease]) -> list[QAAnswer]:
+    """The member's mapped, mapped+repair and own answers on a window; its gates' lease goes to `gate_log`."""
+    tail, prefix, n, qs = run.config.tail_tokens, w.prefix, w.tokens, w.questions
+    # Order matters: the exact (own) entry is built last, or the mapped requests would find it and hit it.
+    with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail) as lease:
+        answers = run.answer(member, "mapped", lease, prefix, n, qs)
+    with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail,
+                                repair=run.repair) as lease:
+        answers += run.answer(member, "mapped+repair", lease, prefix, n, qs)
+        repair_costs += [float(str(lease.repair["cost"]))] if lease.repair else []
+    # The gates on the same map (a re-prefill when they refuse it: that is then the own prefill, reused).
+    with run.cache.acquire_sync(member, prefix, gate=run.config.gate, tail_tokens=tail) as lease:
+        gate_log.append(lease)
+    with run.cache.acquire_sync(member, prefix, allow_mapped=False) as lease:
+        answers += run.answer(member, "own", lease, prefix, n, qs)
+    return answers
 
 
 def _fill_scores(section: TaskSection, members: list[str], gate_log: dict[str, list[CacheLease]]) -> None:
@@ -424,9 +483,9 @@ def _fill_scores(section: TaskSection, members: list[str], gate_log: dict[str, l
 
 
 _Answer = Callable[[str, Condition, "CacheLease", list[int], int, list["QAQuestion"]], list[QAAnswer]]
-"""`run_tasks`' answer(member, condition, lease, prefix, window tokens, questions)."""
+"""`_TaskRun.answer`(member, condition, lease, prefix, window tokens, questions)."""
 _Plain = Callable[[str, str, int, int, list["QAQuestion"]], list[QAAnswer]]
-"""`run_tasks`' plain(member, passage id, window length, window tokens, questions)."""
+"""`_TaskRun.plain`(member, passage id, window length, window tokens, questions)."""
 
 
 def _length_row(length: int, member: str, groups: dict[str, list[QAQuestion]],

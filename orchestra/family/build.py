@@ -223,6 +223,21 @@ def require_build_dependencies() -> None:
             f"{BUILD_INSTALL} (a family of your own needs neither)", name=missing[0])
 
 
+@dataclass(frozen=True)
+class _Build:
+    """One build's home, family folder and logger, and the members already built by the current recipes."""
+
+    home: Path
+    fam: Path
+    existing: dict[str, MemberRecord | None]
+    force: bool
+    say: Log
+
+    def reusable(self, spec: MemberSpec) -> MemberRecord | None:
+        """The member's current build unless `force` rebuilds everything."""
+        return None if self.force else self.existing[spec.name]
+
+
 def _build_members(
     home: str | os.PathLike[str] | None,
     *,
@@ -231,12 +246,12 @@ def _build_members(
     force: bool,
     log: Log | None,
 ) -> FamilyManifest:
+    """Build (or reuse) the root and every derived member, then write ``family.json``."""
     home_path = resolve_home(home)
     fam = family_dir(home_path)
     fam.mkdir(parents=True, exist_ok=True)
     say = log or (lambda _msg: None)
 
-    records: dict[str, MemberRecord] = {}
     existing = {spec.name: _current(fam / spec.name, spec) for spec in MEMBERS}
     if not force and all(r is not None and (r.role == "root" or r.divergence) for r in existing.values()):
         manifest = FamilyManifest(home=str(home_path), members={n: r for n, r in existing.items() if r})
@@ -245,49 +260,68 @@ def _build_members(
 
     require_build_dependencies()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from orchestra.family._gguf import load_gguf, locate_gguf
-    from orchestra.family.corpus import HELDOUT_TEXT, data_text
-    from orchestra.family.divergence import heldout_windows, measure_divergence
 
     torch.manual_seed(0)
-    root_spec = MEMBERS[0]
-    root_dir = fam / root_spec.name
-    root_record = None if force else existing[root_spec.name]
-    if root_record is None:
-        path = locate_gguf(home_path, Path(gguf) if gguf else None, allow_download=allow_download)
-        say(f"converting {path.name} to a model folder")
-        model, tokenizer = load_gguf(path)
-        root_record = _save_member(model, tokenizer, root_spec, root_dir, None)
-        del model
-    else:
-        say(f"reusing {root_spec.name}")
-    records[root_spec.name] = root_record
-
-    tokenizer = AutoTokenizer.from_pretrained(str(root_dir))
-    heldout = None
-    for spec in MEMBERS[1:]:
-        record = None if force else existing[spec.name]
-        if record is not None and record.divergence is not None:
-            say(f"reusing {spec.name}")
-            records[spec.name] = record
-            continue
-        if heldout is None:
-            root = AutoModelForCausalLM.from_pretrained(str(root_dir), dtype=torch.float32).eval()
-            heldout = heldout_windows(root, tokenizer, data_text(HELDOUT_TEXT), HELDOUT_TEXT)
-            del root
-        say(f"building {spec.name} ({spec.role})")
-        model = _derive(spec, root_dir)
-        kl, top1, n = measure_divergence(model, heldout)
-        divergence = Divergence(text=HELDOUT_TEXT, tokens=n, kl=kl, top1=top1)
-        say(f"  divergence from root: KL {kl:.4f}, top-1 {top1:.3f} over {n} tokens")
-        records[spec.name] = _save_member(model, tokenizer, spec, fam / spec.name, divergence)
-        del model
+    build = _Build(home=home_path, fam=fam, existing=existing, force=force, say=say)
+    records = {MEMBERS[0].name: _build_root(build, gguf, allow_download)}
+    records.update(_build_derived(build, fam / MEMBERS[0].name))
 
     manifest = FamilyManifest(home=str(home_path), members=records)
     _save_manifest(manifest, fam / MANIFEST_NAME)
     return manifest
+
+
+def _build_root(build: _Build, gguf: str | os.PathLike[str] | None, allow_download: bool) -> MemberRecord:
+    """The root, reused when current, else converted from the SmolLM2 GGUF (located or downloaded)."""
+    from orchestra.family._gguf import load_gguf, locate_gguf
+
+    spec = MEMBERS[0]
+    record = build.reusable(spec)
+    if record is not None:
+        build.say(f"reusing {spec.name}")
+        return record
+    path = locate_gguf(build.home, Path(gguf) if gguf else None, allow_download=allow_download)
+    build.say(f"converting {path.name} to a model folder")
+    model, tokenizer = load_gguf(path)
+    return _save_member(model, tokenizer, spec, build.fam / spec.name, None)
+
+
+def _build_derived(build: _Build, root_dir: Path) -> dict[str, MemberRecord]:
+    """The derived members: each reused when current, else derived from the root and measured against it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from orchestra.family.corpus import HELDOUT_TEXT, data_text
+    from orchestra.family.divergence import heldout_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(str(root_dir))
+    records: dict[str, MemberRecord] = {}
+    heldout = None
+    for spec in MEMBERS[1:]:
+        record = build.reusable(spec)
+        if record is not None and record.divergence is not None:
+            build.say(f"reusing {spec.name}")
+            records[spec.name] = record
+            continue
+        if heldout is None:  # lazily: the root is loaded only when some member must be built
+            root = AutoModelForCausalLM.from_pretrained(str(root_dir), dtype=torch.float32).eval()
+            heldout = heldout_windows(root, tokenizer, data_text(HELDOUT_TEXT), HELDOUT_TEXT)
+            del root
+        records[spec.name] = _build_member(build, spec, root_dir, tokenizer, heldout)
+    return records
+
+
+def _build_member(build: _Build, spec: MemberSpec, root_dir: Path, tokenizer, heldout) -> MemberRecord:
+    """One member derived from the root, its divergence from the root measured on `heldout`, saved."""
+    from orchestra.family.corpus import HELDOUT_TEXT
+    from orchestra.family.divergence import measure_divergence
+
+    build.say(f"building {spec.name} ({spec.role})")
+    model = _derive(spec, root_dir)
+    kl, top1, n = measure_divergence(model, heldout)
+    divergence = Divergence(text=HELDOUT_TEXT, tokens=n, kl=kl, top1=top1)
+    build.say(f"  divergence from root: KL {kl:.4f}, top-1 {top1:.3f} over {n} tokens")
+    return _save_member(model, tokenizer, spec, build.fam / spec.name, divergence)
 
 
 def _save_manifest(manifest: FamilyManifest, path: Path) -> None:

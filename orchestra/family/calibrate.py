@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from mappings.store import Mapping
     from orchestra.family.manifest import FamilyManifest
     from orchestra.mapstore import MappingStore
-    from orchestra.registry import LoadedModel
+    from orchestra.registry import LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["CALIBRATION_TOKENS", "REPAIR_TOKENS", "Calibrated", "calibrate_members"]
 
@@ -45,6 +45,19 @@ class Calibrated:
     method: str
     heldout_kl: float
     residual: bool
+
+
+@dataclass(frozen=True)
+class _Calibration:
+    """What every pair of one `calibrate_members` call shares: the models, the store and the settings."""
+
+    registry: ModelRegistry
+    store: MappingStore
+    root_info: ModelInfo
+    tokens: int
+    repair: bool
+    force: bool
+    say: Log
 
 
 def calibrate_members(
@@ -75,7 +88,8 @@ def calibrate_members(
     aliases = {"root": "root", **{m.name: m.name for m in chosen}}
     registry = ModelRegistry(aliases, family=manifest, default_device="cpu")
     store = MappingStore(Path(manifest.home) / "mappings", tokens=tokens)
-    root_info = registry.info("root")
+    run = _Calibration(registry=registry, store=store, root_info=registry.info("root"), tokens=tokens,
+                       repair=repair, force=force, say=say)
 
     bar = None
     if progress:
@@ -87,33 +101,34 @@ def calibrate_members(
         for member in chosen:
             if bar is not None:
                 bar.set_postfix_str(member.name)
-            started = time.perf_counter()
-            path = store.path_for(root_info, registry.info(member.name))
-            kept = None if force else _kept(path, repair)
-            if kept is not None:  # nothing to do: no member is loaded (a demo start stays quick)
-                method, kl, residual = kept
-                results.append(Calibrated(member=member.name, path=path, made=False,
-                                          seconds=time.perf_counter() - started, method=method, heldout_kl=kl,
-                                          residual=residual))
-                if bar is not None:
-                    bar.update(1)
-                continue
-            source = registry.load("root")  # loaded once, by the first pair that needs work
-            target = registry.load(member.name)
-            mapping, made = _load_or_fit(store, path, source, target, member.name, tokens=tokens, repair=repair,
-                                         force=force, say=say)
-            heldout_kl = mapping.manifest.heldout.get("kl")
-            results.append(Calibrated(
-                member=member.name, path=path, made=made, seconds=time.perf_counter() - started,
-                method=mapping.manifest.method.name, heldout_kl=float("nan") if heldout_kl is None else heldout_kl,
-                residual=mapping.residual is not None,
-            ))
+            results.append(_calibrate_member(run, member.name))
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
     return results
+
+
+def _calibrate_member(run: _Calibration, member: str) -> Calibrated:
+    """Root -> `member`: its mapping kept when it needs no work, else loaded (and completed) or fitted."""
+    started = time.perf_counter()
+    path = run.store.path_for(run.root_info, run.registry.info(member))
+    kept = None if run.force else _kept(path, run.repair)
+    if kept is not None:  # nothing to do: no member is loaded (a demo start stays quick)
+        method, kl, residual = kept
+        return Calibrated(member=member, path=path, made=False, seconds=time.perf_counter() - started,
+                          method=method, heldout_kl=kl, residual=residual)
+    source = run.registry.load("root")  # loaded once, by the first pair that needs work
+    target = run.registry.load(member)
+    mapping, made = _load_or_fit(run.store, path, source, target, member, tokens=run.tokens,
+                                 repair=run.repair, force=run.force, say=run.say)
+    heldout_kl = mapping.manifest.heldout.get("kl")
+    return Calibrated(
+        member=member, path=path, made=made, seconds=time.perf_counter() - started,
+        method=mapping.manifest.method.name, heldout_kl=float("nan") if heldout_kl is None else heldout_kl,
+        residual=mapping.residual is not None,
+    )
 
 
 def _load_or_fit(store: MappingStore, path: Path, source: LoadedModel, target: LoadedModel, member: str, *,

@@ -27,7 +27,10 @@ from typing import TYPE_CHECKING
 from orchestra.errors import CrossFamilyError, FamilyError
 
 if TYPE_CHECKING:
-    from orchestra.family.manifest import FamilyManifest
+    from transformers import PreTrainedTokenizerBase
+
+    from orchestra.family.manifest import FamilyManifest, MemberRecord
+    from orchestra.modelref import ResolvedModel
 
 __all__ = ["MemberArg", "parse_member_arg", "init_family"]
 
@@ -65,12 +68,9 @@ def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str
     """
     from transformers import AutoTokenizer
 
-    from mappings.fingerprint import token_ids_digest
-    from mappings.tokenizer_compat import compare_tokenizers
-    from orchestra.family.manifest import MANIFEST_NAME, FamilyManifest, MemberRecord, family_dir
+    from orchestra.family.manifest import MANIFEST_NAME, FamilyManifest, family_dir
     from orchestra.modelref import ModelRef
     from orchestra.paths import resolve_home
-    from orchestra.registry import parameter_count, read_model_config
 
     if not _NAME.match(name):
         raise FamilyError(f"family name {name!r} must be letters, digits, '.', '_' or '-': pick another")
@@ -83,37 +83,65 @@ def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str
                           "--home for another home")
     args = [parse_member_arg(m) for m in models]
     resolved = [ModelRef.parse(a.reference).resolve() for a in args]
-    names = [a.name or _default_name(a.reference, r.path, r.ref.repo_id) for a, r in zip(args, resolved, strict=True)]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise FamilyError(f"two models would both be named {duplicates[0]!r}: name them, e.g. "
-                          f"`{duplicates[0]}-a=<model>`")
-    src = names.index(source) if source is not None and source in names else 0
-    if source is not None and source not in names:
-        raise FamilyError(f"--source {source!r} is none of the members ({', '.join(names)}): give one of them")
-
+    names = _member_names(args, resolved)
+    src = _source_index(names, source)
     tokenizers = [AutoTokenizer.from_pretrained(str(r.path)) for r in resolved]
-    root_ids = token_ids_digest(tokenizers[src])
-    for i, tok in enumerate(tokenizers):
-        if i != src and token_ids_digest(tok) != root_ids:
-            diff = compare_tokenizers(tok, tokenizers[src], names=(f"member {names[i]}", f"the source {names[src]}"))
-            raise CrossFamilyError(diff.refusal(f"member {names[i]}", names[src])
-                                   + f": leave {names[i]!r} out of this family")
-
-    records: dict[str, MemberRecord] = {}
-    for i, (arg, res, tok) in enumerate(zip(args, resolved, tokenizers, strict=True)):
-        params = parameter_count(res.path)
-        size = sum(f.stat().st_size for f in res.path.glob("*.safetensors"))
-        made_by: dict[str, object] = {"kind": "hub" if res.ref.is_hub else "folder", "reference": arg.reference}
-        if res.commit is not None:
-            made_by["commit"] = res.commit
-        records[names[i]] = MemberRecord(
-            name=names[i], role="root" if i == src else "external", path=str(res.path),
-            parent=None if i == src else names[src], made_by=made_by,
-            fingerprint=res.fingerprint(tok).as_dict(), num_layers=int(read_model_config(res.path)[1].get("num_hidden_layers", 0)), num_parameters=params,
-            bytes=size,
-        )
+    _check_token_ids(tokenizers, names, src)
+    records = {names[i]: _member_record(names[i], None if i == src else names[src], arg, res, tok)
+               for i, (arg, res, tok) in enumerate(zip(args, resolved, tokenizers, strict=True))}
     manifest = FamilyManifest(family=name, home=str(home_path), members=records)
     target.parent.mkdir(parents=True, exist_ok=True)
     manifest.save(target)
     return FamilyManifest.load(target)
+
+
+def _member_names(args: list[MemberArg], resolved: list[ResolvedModel]) -> list[str]:
+    """Each model's member name, given or derived; refused when two would share one."""
+    names = [a.name or _default_name(a.reference, r.path, r.ref.repo_id)
+             for a, r in zip(args, resolved, strict=True)]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise FamilyError(f"two models would both be named {duplicates[0]!r}: name them, e.g. "
+                          f"`{duplicates[0]}-a=<model>`")
+    return names
+
+
+def _source_index(names: list[str], source: str | None) -> int:
+    """Which member is the root: the one `source` names, else the first; refused when it names none."""
+    if source is not None and source not in names:
+        raise FamilyError(f"--source {source!r} is none of the members ({', '.join(names)}): "
+                          "give one of them")
+    return names.index(source) if source is not None else 0
+
+
+def _check_token_ids(tokenizers: Sequence[PreTrainedTokenizerBase], names: list[str], src: int) -> None:
+    """Refuse, saying how they differ, a member whose token ids differ from the source's."""
+    from mappings.fingerprint import token_ids_digest
+    from mappings.tokenizer_compat import compare_tokenizers
+
+    root_ids = token_ids_digest(tokenizers[src])
+    for i, tok in enumerate(tokenizers):
+        if i != src and token_ids_digest(tok) != root_ids:
+            diff = compare_tokenizers(tok, tokenizers[src],
+                                      names=(f"member {names[i]}", f"the source {names[src]}"))
+            raise CrossFamilyError(diff.refusal(f"member {names[i]}", names[src])
+                                   + f": leave {names[i]!r} out of this family")
+
+
+def _member_record(name: str, parent: str | None, arg: MemberArg, res: ResolvedModel,
+                   tok: PreTrainedTokenizerBase) -> MemberRecord:
+    """A member's record (the root's without a `parent`): its place, naming, fingerprint and sizes."""
+    from orchestra.family.manifest import MemberRecord
+    from orchestra.registry import parameter_count, read_model_config
+
+    params = parameter_count(res.path)
+    size = sum(f.stat().st_size for f in res.path.glob("*.safetensors"))
+    made_by: dict[str, object] = {"kind": "hub" if res.ref.is_hub else "folder", "reference": arg.reference}
+    if res.commit is not None:
+        made_by["commit"] = res.commit
+    return MemberRecord(
+        name=name, role="root" if parent is None else "external", path=str(res.path),
+        parent=parent, made_by=made_by, fingerprint=res.fingerprint(tok).as_dict(),
+        num_layers=int(read_model_config(res.path)[1].get("num_hidden_layers", 0)), num_parameters=params,
+        bytes=size,
+    )

@@ -127,14 +127,23 @@ def _lr_lambda(recipe: DeltaRecipe):
     return fn
 
 
+@dataclass(frozen=True)
+class _Training:
+    """One delta's training run: the LoRA-wrapped student, its optimizer and schedule, the teacher if any."""
+
+    name: str
+    recipe: DeltaRecipe
+    model: PeftModel
+    optim: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    teacher: torch.nn.Module | None
+    ckpt_dir: Path
+
+
 def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = None) -> Path:
     """Train the named delta on the root model; returns the adapter directory."""
-    import time
-
     import torch
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
-    from tqdm import tqdm
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from orchestra.family._prune import drop_layers
@@ -164,19 +173,41 @@ def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = No
     model = get_peft_model(student, lora)
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, _lr_lambda(recipe))
+    run = _Training(name=name, recipe=recipe, model=model, optim=optim, sched=sched, teacher=teacher,
+                    ckpt_dir=ckpt_dir)
 
-    start, seconds = 0, 0.0
-    state_file = ckpt_dir / "state.json"
-    if state_file.exists():
-        state = json.loads(state_file.read_text())
-        set_peft_model_state_dict(model, load_file(str(ckpt_dir / "adapter.safetensors")))
-        optim.load_state_dict(torch.load(ckpt_dir / "optim.pt", weights_only=True))
-        sched.load_state_dict(state["sched"])
-        start, seconds = state["step"], state.get("seconds", 0.0)
-
+    start, seconds = _resume(run)
     ids = tokenizer(training_text(recipe.corpus))["input_ids"]
-    model.train()
-    bar = tqdm(total=recipe.steps, initial=start, desc=f"train {name}", unit="step")
+    losses, seconds = _train_steps(run, ids, start, seconds)
+    _write_delta(out_dir, model, name, recipe, losses, seconds, importance)
+    return out_dir
+
+
+def _resume(run: _Training) -> tuple[int, float]:
+    """Load the last checkpoint, if any, into the run; the steps already done and their training seconds."""
+    import torch
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state_file = run.ckpt_dir / "state.json"
+    if not state_file.exists():
+        return 0, 0.0
+    state = json.loads(state_file.read_text())
+    set_peft_model_state_dict(run.model, load_file(str(run.ckpt_dir / "adapter.safetensors")))
+    run.optim.load_state_dict(torch.load(run.ckpt_dir / "optim.pt", weights_only=True))
+    run.sched.load_state_dict(state["sched"])
+    return state["step"], state.get("seconds", 0.0)
+
+
+def _train_steps(run: _Training, ids: list[int], start: int, seconds: float) -> tuple[list[float], float]:
+    """Steps `start` to the recipe's last, checkpointed every 10; the losses and the total training seconds."""
+    import time
+
+    from tqdm import tqdm
+
+    recipe = run.recipe
+    run.model.train()
+    bar = tqdm(total=recipe.steps, initial=start, desc=f"train {run.name}", unit="step")
     losses: list[float] = []
     tick = time.perf_counter()
     t = recipe.temperature
@@ -185,11 +216,11 @@ def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = No
             continue  # replays the data order so a resumed run sees the same batches
         if step >= recipe.steps:
             break
-        loss = _delta_loss(model(input_ids=batch, use_cache=False).logits, batch, teacher, t)
+        loss = _delta_loss(run.model(input_ids=batch, use_cache=False).logits, batch, run.teacher, t)
         loss.backward()
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
+        run.optim.step()
+        run.sched.step()
+        run.optim.zero_grad(set_to_none=True)
         losses.append(loss.item())
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
@@ -197,10 +228,9 @@ def train_delta(name: str, root_dir: Path, home: Path, out_dir: Path | None = No
             now = time.perf_counter()
             seconds += now - tick
             tick = now
-            _save_checkpoint(ckpt_dir, model, optim, sched, step + 1, seconds, losses[-1])
+            _save_checkpoint(run.ckpt_dir, run.model, run.optim, run.sched, step + 1, seconds, losses[-1])
     bar.close()
-    _write_delta(out_dir, model, name, recipe, losses, seconds, importance)
-    return out_dir
+    return losses, seconds
 
 
 def _checked_importance(recipe: DeltaRecipe, root_dir: Path, ckpt_dir: Path) -> LayerImportance:
