@@ -90,7 +90,7 @@ if TYPE_CHECKING:
     from mappings.store import Mapping as LoadedMapping
     from mappings.types import CacheLike, DeviceLike, KVCache, Tensor, Tokenizer
     from orchestra.familycache._handles import CacheRef, HiddenRef, OnToken
-    from orchestra.familycache._settings import ExecutorSpec
+    from orchestra.familycache._settings import ExecutorSpec, MemberResources
     from orchestra.mapstore import MappingStoreConfig, ProbeReference, ReferenceWindows
     from orchestra.registry import FamilyIndex, LoadedModel, ModelInfo, ModelRegistry
 
@@ -615,39 +615,14 @@ class RayExecutor(Executor):
         with self._start_lock:
             if self._started:
                 return
-            self._connect()
-            plan = []
-            for member in self._members:
-                res = self.spec.resources(member)
-                for replica in range(res.replicas):
-                    plan.append((member, replica, res))
-            bundles = [{"CPU": float(res.num_cpus or 1.0), **({"GPU": float(res.num_gpus)} if res.num_gpus else {})}
-                       for _, _, res in plan]
-            pg = placement_group(bundles, strategy=self.spec.placement, name=f"orchestra-{self.name}-{self.uid}")
-            try:
-                ray.get(pg.ready(), timeout=self.spec.ready_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                remove_placement_group(pg)
-                need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
-                have = ray.cluster_resources()  # type: ignore[no-untyped-call]
-                raise ExecutorUnavailableError(
-                    f"Ray could not place the pipeline's {len(bundles)} actors ({need['CPU']:g} CPU, {need['GPU']:g} GPU, "
-                    f"strategy {self.spec.placement}) within {self.spec.ready_timeout_s:g}s; the cluster has "
-                    f"{have}: lower executor.num_cpus / members' num_gpus or replicas, or add nodes"
-                ) from None
+            self._owns_ray = _connect_ray(self.spec, self._members) or self._owns_ray
+            plan = [(member, replica, self.spec.resources(member)) for member in self._members
+                    for replica in range(self.spec.resources(member).replicas)]
+            pg = _reserve_placement([res for _, _, res in plan], self.spec, f"orchestra-{self.name}-{self.uid}")
             self._pg = pg
             actors: dict[str, list[_Actor]] = {}
             for index, (member, replica, res) in enumerate(plan):
-                ray_name = f"orchestra.{self.name}.{self.uid}.{member}.{replica}"
-                device = "cpu" if self.registry.devices.get(member) == "cpu" else ("auto" if res.num_gpus else "cpu")
-                # ray.remote's stubs type the decorated class as itself, not the ActorClass that has .options
-                handle = MemberActor.options(  # type: ignore[attr-defined]
-                    name=ray_name, namespace=NAMESPACE, num_cpus=res.num_cpus, num_gpus=res.num_gpus or 0,
-                    max_restarts=self.spec.max_restarts, max_task_retries=0, max_concurrency=32,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-                ).remote(f"{member}#{replica}", member, self.registry.aliases[member], self.registry.family, device,
-                         self.registry.dtype, res.threads, self.max_concurrency_per_device)
-                actors.setdefault(member, []).append(_Actor(member, replica, handle, ray_name))
+                actors.setdefault(member, []).append(_spawn_actor(self, member, replica, res, pg, index))
             self._actors = actors
             self._started = True
             try:
@@ -658,24 +633,6 @@ class RayExecutor(Executor):
                 self._stop()
                 raise ExecutorUnavailableError(f"a member's actor could not start (its model did not load): "
                                                f"{_first_line(exc)}") from exc
-
-    def _connect(self) -> None:
-        if ray.is_initialized():
-            return
-        address = self.spec.address
-        kwargs: _InitArgs = {"namespace": NAMESPACE, "log_to_driver": False}
-        if address in (None, "local") and not (address is None and os.environ.get("RAY_ADDRESS")):
-            need = sum((self.spec.resources(m).num_cpus or 1.0) * self.spec.resources(m).replicas for m in self._members)
-            # logical CPUs: enough for every actor's bundle (each actor still runs torch on the node's cores)
-            kwargs.update({"address": "local", "include_dashboard": False,
-                           "num_cpus": max(_node_cores(), math.ceil(need))})
-        else:
-            kwargs["address"] = address
-        try:
-            _init_from_a_lasting_thread(kwargs)
-        except Exception as exc:  # unreachable cluster, bad address
-            raise ExecutorUnavailableError(f"cannot start or join Ray at {address or 'local'}: {_first_line(exc)}") from exc
-        self._owns_ray = True
 
     def close(self) -> None:
         """Kill the actors and remove the placement group (and stop Ray if this executor started it)."""
@@ -978,3 +935,58 @@ def _first_line(exc: BaseException) -> str:
         if line.strip():
             return line.strip()[:300]
     return type(exc).__name__
+
+
+def _connect_ray(spec: ExecutorSpec, members: Sequence[str]) -> bool:
+    """Start or join Ray as `spec` says, unless this process is connected already; True when it started or
+    joined it now (the executor then shuts it down when it closes)."""
+    if ray.is_initialized():
+        return False
+    address = spec.address
+    kwargs: _InitArgs = {"namespace": NAMESPACE, "log_to_driver": False}
+    if address in (None, "local") and not (address is None and os.environ.get("RAY_ADDRESS")):
+        need = sum((spec.resources(m).num_cpus or 1.0) * spec.resources(m).replicas for m in members)
+        # logical CPUs: enough for every actor's bundle (each actor still runs torch on the node's cores)
+        kwargs.update({"address": "local", "include_dashboard": False, "num_cpus": max(_node_cores(), math.ceil(need))})
+    else:
+        kwargs["address"] = address
+    try:
+        _init_from_a_lasting_thread(kwargs)
+    except Exception as exc:  # unreachable cluster, bad address
+        raise ExecutorUnavailableError(f"cannot start or join Ray at {address or 'local'}: {_first_line(exc)}") from exc
+    return True
+
+
+def _reserve_placement(resources: Sequence[MemberResources], spec: ExecutorSpec, name: str) -> PlacementGroup:
+    """A ready placement group of one bundle per actor; ExecutorUnavailableError naming what is missing when the
+    cluster cannot place it within the spec's ready timeout."""
+    bundles = [{"CPU": float(res.num_cpus or 1.0), **({"GPU": float(res.num_gpus)} if res.num_gpus else {})}
+               for res in resources]
+    pg: PlacementGroup = placement_group(bundles, strategy=spec.placement, name=name)
+    try:
+        ray.get(pg.ready(), timeout=spec.ready_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        need = {k: sum(b.get(k, 0.0) for b in bundles) for k in ("CPU", "GPU")}
+        have = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        raise ExecutorUnavailableError(
+            f"Ray could not place the pipeline's {len(bundles)} actors ({need['CPU']:g} CPU, {need['GPU']:g} GPU, "
+            f"strategy {spec.placement}) within {spec.ready_timeout_s:g}s; the cluster has "
+            f"{have}: lower executor.num_cpus / members' num_gpus or replicas, or add nodes"
+        ) from None
+    return pg
+
+
+def _spawn_actor(ex: RayExecutor, member: str, replica: int, res: MemberResources, pg: PlacementGroup,
+                 index: int) -> _Actor:
+    """`ex`'s `replica`-th actor of `member`, in bundle `index` of its placement group (its model loads there)."""
+    ray_name = f"orchestra.{ex.name}.{ex.uid}.{member}.{replica}"
+    device = "cpu" if ex.registry.devices.get(member) == "cpu" else ("auto" if res.num_gpus else "cpu")
+    # ray.remote's stubs type the decorated class as itself, not the ActorClass that has .options
+    handle = MemberActor.options(  # type: ignore[attr-defined]
+        name=ray_name, namespace=NAMESPACE, num_cpus=res.num_cpus, num_gpus=res.num_gpus or 0,
+        max_restarts=ex.spec.max_restarts, max_task_retries=0, max_concurrency=32,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+    ).remote(f"{member}#{replica}", member, ex.registry.aliases[member], ex.registry.family, device,
+             ex.registry.dtype, res.threads, ex.max_concurrency_per_device)
+    return _Actor(member, replica, handle, ray_name)
