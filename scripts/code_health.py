@@ -7,7 +7,7 @@ Over ``orchestra/``, ``agents/`` and ``mappings/`` (tests and benchmarks aside) 
 - ``Any`` in annotations: every ``Any`` / ``typing.Any`` inside an argument or return annotation, an
   annotated assignment or a module-level type alias (``X = dict[str, Any]``, ``X: TypeAlias = ...``);
   ``Any`` in a string or inside a call (``cast(Any, x)``) is not an annotation and is not counted;
-- functions (methods and nested ones included) longer than 80 lines, ``end_lineno - lineno + 1`` from
+- functions (methods and nested ones included) longer than 60 lines, ``end_lineno - lineno + 1`` from
   the ``def`` line; typer commands (decorated ``@<app>.command``) are listed apart, since most of their
   length is the option list of their signature;
 - private imports across packages: ``from X import _name``, ``import X._mod`` or ``from X._mod import y``
@@ -25,10 +25,10 @@ Over ``orchestra/``, ``agents/`` and ``mappings/`` (tests and benchmarks aside) 
   (``in_thread``, ``run_blocking``, ``call_in_loop``, ``start_thread``, ``ThreadStream``), so nearly all
   of them stand in ``agents/bridge.py``.
 
-``--check`` exits 1, with a one-line reason, when more than 5 functions (typer commands aside) are over
-80 lines, any private import crosses packages, there are 10 or more sync/async crossings, or the ``Any``
-count exceeds ``--max-any`` (default 150; a negative value leaves ``Any`` unchecked). Otherwise the exit
-status is 0.
+``--check`` exits 1, with a one-line reason, when any function (typer commands aside) is over 60 lines,
+any private import crosses packages, there are 10 or more sync/async crossings, or the ``Any`` count
+exceeds ``--max-any`` (default 150; a negative value leaves ``Any`` unchecked). Otherwise the exit status
+is 0.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from pathlib import Path
 
 PACKAGES = ("orchestra", "agents", "mappings")
 BENCH_PACKAGE = "orchestra.bench"
-MAX_LINES = 80
-MAX_LONG_FUNCTIONS = 5
+MAX_LINES = 60
+MAX_LONG_FUNCTIONS = 0
 DEFAULT_MAX_ANY = 150
 TOP_ANY_FILES = 10
 TOP_CROSSING_FILES = 10
@@ -380,7 +380,7 @@ def render(report: Report) -> str:
         out += ["", "sync/async crossings by kind:"] + [
             f"  {n:>4}  {kind}" for kind, n in report.crossings_by_kind().items() if n]
         out += ["", "sync/async crossings, top files:"] + [f"  {n:>4}  {p}" for p, n in report.top_crossing_files()]
-    for title, functions in (("functions over 80 lines:", report.long_functions),
+    for title, functions in ((f"functions over {MAX_LINES} lines:", report.long_functions),
                              ("typer option lists (may stay):", report.typer_commands)):
         if functions:
             out += ["", title] + [f"  {f.lines:>4}  {f.path}:{f.line}  {f.name}" for f in functions]

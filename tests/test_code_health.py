@@ -43,10 +43,10 @@ def _function(name: str, lines: int, decorator: str = "") -> str:
     return f"{decorator}def {name}() -> int:\n{body}    return 0\n"
 
 
-def test_a_function_of_81_lines_is_long_and_one_of_80_is_not(health, tmp_path):
-    root = _tree(tmp_path, {"mappings/m.py": _function("eighty", 80) + "\n\n" + _function("eighty_one", 81)})
+def test_a_function_of_61_lines_is_long_and_one_of_60_is_not(health, tmp_path):
+    root = _tree(tmp_path, {"mappings/m.py": _function("sixty", 60) + "\n\n" + _function("sixty_one", 61)})
     report = health.scan(root)
-    assert [(f.name, f.lines) for f in report.long_functions] == [("eighty_one", 81)]
+    assert [(f.name, f.lines) for f in report.long_functions] == [("sixty_one", 61)]
     assert report.long_functions[0].path == "mappings/m.py"
 
 
@@ -140,7 +140,7 @@ def test_check_fails_with_one_line_reason_and_passes_otherwise(health, tmp_path,
     root = _tree(tmp_path, {"mappings/m.py": long_ones + "\n\nfrom typing import Any\nx: Any = 1\n"})
     assert health.main(["--root", str(root), "--check", "--max-any", "-1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "6 functions over 80 lines" in err[0] and "Any" not in err[0]
+    assert len(err) == 1 and "6 functions over 60 lines (max 0)" in err[0] and "Any" not in err[0]
     assert health.main(["--root", str(root)]) == 0  # without --check it only reports
     capsys.readouterr()
     assert health.main(["--root", str(root), "--check", "--max-any", "0"]) == 1

@@ -354,7 +354,15 @@ def test_a_cold_burst_over_one_document_prefills_it_once_and_maps_it_once(regist
         started.set()
         release.wait(60)
 
+    mapped = threading.Event()
+
+    def hold_map(*_args):  # and the map waits for the other two child requests, however late a loaded machine
+        if not mapped.is_set():  # wakes them: none of them may find the map already built (a hit, not a join)
+            wait_until(lambda: cache.stats.waiting >= 2, what="two child requests joining the map")
+            mapped.set()
+
     hook = registry.load("base").model.register_forward_pre_hook(hold)
+    child_hook = registry.load("child").model.register_forward_pre_hook(hold_map)
     first: dict[str, object] = {}
     burst: dict[str, list] = {}
     try:
@@ -372,6 +380,7 @@ def test_a_cold_burst_over_one_document_prefills_it_once_and_maps_it_once(regist
     finally:
         release.set()
         hook.remove()
+        child_hook.remove()
     rest = burst["leases"]
     assert joined_while_building == 5  # two source requests and three child requests waited on the one prefill
     leases = [first["lease"], *rest]
