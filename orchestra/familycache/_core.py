@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import structlog
 
@@ -47,16 +47,44 @@ from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy
 if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
     from mappings.types import Tensor
-    from orchestra.family.manifest import FamilyManifest
     from orchestra.familycache._disk import KVStore
     from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef
     from orchestra.familycache._ops import Computed
     from orchestra.mapstore import MappingStore
-    from orchestra.registry import ModelInfo, ModelRegistry
+    from orchestra.registry import FamilyMember, ModelInfo, ModelRegistry
 
 __all__ = ["FamilyCache", "CacheLease", "CachePath", "StepSink"]
 
 log = structlog.get_logger("orchestra.cache")
+
+
+class _Member(Protocol):
+    """What `FamilyCache.for_family` reads of a member's record (``orchestra.family.MemberRecord``)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def fingerprint(self) -> dict[str, str]: ...
+
+
+class BuiltFamily(Protocol):
+    """What `FamilyCache.for_family` reads of a family (``orchestra.family.FamilyManifest``): the cache core takes
+    it from its caller and never imports the family builder."""
+
+    @property
+    def home(self) -> str: ...
+
+    @property
+    def members(self) -> Mapping[str, _Member]: ...
+
+    def member(self, key: str) -> FamilyMember: ...
 
 
 class FamilyCache:
@@ -94,7 +122,7 @@ class FamilyCache:
         """The mapped routes: the mappings loaded, the maps built, the gates decided."""
 
     @classmethod
-    def for_family(cls, family: FamilyManifest, *, source: str = "root", members: dict[str, str] | None = None,
+    def for_family(cls, family: BuiltFamily, *, source: str = "root", members: dict[str, str] | None = None,
                    device: str = "auto", dtype: str = "float32", mapping_dir: str | None = None,
                    on_missing: Literal["calibrate", "refuse"] = "refuse",
                    policy: CachePolicy | None = None) -> FamilyCache:
