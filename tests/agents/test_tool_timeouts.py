@@ -154,4 +154,3 @@ def test_an_agents_tool_rounds_end_only_after_an_overrunning_sync_tool_has():
     generation, calls = _tool_rounds(spec, attempt, DOC)
     assert generation.text == "done" and not calls[0].ok
     assert finished == ["copyleft"]  # joined: the tool's thread had ended when the rounds returned
-
