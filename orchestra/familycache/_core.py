@@ -43,6 +43,7 @@ from orchestra.familycache._request import CacheRequest, Flight
 from orchestra.familycache._requests import ComputeRequest
 from orchestra.familycache._route import Exact, Extend, Map, Prefill
 from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy
+from orchestra.registry import FamilyMember
 
 if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
@@ -51,27 +52,19 @@ if TYPE_CHECKING:
     from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef
     from orchestra.familycache._ops import Computed
     from orchestra.mapstore import MappingStore
-    from orchestra.registry import FamilyMember, ModelInfo, ModelRegistry
+    from orchestra.registry import ModelInfo, ModelRegistry
 
 __all__ = ["FamilyCache", "CacheLease", "CachePath", "StepSink"]
 
 log = structlog.get_logger("orchestra.cache")
 
 
-class _Member(Protocol):
-    """What `FamilyCache.for_family` reads of a member's record (``orchestra.family.MemberRecord``)."""
+class _Member(FamilyMember, Protocol):
+    """What `FamilyCache.for_family` reads of a member's record (``orchestra.family.MemberRecord``): the
+    registry's view of it, and its role."""
 
     @property
     def role(self) -> str: ...
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def path(self) -> str: ...
-
-    @property
-    def fingerprint(self) -> dict[str, str]: ...
 
 
 class BuiltFamily(Protocol):

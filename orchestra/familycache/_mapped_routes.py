@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from orchestra.familycache._events import CacheStep, MapDetail
 from orchestra.familycache._mapped import MapJob, MappedPath, MappedPrefix
+from orchestra.familycache._parts import CacheCore
 from orchestra.familycache._pool import Entry, Namespace
 from orchestra.familycache._records import MappedFrom
 from orchestra.familycache._request import CacheRequest, Flight, MappingFailed, mapped_of, variant_of, why
@@ -25,39 +26,22 @@ from orchestra.familycache._route import Exact, Extend, Map
 from orchestra.gates import GateDecision, decide_offline
 
 if TYPE_CHECKING:
-    from orchestra.familycache._executor import Executor
-    from orchestra.familycache._flights import Builds
     from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef
     from orchestra.familycache._lease import CacheLease, CachePath
     from orchestra.familycache._ops import Computed
-    from orchestra.familycache._policy import CachePolicy
-    from orchestra.familycache._pool import EntryPool
-    from orchestra.gates import CircuitBreaker
-    from orchestra.mapstore import MappingStore
     from orchestra.registry import ModelInfo
 
 __all__ = ["MappedRoutes"]
 
 
-class _Cache(Protocol):
-    """What the mapped routes read of the FamilyCache they serve."""
+class _Cache(CacheCore, Protocol):
+    """What the mapped routes read of the FamilyCache they serve, besides its core."""
 
-    pool: EntryPool
-    executor: Executor
-    policy: CachePolicy
-    mappings: MappingStore
-    breaker: CircuitBreaker
-    builds: Builds
     warnings: list[str]
-
-    def _exact_ns(self, info: ModelInfo) -> Namespace: ...
 
     def _dtype(self, info: ModelInfo) -> str: ...
 
     def _costs_dir(self) -> str | None: ...
-
-    def _exact_build(self, req: CacheRequest, ns: Namespace, base: Entry | None, base_len: int,
-                     ids: tuple[int, ...] | None = None) -> Callable[[], Entry]: ...
 
     def _compute(self, req: CacheRequest, ids: Sequence[int], base: CacheRef | None, start: int, keep: int,
                  base_hidden: HiddenRef | None = None, want_hidden: bool = False,

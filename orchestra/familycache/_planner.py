@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from orchestra.errors import OrchestraError
 from orchestra.familycache._events import CacheStep, JoinDetail
+from orchestra.familycache._parts import CacheCore
 from orchestra.familycache._pool import Entry, common_prefix
 from orchestra.familycache._request import CacheRequest, Flight, variant_of
 from orchestra.familycache._route import (
@@ -29,36 +30,19 @@ from orchestra.familycache._route import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
-    from orchestra.familycache._executor import Executor
-    from orchestra.familycache._flights import Builds
     from orchestra.familycache._mapped_routes import MappedRoutes
-    from orchestra.familycache._policy import CachePolicy
-    from orchestra.familycache._pool import EntryPool, Namespace
-    from orchestra.gates import CircuitBreaker
-    from orchestra.mapstore import MappingStore
+    from orchestra.familycache._pool import Namespace
     from orchestra.registry import ModelInfo
 
 __all__ = ["Planner"]
 
 
-class _Cache(Protocol):
-    """What the planner reads of the FamilyCache it plans for."""
+class _Cache(CacheCore, Protocol):
+    """What the planner reads of the FamilyCache it plans for, besides its core."""
 
-    pool: EntryPool
-    executor: Executor
-    policy: CachePolicy
-    mappings: MappingStore
-    breaker: CircuitBreaker
     source: str
-    builds: Builds
     routes: MappedRoutes
-
-    def _exact_ns(self, info: ModelInfo) -> Namespace: ...
-
-    def _exact_build(self, req: CacheRequest, ns: Namespace, base: Entry | None, base_len: int,
-                     ids: tuple[int, ...] | None = None) -> Callable[[], Entry]: ...
 
 
 class Planner:

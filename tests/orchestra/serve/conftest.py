@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +17,10 @@ from orchestra.family.manifest import FamilyManifest, MemberRecord
 from orchestra.familycache import CachePolicy, FamilyCache
 from orchestra.mapstore import MappingStore
 from orchestra.registry import ModelRegistry
-from orchestra.serve import ServeConfig, ServeEngine, ServerProcess
+from orchestra.serve import ServeConfig, ServeEngine, ServerProcess, create_app
 from orchestra.serve import start_server as launch
 from tests.tiny_family import build_tiny_family
-from tests.waiting import HANG_GUARD_S, wait_until
+from tests.waiting import HANG_GUARD_S, poll_until, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -56,6 +57,39 @@ def tiny_engine(family: TinyServeFamily, **config) -> ServeEngine:
     cache = FamilyCache(family.registry, family.mappings, source="root",
                         policy=CachePolicy(budget_bytes=cfg.cache_budget_bytes(), gate=cfg.gate, tail_tokens=cfg.tail_tokens))
     return ServeEngine(cfg, family=family.manifest, cache=cache)
+
+
+# -- pipeline runs over HTTP on the tiny family --------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs_engine(tiny_serve_family, tmp_path_factory) -> ServeEngine:
+    """An engine with a pipelines folder holding `qa` (one input, `question`) and room for two runs at once."""
+    folder = tmp_path_factory.mktemp("pipelines")
+    (folder / "qa.yaml").write_text(
+        "models: {root: root}\ninputs: [question]\n"
+        "agents:\n  - {name: answer, model: root, spec: {task: 'Answer: {question}', generation: {max_new_tokens: 3}}}\n")
+    return tiny_engine(tiny_serve_family, pipelines_dir=folder, max_runs=2)
+
+
+@contextlib.asynccontextmanager
+async def asgi_client(engine: ServeEngine) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the app over `engine`, in process (no socket)."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine=engine)),
+                                 base_url="http://test", timeout=120) as client:
+        yield client
+
+
+@pytest.fixture
+async def runs_client(runs_engine) -> AsyncIterator[httpx.AsyncClient]:
+    async with asgi_client(runs_engine) as client:
+        yield client
+
+
+async def finish_run(client: httpx.AsyncClient, run_id: str) -> dict:
+    """The run's status once it has ended (waiting as long as it runs; a hang guard only)."""
+    async def status() -> dict:
+        return (await client.get(f"/v1/runs/{run_id}")).json()
+
+    return await poll_until(status, lambda s: s["status"] != "running", what=f"run {run_id} to end")
 
 
 # -- a live server over the bundled family ---------------------------------------------------------

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from orchestra.family.corpus import data_text
 from orchestra.serve import ServeConfig, create_app
 from orchestra.trust import client_spec_reach
-from tests.orchestra.serve.conftest import tiny_engine
+from tests.orchestra.serve.conftest import asgi_client, finish_run, tiny_engine
 from tests.orchestra.serve.test_app import assert_openai_error
-from tests.waiting import poll_until, wait_until
+from tests.waiting import wait_until
 
 DOC = data_text("gpl-3.txt")[:300]
 AGENT = {"name": "summary", "model": "root", "spec": {"task": "Summarise.", "generation": {"max_new_tokens": 3}}}
@@ -93,28 +93,6 @@ def canary(tmp_path, monkeypatch) -> Canary:
         del sys.modules[module]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_serve_family, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pipelines")
-    (folder / "qa.yaml").write_text("models: {root: root}\nagents:\n  - {name: answer, model: root, spec: "
-                                    "{task: 'Answer.', generation: {max_new_tokens: 3}}}\n")
-    return tiny_engine(tiny_serve_family, pipelines_dir=folder, max_runs=2)
-
-
-@pytest.fixture
-async def client(engine):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine=engine)),
-                                 base_url="http://test", timeout=120) as c:
-        yield c
-
-
-async def _finish(client: httpx.AsyncClient, run_id: str) -> dict:
-    async def status() -> dict:
-        return (await client.get(f"/v1/runs/{run_id}")).json()
-
-    return await poll_until(status, lambda s: s["status"] != "running", what=f"run {run_id} to end")
-
-
 def _with_step(call: str, **step: object) -> dict:
     return {"models": {"root": "root"}, "agents": [AGENT], "steps": [{"name": "x", "call": call, **step}]}
 
@@ -130,12 +108,12 @@ def _attack(marker: Path) -> dict:
     return {"spec": spec, "document": DOC, "inputs": {"args": f"touch {marker}", "shell": "1"}}
 
 
-async def test_a_client_pipeline_running_a_shell_command_is_refused_and_runs_nothing(client, engine, tmp_path):
+async def test_a_client_pipeline_running_a_shell_command_is_refused_and_runs_nothing(runs_client, runs_engine, tmp_path):
     marker = tmp_path / "MARKER"
-    runs = len(engine.runs.list())
-    error = assert_openai_error(await client.post("/v1/runs", json=_attack(marker)), 403, "not_allowed", param="spec")
+    runs = len(runs_engine.runs.list())
+    error = assert_openai_error(await runs_client.post("/v1/runs", json=_attack(marker)), 403, "not_allowed", param="spec")
     assert "steps[0].call" in error["message"] and "--allow-code" in error["message"]
-    assert len(engine.runs.list()) == runs  # no run was started
+    assert len(runs_engine.runs.list()) == runs  # no run was started
     assert not marker.exists()
 
 
@@ -158,10 +136,10 @@ def _naming(place: str, ref: str) -> dict:
 
 @pytest.mark.parametrize("reference", REFERENCES)
 @pytest.mark.parametrize("place", ["step", "tool", "tool_mapping", "output_model", "condition"])
-async def test_python_named_anywhere_in_a_client_pipeline_is_refused_before_import(client, canary, place, reference):
+async def test_python_named_anywhere_in_a_client_pipeline_is_refused_before_import(runs_client, canary, place, reference):
     for ref in (reference, f"{canary.name}:step", f"{canary.name}.steps:step"):
         spec = _naming(place, ref)
-        response = await client.post("/v1/runs", json={"spec": spec, "document": DOC})
+        response = await runs_client.post("/v1/runs", json={"spec": spec, "document": DOC})
         assert 400 <= response.status_code < 500, response.text
         assert response.status_code == 403, response.text
     assert canary.nothing_happened()
@@ -170,8 +148,7 @@ async def test_python_named_anywhere_in_a_client_pipeline_is_refused_before_impo
 async def test_a_client_cannot_reach_code_through_an_allowed_module_or_its_private_names(
         tiny_serve_family, canary):
     engine = tiny_engine(tiny_serve_family, allow_code=[canary.name])
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine=engine)),
-                                 base_url="http://test", timeout=120) as client:
+    async with asgi_client(engine) as client:
         for place in ("step", "tool", "output_model"):
             for ref in (f"{canary.name}:shell", f"{canary.name}:_private", f"{canary.name}:MARKERS.write_text"):
                 if place == "step" and ref.endswith("write_text"):
@@ -187,48 +164,48 @@ async def test_a_client_cannot_reach_code_through_an_allowed_module_or_its_priva
                                                                     "max_repairs": 0}}}]}
         response = await client.post("/v1/runs", json={"spec": allowed, "document": DOC})
         assert response.status_code == 201, response.text
-        status = await _finish(client, response.json()["id"])
+        status = await finish_run(client, response.json()["id"])
         steps = {a["name"]: a for a in status["report"]["agents"]}
         assert steps["x"]["status"] == "succeeded" and steps["x"]["output"] == f"step ran over {len(DOC)} characters"
         assert (canary.markers / "ran-step").exists() and not (canary.markers / "ran-private").exists()
 
 
-async def test_folders_and_addresses_in_a_client_pipeline_are_refused(client, tmp_path):
+async def test_folders_and_addresses_in_a_client_pipeline_are_refused(runs_client, tmp_path):
     for section, key, value in [("mapping", "directory", str(tmp_path / "maps")),
                                 ("kv_store", "directory", str(tmp_path / "kv")),
                                 ("executor", "address", "ray://10.0.0.1:10001")]:
         spec = {"models": {"root": "root"}, "agents": [AGENT], section: {key: value}}
         if section == "executor":
             spec[section]["kind"] = "ray"
-        error = assert_openai_error(await client.post("/v1/runs", json={"spec": spec, "document": DOC}), 403)
+        error = assert_openai_error(await runs_client.post("/v1/runs", json={"spec": spec, "document": DOC}), 403)
         assert f"{section}.{key}" in error["message"]
     assert list(tmp_path.iterdir()) == []  # no folder was made
 
 
-async def test_pipeline_and_model_names_never_reach_a_path(client, engine, canary, tmp_path):
-    outside = engine.config.pipelines_dir.parent / "outside.yaml"  # a pipeline file beside the folder, not in it
+async def test_pipeline_and_model_names_never_reach_a_path(runs_client, runs_engine, canary, tmp_path):
+    outside = runs_engine.config.pipelines_dir.parent / "outside.yaml"  # a pipeline file beside the folder, not in it
     outside.write_text(f"models: {{root: root}}\nsteps: [{{name: s, call: '{canary.name}:step'}}]\n"
                        "agents: [{name: a, model: root, spec: {task: x}}]\n")
     for name in ("../outside", str(outside.with_suffix("")), "qa/../../outside", "..", "~/outside", "qa\x00"):
-        response = await client.post("/v1/runs", json={"pipeline": name, "document": DOC})
+        response = await runs_client.post("/v1/runs", json={"pipeline": name, "document": DOC})
         assert_openai_error(response, 400, param="pipeline")
     folder = tmp_path / "model"
     folder.mkdir()
     for model in (str(folder), "../model", "HuggingFaceTB/SmolLM2-135M-Instruct", "~/model"):
         spec = {"models": {"root": model}, "agents": [AGENT]}
-        error = assert_openai_error(await client.post("/v1/runs", json={"spec": spec, "document": DOC}), 400)
+        error = assert_openai_error(await runs_client.post("/v1/runs", json={"spec": spec, "document": DOC}), 400)
         assert "not a member of this server's family" in error["message"]
     assert canary.nothing_happened()
 
 
-async def test_a_document_that_names_a_file_is_read_as_text(client, tmp_path):
+async def test_a_document_that_names_a_file_is_read_as_text(runs_client, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("the secret " * 60)
     spec = {"models": {"root": "root"}, "agents": [AGENT]}
     tokens = {}
     for document in (str(secret), secret.read_text()):
-        response = await client.post("/v1/runs", json={"spec": spec, "document": document})
-        tokens[document] = (await _finish(client, response.json()["id"]))["report"]["document_tokens"]
+        response = await runs_client.post("/v1/runs", json={"spec": spec, "document": document})
+        tokens[document] = (await finish_run(runs_client, response.json()["id"]))["report"]["document_tokens"]
     assert tokens[str(secret)] < tokens[secret.read_text()]  # the path's own few tokens, not the file's words
 
 
@@ -239,20 +216,19 @@ async def test_the_operators_pipelines_name_their_own_python(tiny_serve_family, 
                                      "agents: [{name: a, model: root, spec: {task: x, generation: "
                                      "{max_new_tokens: 2}}}]\n")
     engine = tiny_engine(tiny_serve_family, pipelines_dir=folder)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine=engine)),
-                                 base_url="http://test", timeout=120) as client:
+    async with asgi_client(engine) as client:
         response = await client.post("/v1/runs", json={"pipeline": "own", "document": DOC})
         assert response.status_code == 201, response.text
-        report = (await _finish(client, response.json()["id"]))["report"]
+        report = (await finish_run(client, response.json()["id"]))["report"]
     assert {a["name"]: a["status"] for a in report["agents"]}["s"] == "succeeded"
     assert (canary.markers / "ran-step").exists()
 
 
-async def test_a_client_pipeline_may_use_the_built_in_tool(client):
-    response = await client.post("/v1/runs", json={"spec": _with_agent_spec(tools=["agents.tools:find"]),
+async def test_a_client_pipeline_may_use_the_built_in_tool(runs_client):
+    response = await runs_client.post("/v1/runs", json={"spec": _with_agent_spec(tools=["agents.tools:find"]),
                                                    "document": DOC})
     assert response.status_code == 201, response.text
-    assert (await client.delete(f"/v1/runs/{response.json()['id']}")).status_code in (200, 409)
+    assert (await runs_client.delete(f"/v1/runs/{response.json()['id']}")).status_code in (200, 409)
 
 
 def test_the_operator_cannot_allow_python_itself():
@@ -299,7 +275,7 @@ def _specs(references: st.SearchStrategy[str]) -> st.SearchStrategy[dict]:
                                  optional={"inputs": noise, "name": noise})
 
 
-def test_no_generated_client_pipeline_imports_a_module_the_operator_did_not_allow(engine, tmp_path_factory):
+def test_no_generated_client_pipeline_imports_a_module_the_operator_did_not_allow(runs_engine, tmp_path_factory):
     site = tmp_path_factory.mktemp("canary_site")
     markers = tmp_path_factory.mktemp("canary_markers")
     names = [f"canary_{uuid.uuid4().hex[:10]}" for _ in range(3)]
@@ -309,7 +285,7 @@ def test_no_generated_client_pipeline_imports_a_module_the_operator_did_not_allo
     before = set(sys.modules)
     sys.path.insert(0, str(site))
     try:
-        with TestClient(create_app(engine=engine)) as http:
+        with TestClient(create_app(engine=runs_engine)) as http:
             @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
             @given(_specs(_references(names)))
             def refused(spec: dict) -> None:

@@ -4,43 +4,15 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import pytest
-
 from orchestra.family.corpus import data_text
-from orchestra.serve import create_app
-from tests.orchestra.serve.conftest import tiny_engine
+from tests.orchestra.serve.conftest import finish_run
 from tests.orchestra.serve.test_app import assert_openai_error
-from tests.waiting import poll_until
 
 DOC = data_text("gpl-3.txt")[:300]
 SPEC = {"models": {"r": "root", "f": "tiny-child"}, "source": "r",
         "agents": [{"name": "summary", "model": "r", "spec": {"task": "Summarise.", "generation": {"max_new_tokens": 3}}},
                    {"name": "check", "model": "f", "spec": {"task": "Check {summary}",
                                                             "generation": {"max_new_tokens": 3}}}]}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_serve_family, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pipelines")
-    (folder / "qa.yaml").write_text(
-        "models: {root: root}\ninputs: [question]\n"
-        "agents:\n  - {name: answer, model: root, spec: {task: 'Answer: {question}', generation: {max_new_tokens: 3}}}\n")
-    return tiny_engine(tiny_serve_family, pipelines_dir=folder, max_runs=2)
-
-
-@pytest.fixture
-async def client(engine):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine=engine)),
-                                 base_url="http://test", timeout=120) as c:
-        yield c
-
-
-async def _finish(client: httpx.AsyncClient, run_id: str) -> dict:
-    async def status() -> dict:
-        return (await client.get(f"/v1/runs/{run_id}")).json()
-
-    return await poll_until(status, lambda s: s["status"] != "running", what=f"run {run_id} to end")
 
 
 def _sse(text: str) -> list[tuple[str, dict]]:
@@ -51,50 +23,50 @@ def _sse(text: str) -> list[tuple[str, dict]]:
     return frames
 
 
-async def test_a_run_started_over_http_streams_its_events_and_reports(client):
-    started = await client.post("/v1/runs", json={"spec": SPEC, "document": DOC})
+async def test_a_run_started_over_http_streams_its_events_and_reports(runs_client):
+    started = await runs_client.post("/v1/runs", json={"spec": SPEC, "document": DOC})
     assert started.status_code == 201, started.text
     run = started.json()
     assert run["object"] == "pipeline.run" and run["status"] == "running" and run["pipeline"] == "inline"
-    status = await _finish(client, run["id"])
+    status = await finish_run(runs_client, run["id"])
     assert status["status"] == "succeeded" and status["report"]["run_id"] == run["id"]
     assert {a["name"]: a["model"] for a in status["report"]["agents"]} == {"summary": "root", "check": "finetuned"}
-    events = await client.get(f"/v1/runs/{run['id']}/events")  # replayed from the start after the end
+    events = await runs_client.get(f"/v1/runs/{run['id']}/events")  # replayed from the start after the end
     assert events.headers["content-type"].startswith("text/event-stream")
     frames = _sse(events.text)
     kinds = [kind for kind, _ in frames]
     assert kinds[0] == "run_started" and kinds[-2] == "run_finished" and kinds[-1] == "end"
     assert frames[-2][1]["report"]["agents"][0]["name"] == "summary" and frames[-1][1]["status"] == "succeeded"
-    again = await client.post("/v1/runs", json={"spec": SPEC, "document": DOC})
-    second = await _finish(client, again.json()["id"])
+    again = await runs_client.post("/v1/runs", json={"spec": SPEC, "document": DOC})
+    second = await finish_run(runs_client, again.json()["id"])
     assert all(c["store_hit"] for c in second["report"]["caches"])  # the server's cache: nothing prefilled again
-    assert_openai_error(await client.delete(f"/v1/runs/{run['id']}"), 409, "run_finished")
+    assert_openai_error(await runs_client.delete(f"/v1/runs/{run['id']}"), 409, "run_finished")
 
 
-async def test_a_named_pipeline_runs_with_its_inputs_and_mistakes_are_400(client):
-    started = await client.post("/v1/runs", json={"pipeline": "qa", "document": DOC, "inputs": {"question": "Who?"}})
-    status = await _finish(client, started.json()["id"])
+async def test_a_named_pipeline_runs_with_its_inputs_and_mistakes_are_400(runs_client):
+    started = await runs_client.post("/v1/runs", json={"pipeline": "qa", "document": DOC, "inputs": {"question": "Who?"}})
+    status = await finish_run(runs_client, started.json()["id"])
     assert status["report"]["inputs"] == {"question": "Who?"}
-    assert_openai_error(await client.post("/v1/runs", json={"pipeline": "qa", "document": DOC}), 400,
+    assert_openai_error(await runs_client.post("/v1/runs", json={"pipeline": "qa", "document": DOC}), 400,
                         param="inputs")
-    error = assert_openai_error(await client.post("/v1/runs", json={"pipeline": "nope", "document": DOC}), 400)
+    error = assert_openai_error(await runs_client.post("/v1/runs", json={"pipeline": "nope", "document": DOC}), 400)
     assert "has qa" in error["message"]
-    assert_openai_error(await client.post("/v1/runs", json={"pipeline": "qa", "spec": SPEC, "document": DOC}), 400)
+    assert_openai_error(await runs_client.post("/v1/runs", json={"pipeline": "qa", "spec": SPEC, "document": DOC}), 400)
     folder = {**SPEC, "models": {"r": "/some/folder/model", "f": "finetuned"}}
-    error = assert_openai_error(await client.post("/v1/runs", json={"spec": folder, "document": DOC}), 400)
+    error = assert_openai_error(await runs_client.post("/v1/runs", json={"spec": folder, "document": DOC}), 400)
     assert "not a member of this server's family" in error["message"]
-    assert_openai_error(await client.post("/v1/runs", json={"spec": {"agents": []}, "document": DOC}), 400)
-    assert_openai_error(await client.get("/v1/runs/nosuchrun"), 404, "run_not_found")
-    assert_openai_error(await client.get("/v1/runs/nosuchrun/events"), 404, "run_not_found")
+    assert_openai_error(await runs_client.post("/v1/runs", json={"spec": {"agents": []}, "document": DOC}), 400)
+    assert_openai_error(await runs_client.get("/v1/runs/nosuchrun"), 404, "run_not_found")
+    assert_openai_error(await runs_client.get("/v1/runs/nosuchrun/events"), 404, "run_not_found")
 
 
-async def test_a_running_pipeline_is_cancelled_by_delete(client):
+async def test_a_running_pipeline_is_cancelled_by_delete(runs_client):
     long = {**SPEC, "agents": [{"name": "story", "model": "r", "spec": {
         "task": "Tell a very long story.", "generation": {"max_new_tokens": 400}}}]}
-    run = (await client.post("/v1/runs", json={"spec": long, "document": DOC})).json()
-    cancelled = await client.delete(f"/v1/runs/{run['id']}")
+    run = (await runs_client.post("/v1/runs", json={"spec": long, "document": DOC})).json()
+    cancelled = await runs_client.delete(f"/v1/runs/{run['id']}")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
-    frames = _sse((await client.get(f"/v1/runs/{run['id']}/events")).text)
+    frames = _sse((await runs_client.get(f"/v1/runs/{run['id']}/events")).text)
     assert frames[-1] == ("end", {"id": run["id"], "status": "cancelled", "error": "cancelled by DELETE /v1/runs/{id}"})
 
 
@@ -108,11 +80,11 @@ def _samples(text: str, name: str) -> dict[str, float]:
     return out
 
 
-async def test_runs_are_counted_in_the_servers_metrics(client):
-    before = _samples((await client.get("/metrics")).text, "orchestra_pipeline_runs_total")
-    run = (await client.post("/v1/runs", json={"spec": SPEC, "document": DOC})).json()
-    assert (await _finish(client, run["id"]))["status"] == "succeeded"
-    text = (await client.get("/metrics")).text
+async def test_runs_are_counted_in_the_servers_metrics(runs_client):
+    before = _samples((await runs_client.get("/metrics")).text, "orchestra_pipeline_runs_total")
+    run = (await runs_client.post("/v1/runs", json={"spec": SPEC, "document": DOC})).json()
+    assert (await finish_run(runs_client, run["id"]))["status"] == "succeeded"
+    text = (await runs_client.get("/metrics")).text
     runs = _samples(text, "orchestra_pipeline_runs_total")
     key = '{pipeline="inline",status="succeeded"}'
     assert runs[key] == before.get(key, 0.0) + 1
