@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from typing import Any, get_type_hints
 
 import anyio
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    model_validator,
+)
 
 from agents.bridge import run_blocking, start_thread
 from agents.errors import AgentError
@@ -66,11 +74,14 @@ class Tool(BaseModel):
     _args: type[BaseModel] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _imported(self) -> Tool:
+    def _imported(self, info: ValidationInfo) -> Tool:
         """A tool named by its path is imported when it is built (as a pipeline's steps are), so a wrong path, or
         one the code policy refuses, is found while the spec is validated, never when the agent first calls it
-        in some worker thread."""
-        if self.call != "<python>" and self._fn is None:
+        in some worker thread. `Tool.of` hands over the function it has already imported."""
+        given = info.context.get("function") if isinstance(info.context, dict) else None
+        if given is not None:
+            self._fn, self._args = given
+        elif self.call != "<python>" and self._fn is None:
             fn = _import(self.call)
             self._fn, self._args = fn, _arguments_model(fn)
         return self
@@ -86,10 +97,10 @@ class Tool(BaseModel):
             return fn
         args = _arguments_model(fn)
         doc = inspect.getdoc(fn) or ""
-        made = cls(name=name or fn.__name__, description=doc.split("\n\n")[0].replace("\n", " ").strip(),
-                   call=call, parameters=args.model_json_schema(), timeout_s=timeout_s)
-        made._fn, made._args = fn, args
-        return made
+        return cls.model_validate(
+            {"name": name or fn.__name__, "description": doc.split("\n\n")[0].replace("\n", " ").strip(),
+             "call": call, "parameters": args.model_json_schema(), "timeout_s": timeout_s},
+            context={"function": (fn, args)})
 
     def function(self) -> Callable[..., Any]:
         if self._fn is None:
