@@ -147,7 +147,7 @@ class RunManager:
         with code_policy(UNRESTRICTED if body.pipeline is not None else self.code):
             try:
                 return self._start(body)
-            except CodeNotAllowedError as exc:  # a reference the raw reading did not know of, refused at import
+            except CodeNotAllowedError as exc:  # refused by the raw reading, or at import for what it did not know
                 raise Forbidden(str(exc), param="spec") from exc
 
     def _start(self, body: RunRequest) -> RunStatus:
@@ -178,10 +178,7 @@ class RunManager:
         from orchestra.trust import check_client_spec
 
         if body.spec is not None:
-            try:
-                check_client_spec(body.spec, self.code)  # before anything in it is imported
-            except CodeNotAllowedError as exc:
-                raise Forbidden(str(exc), param="spec") from exc
+            check_client_spec(body.spec, self.code)  # before anything in it is imported (`start` answers 403)
         path = self._pipeline_file(body.pipeline) if body.pipeline is not None else None
         try:
             if path is not None:
