@@ -118,7 +118,7 @@ def measure_one(op: str, tokens: int, member: str, home: str | None, rows: int =
     from mappings.apply import map_cache
     from mappings.cache_io import cache_layers, forward_with_cache
     from orchestra.bench import BenchFamily, Pair
-    from orchestra.texts import data_text
+    from orchestra.documents.texts import data_text
 
     torch.set_grad_enabled(False)
     fam = BenchFamily.bundled(home)

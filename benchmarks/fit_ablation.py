@@ -50,8 +50,8 @@ def measure(role: str, tokens: int, home: str | None) -> dict[str, Any]:
     from mappings.evaluate import EvaluationSettings, evaluate
     from mappings.methods import resolve_method
     from mappings.models import load_model
+    from orchestra.documents.texts import CALIBRATION_TEXTS, HELDOUT_TEXT, data_text
     from orchestra.family import load_family
-    from orchestra.texts import CALIBRATION_TEXTS, HELDOUT_TEXT, data_text
 
     family = load_family(home)
     root = next(m for m in family.members.values() if m.role == "root")

@@ -59,8 +59,8 @@ def measure(role: str, cuts: list[int], suffix: int, sinks: int, home: str | Non
     from mappings.models import load_model
     from mappings.rope import RopeSpec
     from mappings.store import load_mapping
+    from orchestra.documents.texts import data_text
     from orchestra.family import load_family
-    from orchestra.texts import data_text
 
     family = load_family(home)
     root, member = family.member("root"), family.member(role)
@@ -187,8 +187,8 @@ def measure_fixed(role: str, cuts: list[int], suffix: int, sinks: int, home: str
     from mappings.metrics import next_token_agreement
     from mappings.models import load_model
     from mappings.store import load_mapping
+    from orchestra.documents.texts import data_text
     from orchestra.family import load_family
-    from orchestra.texts import data_text
 
     family = load_family(home)
     root, member = family.member("root"), family.member(role)

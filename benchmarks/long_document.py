@@ -8,7 +8,7 @@ The document (by default) is examples/long_document_analysis/licences.md (GPL-3,
 GFDL-1.3 under Markdown headings, ~18,900 tokens) followed by more_licences.md beside it (the other licence
 texts a Debian machine ships in /usr/share/common-licenses, Python's and NumPy's licences: ~48,000 tokens):
 ~66,900 tokens of text (71,700 prefix tokens once cut, with each chunk's overlap and prompt frame), 8.8x the
-bundled family's 8,192-token context, cut into `--window`-token chunks on its structure (`orchestra.chunking`). `--document` reads other files instead (joined in the order given).
+bundled family's 8,192-token context, cut into `--window`-token chunks on its structure (`orchestra.documents.chunking`). `--document` reads other files instead (joined in the order given).
 
 - *cost*: three agents on three members (root, finetuned, int8), each over every chunk, run twice on fresh
   caches: prefill once (each chunk prefilled on the root, mapped into the other two behind the gates) and
@@ -229,7 +229,7 @@ def _shown(path: Path) -> str:
 
 def context_tokens(manifest: Any) -> int:
     """The root's context (what 'times the context' is measured against), as the registry reads its config."""
-    from orchestra.registry import ModelRegistry
+    from orchestra.models.registry import ModelRegistry
 
     return ModelRegistry({"root": "root"}, family=manifest).info("root").max_positions
 

@@ -73,9 +73,9 @@ def make_pdf(markdown: Path, out: Path) -> int:
 
 def _summary(report: Any, prefills: Counter[int], wall: float, pdf: Path, pages: int, via: str,
              command: str, rc: int | None = None) -> dict[str, Any]:
-    from orchestra.documents import load_document
+    from orchestra.documents.formats import load_document
     from orchestra.family.manifest import load_family
-    from orchestra.registry import ModelRegistry
+    from orchestra.models.registry import ModelRegistry
 
     text = load_document(pdf).text
     context = ModelRegistry({"root": "root"}, family=load_family(None)).info("root").max_positions
@@ -96,7 +96,7 @@ def _summary(report: Any, prefills: Counter[int], wall: float, pdf: Path, pages:
 
 def via_api(pdf: Path) -> tuple[Any, Counter[int], float, str]:
     from orchestra import Pipeline
-    from orchestra.events import CacheStepEvent
+    from orchestra.observability.events import CacheStepEvent
 
     pipeline = Pipeline.from_file(EXAMPLE / "long.yaml")
     prefills: Counter[int] = Counter()

@@ -119,7 +119,7 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
 def main() -> None:
     from mappings.atomic import write_atomic
     from orchestra.bench import BenchFamily, Pair, machine_info
-    from orchestra.texts import data_text
+    from orchestra.documents.texts import data_text
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--members", default="finetuned,quantized", help="comma-separated roles mapped from the root")

@@ -56,12 +56,12 @@ def main() -> None:
     from orchestra.bench import machine_info
     from orchestra.family import load_family
     from orchestra.family.corpus import data_text
-    from orchestra.mapstore import MappingStore
-    from orchestra.modelref import AdapterSpec
+    from orchestra.familycache.mapping_store import MappingStore
+    from orchestra.models.modelref import AdapterSpec
+    from orchestra.models.registry import ModelRegistry
     from orchestra.paths import default_home
-    from orchestra.pipeline import PipelineSpec
-    from orchestra.registry import ModelRegistry
-    from orchestra.scheduler import Orchestra
+    from orchestra.pipelines.spec import PipelineSpec
+    from orchestra.runs.scheduler import Orchestra
     from tests.fixtures.adapters import distinct_bytes, make_lora_adapter
 
     warnings.filterwarnings("ignore", message="no mapping for")

@@ -93,8 +93,8 @@ def _run(cmd: list[str], env: dict[str, str], log: Path) -> float:
 def _memory(home: Path, adapters: dict[str, Path], env: dict[str, str]) -> dict[str, int]:
     """instruct alone, instruct + 4 adapters as members, and what 5 merged copies would hold (in-process)."""
     from orchestra.family import load_family
-    from orchestra.modelref import AdapterSpec
-    from orchestra.registry import ModelRegistry
+    from orchestra.models.modelref import AdapterSpec
+    from orchestra.models.registry import ModelRegistry
     from tests.fixtures.adapters import distinct_bytes
 
     saved = {k: os.environ.get(k) for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}

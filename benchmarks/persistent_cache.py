@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _document_ids(fam: Any, length: int) -> list[int]:
-    from orchestra.texts import data_text
+    from orchestra.documents.texts import data_text
 
     text = "\n\n".join(data_text(name) for name in ("gpl-3.txt", "apache-2.0.txt", "mpl-2.0.txt"))
     ids = fam.loaded("root").tokenizer(text, add_special_tokens=False)["input_ids"]

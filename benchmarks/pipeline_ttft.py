@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     from orchestra.bench import compare_pipeline, machine_info, pipeline_markdown
     from orchestra.family import load_family
-    from orchestra.pipeline import load_pipeline
-    from orchestra.scheduler import Orchestra
+    from orchestra.pipelines.spec import load_pipeline
+    from orchestra.runs.scheduler import Orchestra
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipeline", type=Path, default=ROOT / "examples/long_document_analysis/pipeline.yaml")

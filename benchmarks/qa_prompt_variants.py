@@ -81,7 +81,7 @@ def variants() -> dict[str, tuple[str, Callable[[str, int], Any]]]:
 def run(names: list[str], windows: list[int], limit: int | None, results: dict[str, list[Any]], save: Callable[[], None],
         home: str | None) -> None:
     from orchestra.bench import BenchFamily, QAAsker, TaskConfig, is_correct, load_qa
-    from orchestra.gates import GatePolicy
+    from orchestra.familycache.gates import GatePolicy
 
     open_gate = GatePolicy(offline=None, probe=None)
     table = variants()

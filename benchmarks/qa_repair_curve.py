@@ -45,7 +45,7 @@ def settings() -> dict[str, tuple[str, int, Any]]:
 
 def run(names: list[str], limit: int | None, results: dict[str, Any], save: Callable[[], None]) -> None:
     from orchestra.bench import BenchFamily, QAAsker, TaskConfig, is_correct, load_qa
-    from orchestra.gates import GatePolicy
+    from orchestra.familycache.gates import GatePolicy
 
     table = settings()
     open_gate = GatePolicy(offline=None, probe=None)

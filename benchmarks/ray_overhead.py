@@ -45,8 +45,8 @@ def _gates(report) -> list:
 def main() -> None:
     from orchestra.bench import machine_info
     from orchestra.family import load_family
-    from orchestra.pipeline import ExecutorSpec, load_pipeline
-    from orchestra.scheduler import Orchestra
+    from orchestra.pipelines.spec import ExecutorSpec, load_pipeline
+    from orchestra.runs.scheduler import Orchestra
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipeline", type=Path, default=ROOT / "examples/long_document_analysis/pipeline.yaml")

@@ -1,7 +1,7 @@
 """Start-up cost of naming a model outside the family: resolving it and fingerprinting it, per process.
 
 A pipeline whose ``models:`` names a local folder (or a Hub id) needs the model's fingerprint before
-anything loads: it keys every mapping and cache entry. Before `orchestra.fpcache`, every new process
+anything loads: it keys every mapping and cache entry. Before `orchestra.models.fpcache`, every new process
 hashed the folder's tensors again (the in-process memo died with the process); now the weights digest
 is computed once and kept beside the folder, and a Hugging Face snapshot's is read from the Hub
 cache's blob hashes without reading a tensor.
@@ -35,7 +35,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 _PROBE = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from orchestra.registry import ModelRegistry
+from orchestra.models.registry import ModelRegistry
 import transformers  # the import is the same before and after: timed apart from the fingerprint
 t1 = time.perf_counter()
 info = ModelRegistry({"m": sys.argv[1]}).info("m")
@@ -145,7 +145,7 @@ def main() -> None:
                      f"{r['info_s_max']:.3f} | {r['import_s_median']:.3f} |")
     lines += ["", "`info()` = resolve the reference, load the tokenizer, fingerprint the model (config, weights, "
               "tokenizer); most of what remains after the cache is transformers' lazy imports of the model's "
-              "config and tokenizer classes (imports of `orchestra.registry` and `transformers` are timed apart). "
+              "config and tokenizer classes (imports of `orchestra.models.registry` and `transformers` are timed apart). "
               f"Hashing the {weights / 2**20:.0f} MiB of tensors, the work the cache file saves each later process, "
               f"took {hash_s:.2f} s here ({weights / 2**20 / hash_s:.0f} MiB/s): it grows with the weights (a 7B "
               "checkpoint in bf16 is ~14,000 MiB), the cached path does not.",

@@ -96,7 +96,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> None:
     from mappings.atomic import write_atomic
     from orchestra.bench import machine_info
-    from orchestra.texts import data_text
+    from orchestra.documents.texts import data_text
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)

@@ -33,7 +33,7 @@ __all__ = ["FAULT_ENV", "fault_point", "write_atomic", "temp_dir", "install_dir"
            "publish_mode"]
 
 FAULT_ENV = "ORCHESTRA_FAULT"
-log = logging.getLogger("orchestra.files")
+log = logging.getLogger("orchestra.documents.files")
 
 _counts: dict[str, int] = {}
 _counts_lock = threading.Lock()

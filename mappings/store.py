@@ -117,7 +117,7 @@ def check_out_dir(out: Path) -> bool:
         if not (out / MANIFEST_FILE).is_file():
             import logging
 
-            logging.getLogger("orchestra.files").warning(
+            logging.getLogger("orchestra.documents.files").warning(
                 "%s is a half-written mapping (no %s): replacing it", out, MANIFEST_FILE)
         return True
     raise MappingOutputError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from orchestra._exports import lazy_exports
 from orchestra.errors import (
     ActorLostError,
     AdapterBaseError,
@@ -45,7 +46,7 @@ from orchestra.errors import (
     UnknownAgentError,
     UnknownModelError,
 )
-from orchestra.quantize import quiet_torchao_import
+from orchestra.models.quantize import quiet_torchao_import
 
 __version__ = "0.1.0"
 
@@ -119,48 +120,55 @@ __all__ = [
 
 if TYPE_CHECKING:
     from orchestra.builder import Pipeline
-    from orchestra.checkpoint import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
     from orchestra.family import FamilyManifest, build_family, load_family
     from orchestra.familycache import CacheLease, CachePolicy, FamilyCache, KVStore
-    from orchestra.gates import GatePolicy
-    from orchestra.inputs import InputSpec
-    from orchestra.modelref import AdapterSpec, ModelRef, QuantizeSpec
-    from orchestra.pipeline import AgentNode, ExecutorSpec, PipelineSpec, load_pipeline
-    from orchestra.report import AgentReport, RunReport
-    from orchestra.scheduler import Orchestra
-    from orchestra.session import Session
+    from orchestra.familycache.gates import GatePolicy
+    from orchestra.models.modelref import AdapterSpec, ModelRef, QuantizeSpec
+    from orchestra.observability.report import AgentReport, RunReport
+    from orchestra.pipelines.inputs import InputSpec
+    from orchestra.pipelines.spec import AgentNode, ExecutorSpec, PipelineSpec, load_pipeline
+    from orchestra.runs.checkpoint import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
+    from orchestra.runs.scheduler import Orchestra
+    from orchestra.runs.session import Session
 
-_LAZY = {
-    "Pipeline": "orchestra.builder",
-    "Session": "orchestra.session",
-    "Checkpointer": "orchestra.checkpoint",
-    "MemoryCheckpointer": "orchestra.checkpoint",
-    "SqliteCheckpointer": "orchestra.checkpoint",
-    "KVStore": "orchestra.familycache",
-    "PipelineSpec": "orchestra.pipeline",
-    "AgentNode": "orchestra.pipeline",
-    "ExecutorSpec": "orchestra.pipeline",
-    "load_pipeline": "orchestra.pipeline",
-    "Orchestra": "orchestra.scheduler",
-    "RunReport": "orchestra.report",
-    "AgentReport": "orchestra.report",
-    "InputSpec": "orchestra.inputs",
-    "FamilyCache": "orchestra.familycache",
-    "CachePolicy": "orchestra.familycache",
-    "CacheLease": "orchestra.familycache",
-    "GatePolicy": "orchestra.gates",
-    "build_family": "orchestra.family",
-    "load_family": "orchestra.family",
-    "FamilyManifest": "orchestra.family",
-    "ModelRef": "orchestra.modelref",
-    "AdapterSpec": "orchestra.modelref",
-    "QuantizeSpec": "orchestra.modelref",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'orchestra' has no attribute {name!r}")
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "orchestra.builder": ("Pipeline",),
+        "orchestra.runs.session": ("Session",),
+        "orchestra.runs.checkpoint": (
+            "Checkpointer",
+            "MemoryCheckpointer",
+            "SqliteCheckpointer",
+        ),
+        "orchestra.familycache": (
+            "KVStore",
+            "FamilyCache",
+            "CachePolicy",
+            "CacheLease",
+        ),
+        "orchestra.pipelines.spec": (
+            "PipelineSpec",
+            "AgentNode",
+            "ExecutorSpec",
+            "load_pipeline",
+        ),
+        "orchestra.runs.scheduler": ("Orchestra",),
+        "orchestra.observability.report": (
+            "RunReport",
+            "AgentReport",
+        ),
+        "orchestra.pipelines.inputs": ("InputSpec",),
+        "orchestra.familycache.gates": ("GatePolicy",),
+        "orchestra.family": (
+            "build_family",
+            "load_family",
+            "FamilyManifest",
+        ),
+        "orchestra.models.modelref": (
+            "ModelRef",
+            "AdapterSpec",
+            "QuantizeSpec",
+        ),
+    },
+)

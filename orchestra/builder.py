@@ -25,18 +25,16 @@ from typing import TYPE_CHECKING
 
 from agents.bridge import run_blocking
 from agents.spec import AgentSpec
-from orchestra._loop import refuse_inside_event_loop
-from orchestra.checkpoint import Checkpointer, SqliteCheckpointer
 from orchestra.errors import (
     FamilyError,
     PipelineProblem,
     PipelineValidationError,
     SessionError,
 )
-from orchestra.gates import GatePolicy
-from orchestra.inputs import InputSpec
-from orchestra.modelref import AdapterSpec, QuantizeSpec
-from orchestra.pipeline import (
+from orchestra.familycache.gates import GatePolicy
+from orchestra.models.modelref import AdapterSpec, QuantizeSpec
+from orchestra.pipelines.inputs import InputSpec
+from orchestra.pipelines.spec import (
     AgentNode,
     ChunkingPolicy,
     ExecutorSpec,
@@ -47,14 +45,16 @@ from orchestra.pipeline import (
     load_pipeline,
     suggest,
 )
-from orchestra.steps import Condition, StepNode, WhenLike
+from orchestra.pipelines.steps import Condition, StepNode, WhenLike
+from orchestra.runs import refuse_inside_event_loop
+from orchestra.runs.checkpoint import Checkpointer, SqliteCheckpointer
 
 if TYPE_CHECKING:
-    from orchestra.events import Event
     from orchestra.family.manifest import FamilyManifest
-    from orchestra.report import RunReport
-    from orchestra.scheduler import Orchestra
-    from orchestra.session import Session
+    from orchestra.observability.events import Event
+    from orchestra.observability.report import RunReport
+    from orchestra.runs.scheduler import Orchestra
+    from orchestra.runs.session import Session
 
     EventSink = Callable[[Event], Awaitable[None] | None]
     """Called with every event of a run; may be a coroutine function."""
@@ -199,7 +199,7 @@ class Pipeline:
           the whole spec is built (`spec`, `graph`, `run`), so agents may be added in any order.
         - ``gate``: this agent's gate policy (default: the pipeline's); ``timeout_s``: give up after.
         - ``when``: run only if this holds: a callable given the upstream outputs (name -> text), or a
-          condition ``{"agent": "triage", "equals": "legal"}`` (`orchestra.steps.Condition`); else skipped.
+          condition ``{"agent": "triage", "equals": "legal"}`` (`orchestra.pipelines.steps.Condition`); else skipped.
         - ``per_chunk``, ``chunks``: chunked runs (docs/long-documents.md): once per chunk, or once over the
           upstreams' outputs; ``"all"`` chunks or the k most relevant to the task (BM25).
 
@@ -374,7 +374,7 @@ class Pipeline:
 
     def graph(self) -> str:
         """The agent DAG as a mermaid flowchart (what `orchestra graph` prints for a file)."""
-        from orchestra.pipeline import pipeline_mermaid
+        from orchestra.pipelines.spec import pipeline_mermaid
 
         return pipeline_mermaid(self.spec)
 
@@ -387,7 +387,7 @@ class Pipeline:
         """The `Orchestra` that runs this pipeline, made once and reused (loaded models, stored caches)."""
         with self._orch_lock:
             if self._orch is None:
-                from orchestra.scheduler import Orchestra
+                from orchestra.runs.scheduler import Orchestra
 
                 spec = self.spec
                 self._orch = Orchestra(spec, family=self._resolve_family(spec), checkpointer=self._checkpointer)
@@ -428,9 +428,9 @@ class Pipeline:
         (``with p.session(doc) as s: s.ask(...)``). A ``name`` keeps it in the home (``sessions/<name>.json``);
         ``p.session(name=...)`` without a document reopens it. A document longer than a window is held chunk
         by chunk, cut for questions (input values) of up to ``input_tokens`` tokens each (default 64)."""
-        from orchestra.chunking import HOLD_INPUT_TOKENS
+        from orchestra.documents.chunking import HOLD_INPUT_TOKENS
         from orchestra.paths import resolve_home
-        from orchestra.session import Session, session_path
+        from orchestra.runs.session import Session, session_path
 
         path = session_path(resolve_home(self._home), name) if name is not None else None
         if document is None:
@@ -470,7 +470,7 @@ def _outside_family(target: str | AdapterSpec | QuantizeSpec) -> bool:
     """A local model or adapter folder or a Hub id (resolved later, by the registry): one that needs no family.
 
     An adapter's or a quantized view's base is checked as a model of its own (it is among the aliases used)."""
-    from orchestra.modelref import ModelRef
+    from orchestra.models.modelref import ModelRef
 
     if isinstance(target, AdapterSpec | QuantizeSpec):
         return True
@@ -480,10 +480,10 @@ def _outside_family(target: str | AdapterSpec | QuantizeSpec) -> bool:
 
 def _text(document: str | os.PathLike[str] | bytes) -> str:
     """A str is the document's text; a Path (or other PathLike) is a file to read, bytes a file's content: text,
-    Markdown, PDF, HTML or DOCX (`orchestra.documents.load_document`)."""
+    Markdown, PDF, HTML or DOCX (`orchestra.documents.formats.load_document`)."""
     if isinstance(document, str):
         return document
-    from orchestra.documents import load_document
+    from orchestra.documents.formats import load_document
 
     return load_document(document).text  # unreadable files are an InputFileError / DocumentFormatError saying so
 

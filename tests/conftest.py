@@ -47,8 +47,8 @@ def _ensure_mapping(family, role: str, tokens: int = 4096) -> None:
     import warnings
     from pathlib import Path
 
-    from orchestra.mapstore import MappingStore
-    from orchestra.registry import ModelRegistry
+    from orchestra.familycache.mapping_store import MappingStore
+    from orchestra.models.registry import ModelRegistry
 
     registry = ModelRegistry({"root": "root", role: role}, family=family, default_device="cpu")
     store = MappingStore(Path(family.home) / "mappings", tokens=tokens)

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from mappings.store import Mapping
     from orchestra.family.manifest import FamilyManifest
     from orchestra.familycache import FamilyCache
-    from orchestra.mapstore import MappingStore
-    from orchestra.registry import LoadedModel, ModelRegistry
+    from orchestra.familycache.mapping_store import MappingStore
+    from orchestra.models.registry import LoadedModel, ModelRegistry
 
 __all__ = ["Pair", "BenchFamily", "parse_pairs", "BUNDLED_ALIASES", "FORWARD_PAIRS", "REVERSE_PAIRS"]
 
@@ -121,8 +121,8 @@ class BenchFamily:
                     family: FamilyManifest | None = None, device: str = "cpu", corpus: list[tuple[str, str]] | None = None,
                     calibration_tokens: int | None = None) -> BenchFamily:
         """Any models (family members or folders) by alias; ``corpus`` defaults to the family's calibration texts."""
-        from orchestra.mapstore import MappingStore
-        from orchestra.registry import ModelRegistry
+        from orchestra.familycache.mapping_store import MappingStore
+        from orchestra.models.registry import ModelRegistry
 
         registry = ModelRegistry(aliases, family=family, default_device=device)
         # the store's defaults are the scheduler's
@@ -160,7 +160,7 @@ class BenchFamily:
         Gates are open by default: a bench section measures the map itself; the gates have their own tests.
         """
         from orchestra.familycache import CachePolicy, FamilyCache
-        from orchestra.gates import GatePolicy
+        from orchestra.familycache.gates import GatePolicy
 
         policy.setdefault("gate", GatePolicy(offline=None, probe=None))
         policy.setdefault("min_mapped_tokens", 1)  # map even short prefixes: the map is what is measured

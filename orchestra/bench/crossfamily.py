@@ -79,7 +79,7 @@ def run_crossfamily(config: CrossFamilyConfig, fam: BenchFamily, *, progress: bo
     from mappings.compat import check_pair
     from mappings.errors import MappingError
     from orchestra.errors import OrchestraError
-    from orchestra.registry import ModelRegistry
+    from orchestra.models.registry import ModelRegistry
 
     source = fam.loaded(config.source)
     with tempfile.TemporaryDirectory(prefix="orchestra-bench-foreign-") as tmp:
@@ -91,7 +91,7 @@ def run_crossfamily(config: CrossFamilyConfig, fam: BenchFamily, *, progress: bo
         checks = (
             ("mappings.compat.check_pair (orchestra calibrate / evaluate)",
              lambda: check_pair(source.model, source.tokenizer, model, tokenizer)),
-            ("orchestra.registry.ModelRegistry.check_family (orchestra run)",
+            ("orchestra.models.registry.ModelRegistry.check_family (orchestra run)",
              lambda: ModelRegistry({**fam.aliases, "foreign": str(folder)}, family=fam.family,
                                    default_device="cpu").check_family(config.source)),
         )

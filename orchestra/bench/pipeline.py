@@ -19,8 +19,8 @@ from agents.bridge import run_blocking
 
 if TYPE_CHECKING:
     from orchestra.bench._context import BenchFamily
-    from orchestra.pipeline import PipelineSpec
-    from orchestra.scheduler import Orchestra
+    from orchestra.pipelines.spec import PipelineSpec
+    from orchestra.runs.scheduler import Orchestra
 
 __all__ = ["PipelineAgentRow", "PipelineComparison", "PipelineConfig", "PipelineSection", "compare_pipeline",
            "build_pipeline", "run_pipeline", "pipeline_markdown"]
@@ -153,7 +153,7 @@ class PipelineSection(_Model):
 def build_pipeline(n: int, models: dict[str, str], members: list[str], *, max_new_tokens: int,
                    gate: Mapping[str, object] | None = None, name: str | None = None) -> PipelineSpec:
     """``n`` independent agents cycling over ``members`` (summaries and a question, alternately)."""
-    from orchestra.pipeline import PipelineSpec
+    from orchestra.pipelines.spec import PipelineSpec
 
     agents = []
     for i in range(n):
@@ -174,7 +174,7 @@ def build_pipeline(n: int, models: dict[str, str], members: list[str], *, max_ne
 def run_pipeline(config: PipelineConfig, fam: BenchFamily, *, progress: bool = True) -> PipelineSection:
     from tqdm.auto import tqdm
 
-    from orchestra.scheduler import Orchestra
+    from orchestra.runs.scheduler import Orchestra
 
     section = PipelineSection(config=config)
     document = fam.text(config.document_tokens)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestra.bench._context import BenchFamily, Pair
-from orchestra.gates import GatePolicy
+from orchestra.familycache.gates import GatePolicy
 
 if TYPE_CHECKING:
     from agents.spec import AgentSpec

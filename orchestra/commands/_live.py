@@ -23,7 +23,7 @@ from rich.text import Text
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from orchestra.events import AnyEvent
+    from orchestra.observability.events import AnyEvent
 
 __all__ = ["RunDisplay", "quiet_library_output", "format_event"]
 

@@ -39,18 +39,18 @@ EncodingOpt = Annotated[
 
 def _read_text(path: Path, encoding: str | None = None, what: str = "corpus file") -> str:
     """A text file; binary or wrongly encoded files are an InputFileError (exit 2) saying which and what to do."""
-    from orchestra.files import read_text_file
+    from orchestra.documents.files import read_text_file
 
     return read_text_file(path, encoding=encoding, what=what)
 
 
 def _load(reference: str | Path, device: str = "cpu") -> ModelHandle:
-    """A model named by folder or Hub id (`orchestra.modelref`), loaded with the fingerprint a pipeline gives it:
+    """A model named by folder or Hub id (`orchestra.models.modelref`), loaded with the fingerprint a pipeline gives it:
     a folder's weights hashed once and kept beside it, a Hub snapshot's read from the Hugging Face cache."""
     from transformers import AutoTokenizer
 
     from mappings.models import load_model
-    from orchestra.modelref import ModelRef
+    from orchestra.models.modelref import ModelRef
 
     resolved = ModelRef.parse(reference).resolve()
     tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
@@ -73,7 +73,7 @@ def _write_json(path: Path, data: object) -> None:
     """Written to a temporary sibling, then renamed into place."""
     import json
 
-    from orchestra.files import write_output
+    from orchestra.documents.files import write_output
 
     write_output(path, json.dumps(data, indent=2), what="served report")
 
@@ -266,7 +266,7 @@ def evaluate_cmd(
                                    "document: its maps overflow or are broken; recalibrate it")
         served_report = None
         if served:
-            from orchestra.served import evaluate_served
+            from orchestra.familycache.served import evaluate_served
 
             ids = list(tgt.tokenizer(text, add_special_tokens=False)["input_ids"])
             # the references as given: the registry resolves them to the same folders and fingerprints

@@ -13,7 +13,7 @@ import typer
 from orchestra.commands._output import console
 
 if TYPE_CHECKING:
-    from orchestra.metrics import PipelineMetrics
+    from orchestra.observability.metrics import PipelineMetrics
     from orchestra.serve._ui import RunLog, RunView
 
 app = typer.Typer()
@@ -139,7 +139,7 @@ def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, re
     """Validate the file (as deeply as `orchestra graph`) and the ``--input NAME=VALUE`` items, then run it
     through the Python API's `Pipeline`; with `metrics_out`, write the run's Prometheus metrics there."""
     from orchestra.builder import Pipeline
-    from orchestra.inputs import parse_input_args, resolve_inputs
+    from orchestra.pipelines.inputs import parse_input_args, resolve_inputs
 
     pipeline = Pipeline.from_file(pipeline_file, home=home).with_executor(executor, address=ray_address)
     pipeline.with_kv_store(kv_store)
@@ -156,7 +156,7 @@ def run_pipeline_file(pipeline_file: Path, document: Path, home: Path | None, re
     values = resolve_inputs(pipeline.spec.inputs, parse_input_args(inputs or []))  # before any model loads
     metrics = None
     if metrics_out is not None:  # a missing prometheus-client is said now, not after the run
-        from orchestra.metrics import PipelineMetrics
+        from orchestra.observability.metrics import PipelineMetrics
 
         metrics = (PipelineMetrics.own(), metrics_out)
     try:  # a ray executor's actors and placement group go away with the run, Ctrl-C included
@@ -186,7 +186,7 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
 
     from agents.bridge import run_blocking
     from orchestra.commands._live import RunDisplay, quiet_library_output
-    from orchestra.documents import load_document
+    from orchestra.documents.formats import load_document
 
     text = load_document(document, encoding=encoding).text
     jsonl = stream == "jsonl"  # stdout is the events, one JSON object per line, and nothing else
@@ -225,7 +225,7 @@ def _run_pipeline(pipeline, document: Path, report_out: Path | None, stream: boo
         if metrics is not None:
             metrics[0].write_textfile(metrics[1])
         if report_out is not None:
-            from orchestra.files import write_output
+            from orchestra.documents.files import write_output
 
             write_output(report_out, report.model_dump_json(indent=2))
             if not jsonl:
@@ -297,7 +297,7 @@ def run(
     130 interrupted.
     """
     with pipeline_errors():
-        from orchestra.tracing import configure_from_env
+        from orchestra.observability.tracing import configure_from_env
 
         view = view_options(ui, ui_wait, ui_port)  # before anything loads
         configure_from_env()  # OTEL_EXPORTER_OTLP_ENDPOINT: the run's spans go there
@@ -317,7 +317,7 @@ def graph(
     It validates the file exactly as `orchestra run` does before loading anything (every agent's spec is
     built: built-in names and arguments, templates, generation bounds; upstreams, cycles), and loads no model.
     """
-    from orchestra.pipeline import load_pipeline, pipeline_mermaid
+    from orchestra.pipelines.spec import load_pipeline, pipeline_mermaid
 
     with pipeline_errors():
         text = pipeline_mermaid(load_pipeline(pipeline))

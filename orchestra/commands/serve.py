@@ -78,7 +78,7 @@ def serve(
     if kv_store is not None and str(kv_store).lower() == "off":  # ORCHESTRA_KV_STORE=off, as for `orchestra run`
         kv_store = None
     _configure_logging(log_format)
-    from orchestra.tracing import configure_from_env
+    from orchestra.observability.tracing import configure_from_env
 
     configure_from_env()  # OTEL_EXPORTER_OTLP_ENDPOINT: spans of pipeline runs (POST /v1/runs) go there
     tune_allocator()  # before the models load: K/V memory freed under load goes back to the OS

@@ -5,6 +5,9 @@ Names load lazily: reading a built family (``load_family``, ``FamilyManifest``: 
 :mod:`orchestra.family.build` (gguf, peft behind it); ``build_family``, ``MEMBERS`` and
 ``MemberSpec`` do. Runtime code imports from ``orchestra.family.manifest`` directly, so the
 import contracts (pyproject ``[tool.importlinter]``) can see that it stays off the build path.
+
+May import: ``orchestra.familycache`` (calibrating through its mapping store), ``orchestra.models``,
+``orchestra.documents`` and below; runs and the server read only its manifest.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mappings.store import Mapping
     from orchestra.family.manifest import FamilyManifest
-    from orchestra.mapstore import MappingStore
-    from orchestra.registry import LoadedModel, ModelInfo, ModelRegistry
+    from orchestra.familycache.mapping_store import MappingStore
+    from orchestra.models.registry import LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["CALIBRATION_TOKENS", "REPAIR_TOKENS", "Calibrated", "calibrate_members"]
 
@@ -76,8 +76,8 @@ def calibrate_members(
     half-written one is replaced (with a warning through `log`). With `repair`, residual-stream
     maps are fitted too (added to a kept mapping that lacks them).
     """
-    from orchestra.mapstore import MappingStore
-    from orchestra.registry import ModelRegistry
+    from orchestra.familycache.mapping_store import MappingStore
+    from orchestra.models.registry import ModelRegistry
 
     say = log or (lambda _msg: None)
     chosen = [m for m in manifest.members.values() if m.role != "root"]

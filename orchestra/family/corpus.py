@@ -11,8 +11,8 @@ import ast
 import sysconfig
 from pathlib import Path
 
-# The shipped texts are named in orchestra.texts, which the runtime mapping store reads too.
-from orchestra.texts import CALIBRATION_TEXTS, DATA_DIR, HELDOUT_TEXT, data_text
+# The shipped texts are named in orchestra.documents.texts, which the runtime mapping store reads too.
+from orchestra.documents.texts import CALIBRATION_TEXTS, DATA_DIR, HELDOUT_TEXT, data_text
 
 __all__ = ["DATA_DIR", "stdlib_docstrings", "data_text", "training_text", "HELDOUT_TEXT", "CALIBRATION_TEXTS"]
 

@@ -1,6 +1,6 @@
 """A family of the user's own models: `orchestra family init NAME MODEL...` writes its manifest into a home.
 
-Each model is a folder or a Hugging Face Hub id (``org/name[@revision]``, `orchestra.modelref`),
+Each model is a folder or a Hugging Face Hub id (``org/name[@revision]``, `orchestra.models.modelref`),
 optionally named (``instruct=Qwen/Qwen2.5-0.5B-Instruct``). The source (``--source``, else the
 first model) becomes the member with role ``root``: the one whose cache is mapped into the others,
 what ``orchestra family calibrate`` calibrates from. Nothing is copied: a member record points at
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from orchestra.family.manifest import FamilyManifest, MemberRecord
-    from orchestra.modelref import ResolvedModel
+    from orchestra.models.modelref import ResolvedModel
 
 __all__ = ["MemberArg", "parse_member_arg", "init_family"]
 
@@ -69,7 +69,7 @@ def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str
     from transformers import AutoTokenizer
 
     from orchestra.family.manifest import MANIFEST_NAME, FamilyManifest, family_dir
-    from orchestra.modelref import ModelRef
+    from orchestra.models.modelref import ModelRef
     from orchestra.paths import resolve_home
 
     if not _NAME.match(name):
@@ -132,7 +132,7 @@ def _member_record(name: str, parent: str | None, arg: MemberArg, res: ResolvedM
                    tok: PreTrainedTokenizerBase) -> MemberRecord:
     """A member's record (the root's without a `parent`): its place, naming, fingerprint and sizes."""
     from orchestra.family.manifest import MemberRecord
-    from orchestra.registry import parameter_count, read_model_config
+    from orchestra.models.registry import parameter_count, read_model_config
 
     params = parameter_count(res.path)
     size = sum(f.stat().st_size for f in res.path.glob("*.safetensors"))

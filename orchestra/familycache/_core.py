@@ -42,8 +42,8 @@ from orchestra.familycache._pool import Entry, EntryPool, Namespace, PoolStats
 from orchestra.familycache._request import CacheRequest, Flight
 from orchestra.familycache._requests import ComputeRequest
 from orchestra.familycache._route import Exact, Extend, Map, Prefill
-from orchestra.gates import CircuitBreaker, GateDecision, GatePolicy
-from orchestra.registry import FamilyMember
+from orchestra.familycache.gates import CircuitBreaker, GateDecision, GatePolicy
+from orchestra.models.registry import FamilyMember
 
 if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from orchestra.familycache._disk import KVStore
     from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef
     from orchestra.familycache._ops import Computed
-    from orchestra.mapstore import MappingStore
-    from orchestra.registry import ModelInfo, ModelRegistry
+    from orchestra.familycache.mapping_store import MappingStore
+    from orchestra.models.registry import ModelInfo, ModelRegistry
 
 __all__ = ["FamilyCache", "CacheLease", "CachePath", "StepSink"]
 
@@ -123,8 +123,8 @@ class FamilyCache:
         unless `members` is given. The caller reads the manifest: the cache core never reaches into the builder."""
         from pathlib import Path
 
-        from orchestra.mapstore import MappingStore
-        from orchestra.registry import ModelRegistry
+        from orchestra.familycache.mapping_store import MappingStore
+        from orchestra.models.registry import ModelRegistry
 
         aliases = members or {record.role: name for name, record in family.members.items()}
         registry = ModelRegistry(aliases, family=family, default_device=device, dtype=dtype)

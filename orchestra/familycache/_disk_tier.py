@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from orchestra.familycache._mapped_routes import MappedRoutes
     from orchestra.familycache._planner import Planner
     from orchestra.familycache._pool import EntryPool, Namespace
-    from orchestra.registry import ModelInfo
+    from orchestra.models.registry import ModelInfo
 
 __all__ = ["DiskTier"]
 

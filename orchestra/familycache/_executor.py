@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from orchestra.familycache._handles import CacheRef, HiddenRef, OnToken
     from orchestra.familycache._ops import Computed
     from orchestra.familycache._settings import ExecutorSpec
-    from orchestra.mapstore import ProbeReference
-    from orchestra.registry import LoadedModel, ModelInfo, ModelRegistry
+    from orchestra.familycache.mapping_store import ProbeReference
+    from orchestra.models.registry import LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["Executor", "LocalExecutor"]
 

@@ -16,7 +16,7 @@ from orchestra.familycache._executor import Executor, LocalExecutor
 
 if TYPE_CHECKING:
     from orchestra.familycache._settings import ExecutorSpec
-    from orchestra.registry import ModelRegistry
+    from orchestra.models.registry import ModelRegistry
 
 __all__ = ["EXECUTORS", "UnknownExecutorError", "executor_class", "make_executor"]
 

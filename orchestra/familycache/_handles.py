@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from mappings.manifest import MappingManifest
     from mappings.store import Mapping as LoadedMapping
     from mappings.types import KVCache, Tensor
-    from orchestra.mapstore import MappingStoreConfig
-    from orchestra.registry import ModelInfo
+    from orchestra.familycache.mapping_store import MappingStoreConfig
+    from orchestra.models.registry import ModelInfo
 
 __all__ = ["CacheRef", "HiddenRef", "MappingRef", "OnToken", "RemoteKV", "RemoteHidden", "RemoteMapping"]
 

@@ -11,7 +11,7 @@ from orchestra.familycache._events import CacheStep
 if TYPE_CHECKING:
     from mappings.types import JSONDict, KVCache
     from orchestra.familycache._handles import CacheRef
-    from orchestra.gates import GateDecision
+    from orchestra.familycache.gates import GateDecision
 
 __all__ = ["CacheLease", "CachePath", "StepSink"]
 

@@ -22,7 +22,7 @@ from orchestra.familycache._requests import (
     ProbeReferenceRequest,
     TailLogitsRequest,
 )
-from orchestra.gates import ProbeCheck
+from orchestra.familycache.gates import ProbeCheck
 
 if TYPE_CHECKING:
     from mappings.passcost import PassCosts
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef
     from orchestra.familycache._ops import Computed
     from orchestra.familycache._policy import CachePolicy
-    from orchestra.gates import ProbeGate
-    from orchestra.mapstore import MappingStore
+    from orchestra.familycache.gates import ProbeGate
+    from orchestra.familycache.mapping_store import MappingStore
 
 __all__ = ["MapJob", "MappedPrefix", "MappedPath", "fitted_sinks"]
 

@@ -23,13 +23,13 @@ from orchestra.familycache._records import MappedFrom
 from orchestra.familycache._request import CacheRequest, Flight, MappingFailed, mapped_of, variant_of, why
 from orchestra.familycache._requests import MappingRequest, TailLogitsRequest
 from orchestra.familycache._route import Exact, Extend, Map
-from orchestra.gates import GateDecision, decide_offline
+from orchestra.familycache.gates import GateDecision, decide_offline
 
 if TYPE_CHECKING:
     from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef
     from orchestra.familycache._lease import CacheLease, CachePath
     from orchestra.familycache._ops import Computed
-    from orchestra.registry import ModelInfo
+    from orchestra.models.registry import ModelInfo
 
 __all__ = ["MappedRoutes"]
 

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from mappings.store import Mapping
     from mappings.types import CacheLike, KVCache, Tensor
     from orchestra.familycache._handles import CacheRef, HiddenRef
-    from orchestra.gates import ProbeCheck
-    from orchestra.mapstore import MappingStore, ProbeReference
-    from orchestra.registry import LoadedModel
+    from orchestra.familycache.gates import ProbeCheck
+    from orchestra.familycache.mapping_store import MappingStore, ProbeReference
+    from orchestra.models.registry import LoadedModel
 
 __all__ = ["Computed", "compute_tokens", "tail_logits", "map_into", "map_on_target", "map_with_source",
            "source_importance", "truncate", "load_mapping", "probe_reference", "held_model", "nbytes_of", "pass_costs"]
@@ -111,7 +111,7 @@ def map_into(source: LoadedModel | None, target: LoadedModel, mapping: Mapping, 
     Returns the target cache of len(ids) positions with the logits of its last `tail` positions
     (exact given the mapped prefix: the probe gate reads them), and the repair summary. A repair
     recomputes the tail in the same pass as its own trailing tokens. An adaptive policy (a ladder)
-    climbs against `probe` (an `orchestra.gates.ProbeCheck` with its gate) here, next to the
+    climbs against `probe` (an `orchestra.familycache.gates.ProbeCheck` with its gate) here, next to the
     target's weights; without a probe it repairs at its first budget. `source` is needed (and held)
     only when the repair policy reads the source model, unless `importance` (`source_importance` of
     the source, computed where the source lives) is given. The first `sinks` positions (the caller keeps

@@ -11,9 +11,9 @@ if TYPE_CHECKING:
     from orchestra.familycache._policy import CachePolicy
     from orchestra.familycache._pool import Entry, EntryPool, Namespace
     from orchestra.familycache._request import CacheRequest
-    from orchestra.gates import CircuitBreaker
-    from orchestra.mapstore import MappingStore
-    from orchestra.registry import ModelInfo
+    from orchestra.familycache.gates import CircuitBreaker
+    from orchestra.familycache.mapping_store import MappingStore
+    from orchestra.models.registry import ModelInfo
 
 __all__ = ["CacheCore"]
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from orchestra.familycache._mapped_routes import MappedRoutes
     from orchestra.familycache._pool import Namespace
-    from orchestra.registry import ModelInfo
+    from orchestra.models.registry import ModelInfo
 
 __all__ = ["Planner"]
 

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mappings.repair import RepairPolicy
-from orchestra.gates import GatePolicy
+from orchestra.familycache.gates import GatePolicy
 
 __all__ = ["CachePolicy"]
 

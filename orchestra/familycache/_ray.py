@@ -91,8 +91,8 @@ if TYPE_CHECKING:
     from mappings.types import CacheLike, DeviceLike, KVCache, Tensor, Tokenizer
     from orchestra.familycache._handles import CacheRef, HiddenRef, OnToken
     from orchestra.familycache._settings import ExecutorSpec, MemberResources
-    from orchestra.mapstore import MappingStoreConfig, ProbeReference, ReferenceWindows
-    from orchestra.registry import FamilyIndex, LoadedModel, ModelInfo, ModelRegistry
+    from orchestra.familycache.mapping_store import MappingStoreConfig, ProbeReference, ReferenceWindows
+    from orchestra.models.registry import FamilyIndex, LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["RayExecutor", "RemoteKV", "RemoteHidden", "RemoteMapping", "NAMESPACE"]
 
@@ -287,7 +287,7 @@ class MemberActor:
                  threads: int | None, agents_at_once: int) -> None:
         import torch
 
-        from orchestra.registry import ModelRegistry
+        from orchestra.models.registry import ModelRegistry
 
         torch.set_num_threads(threads or _node_cores())
         self.name, self.alias = name, alias
@@ -434,14 +434,14 @@ def _node_cores() -> int:
 # ops the executor ships that are not FamilyCache's own
 def _reference_source_op(model: LoadedModel, corpus: list[tuple[str, str]], tokens: int, window: int,
                          windows: int) -> ReferenceWindows:
-    from orchestra.mapstore import MappingStore
+    from orchestra.familycache.mapping_store import MappingStore
 
     return MappingStore(Path("."), corpus=corpus).reference_source(model, tokens, window, windows)
 
 
 def _reference_target_op(model: LoadedModel, mapping: LoadedMapping, measured: ReferenceWindows,
                          tokens: int) -> ProbeReference:
-    from orchestra.mapstore import MappingStore
+    from orchestra.familycache.mapping_store import MappingStore
 
     return MappingStore.reference_target(model, mapping, measured, tokens)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mappings.repair_records import RepairSummary
-from orchestra.gates import GateDecision, ProbeGate, decide_probe
+from orchestra.familycache.gates import GateDecision, ProbeGate, decide_probe
 
 __all__ = ["MappedFrom", "ProbeReading"]
 

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from mappings.repair import RepairPolicy
     from orchestra.familycache._pool import Entry, Namespace
     from orchestra.familycache._records import MappedFrom
-    from orchestra.gates import GateDecision, GatePolicy
-    from orchestra.registry import ModelInfo
+    from orchestra.familycache.gates import GateDecision, GatePolicy
+    from orchestra.models.registry import ModelInfo
 
 __all__ = ["CacheRequest", "Flight", "MappingFailed", "mapped_of", "variant_of", "why"]
 

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from mappings.types import Tensor
     from orchestra.familycache._handles import CacheRef, HiddenRef, MappingRef
     from orchestra.familycache._ops import Computed
-    from orchestra.gates import ProbeCheck
-    from orchestra.mapstore import MappingStore
+    from orchestra.familycache.gates import ProbeCheck
+    from orchestra.familycache.mapping_store import MappingStore
 
 __all__ = ["ComputeRequest", "TailLogitsRequest", "MapRequest", "MapResult", "MappingRequest", "MappingResult",
            "ProbeReferenceRequest", "ImportanceRequest", "Importance", "PassCostsRequest"]

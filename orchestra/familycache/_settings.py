@@ -1,7 +1,7 @@
 """Where a pipeline's or server's model work runs: the ``executor:`` settings `make_executor` builds from.
 
 The settings belong to the executors (this package), not to the pipeline that names them: pipelines, the
-server and the Ray executor read them from here, and `orchestra.pipeline` re-exports them.
+server and the Ray executor read them from here, and `orchestra.pipelines.spec` re-exports them.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 
 `create_app(config)` is an ASGI app to run with uvicorn or mount in another app; `ServeEngine` is
 the same thing without HTTP, for async backends that call it directly.
+
+May import: ``orchestra.runs`` and everything below it; never the CLI, the builder or the benchmarks.
 """
 
 from __future__ import annotations

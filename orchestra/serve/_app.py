@@ -485,7 +485,7 @@ def _wrap(app: FastAPI, config: ServeConfig, tracer_provider: TracerProvider | N
 def _instrument(app: FastAPI, tracer_provider: TracerProvider | None) -> None:
     """A server span per HTTP request (OpenTelemetry's FastAPI instrumentation, the ``tracing`` extra), parent of
     the spans of the pipeline runs it starts; spans go to the global tracer provider, a no-op until one is set
-    (``OTEL_EXPORTER_OTLP_ENDPOINT``: `orchestra.tracing.configure_from_env`). Without the package: nothing."""
+    (``OTEL_EXPORTER_OTLP_ENDPOINT``: `orchestra.observability.tracing.configure_from_env`). Without the package: nothing."""
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
     except ImportError:

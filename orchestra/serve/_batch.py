@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from agents.continuation import Continuation, TokenStream
     from mappings.types import KVCache
-    from orchestra.registry import LoadedModel
+    from orchestra.models.registry import LoadedModel
 
 __all__ = ["BatchDecoder", "WorkingMemory", "batchable", "RowMemory"]
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mappings.repair import RepairPolicy
 from orchestra.familycache import ExecutorSpec
-from orchestra.gates import GatePolicy
+from orchestra.familycache.gates import GatePolicy
 
 if TYPE_CHECKING:
     from agents.references import CodePolicy

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from agents.constrained import JsonConstraint, TokenConstraint
     from agents.continuation import Continuation
     from mappings.types import KVCache, Model, Tokenizer
-    from orchestra.registry import LoadedModel
+    from orchestra.models.registry import LoadedModel
     from orchestra.serve._batch import BatchDecoder
     from orchestra.serve._schemas import ResponseFormat
 

@@ -233,8 +233,8 @@ class ServeEngine:
         if cache is None:
             from pathlib import Path
 
-            from orchestra.mapstore import MappingStore
-            from orchestra.registry import ModelRegistry
+            from orchestra.familycache.mapping_store import MappingStore
+            from orchestra.models.registry import ModelRegistry
 
             aliases: dict[str, str] = {record.role: name for name, record in family.members.items()}
             registry = ModelRegistry(aliases, family=family, default_device=self.config.device, dtype=self.config.dtype)
@@ -476,7 +476,7 @@ class ServeEngine:
     def runs(self) -> RunManager:
         """The pipeline runs of ``/v1/runs`` (on this engine's FamilyCache)."""
         if self._runs is None:
-            from orchestra.metrics import PipelineMetrics
+            from orchestra.observability.metrics import PipelineMetrics
             from orchestra.serve._runs import RunManager
 
             self._runs = RunManager(self, pipelines_dir=self.config.pipelines_dir, max_running=self.config.max_runs,

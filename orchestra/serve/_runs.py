@@ -7,7 +7,7 @@ folders or Hub ids, and it shares the server's caches with chat requests (a docu
 reused by a run, and back). Finished runs are kept, the oldest forgotten beyond `keep`.
 
 A pipeline sent inline is the client's, not the operator's: before it is built, its raw data is read for the
-Python it names and the folders it sets (`orchestra.trust`), and what the server's `CodePolicy` does not allow
+Python it names and the folders it sets (`orchestra.pipelines.trust`), and what the server's `CodePolicy` does not allow
 is answered 403 with nothing imported; it is then built, and run, under that policy. A pipeline from the
 operator's ``--pipelines`` folder is the operator's own and may name any Python.
 """
@@ -36,13 +36,13 @@ from orchestra.errors import OrchestraError
 from orchestra.serve._errors import ApiError, BadRequest, Forbidden, RateLimited
 
 if TYPE_CHECKING:
-    from orchestra.events import Event
     from orchestra.family.manifest import FamilyManifest
     from orchestra.familycache import FamilyCache
-    from orchestra.metrics import PipelineMetrics
-    from orchestra.pipeline import PipelineSpec
-    from orchestra.report import RunReport
-    from orchestra.scheduler import Orchestra
+    from orchestra.observability.events import Event
+    from orchestra.observability.metrics import PipelineMetrics
+    from orchestra.observability.report import RunReport
+    from orchestra.pipelines.spec import PipelineSpec
+    from orchestra.runs.scheduler import Orchestra
 
 __all__ = ["RunRequest", "RunStatus", "RunManager", "RunNotFound", "RunConflict"]
 
@@ -156,8 +156,8 @@ class RunManager:
         if running >= self.max_running:
             raise RateLimited(f"{running} pipeline runs are running (the server's limit); retry when one ends",
                               retry_after=30)
-        from orchestra.inputs import resolve_inputs
-        from orchestra.scheduler import Orchestra
+        from orchestra.pipelines.inputs import resolve_inputs
+        from orchestra.runs.scheduler import Orchestra
 
         try:
             inputs = resolve_inputs(spec.inputs, body.inputs)
@@ -174,8 +174,8 @@ class RunManager:
         """The pipeline to run, its models translated to the server's members (roles)."""
         from pydantic import ValidationError
 
-        from orchestra.pipeline import PipelineSpec, load_pipeline
-        from orchestra.trust import check_client_spec
+        from orchestra.pipelines.spec import PipelineSpec, load_pipeline
+        from orchestra.pipelines.trust import check_client_spec
 
         if body.spec is not None:
             check_client_spec(body.spec, self.code)  # before anything in it is imported (`start` answers 403)
@@ -233,7 +233,7 @@ class RunManager:
         data["source"] = roles[spec.source_alias]
         for agent in data["agents"]:
             agent["model"] = roles[agent["model"]]
-        from orchestra.pipeline import PipelineSpec
+        from orchestra.pipelines.spec import PipelineSpec
 
         return PipelineSpec.model_validate(data)
 

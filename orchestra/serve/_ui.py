@@ -39,10 +39,10 @@ from orchestra.serve._schemas import ErrorBody
 if TYPE_CHECKING:
     import uvicorn
 
-    from orchestra.events import Event
     from orchestra.familycache import Entry, FamilyCache
-    from orchestra.pipeline import PipelineSpec
-    from orchestra.report import RunReport
+    from orchestra.observability.events import Event
+    from orchestra.observability.report import RunReport
+    from orchestra.pipelines.spec import PipelineSpec
     from orchestra.serve._engine import ServeEngine
     from orchestra.serve._runs import RunManager, _Run
 
@@ -171,7 +171,7 @@ def pipeline_info(name: str, spec: PipelineSpec, member_of: Callable[[str], str 
 
 def folder_pipelines(folder: Path | None, member_of: Callable[[PipelineSpec, str], str | None]) -> list[PipelineInfo]:
     """Every pipeline file of the server's folder (the stems POST /v1/runs takes); a broken one says why."""
-    from orchestra.pipeline import load_pipeline
+    from orchestra.pipelines.spec import load_pipeline
 
     if folder is None or not folder.is_dir():
         return []
@@ -312,7 +312,7 @@ class RunLog:
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
     def append(self, event: Event) -> None:
-        from orchestra.events import RunFinished
+        from orchestra.observability.events import RunFinished
 
         with self._lock:
             self._events.append(event)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestra import Pipeline
-from orchestra.pipeline import load_pipeline, pipeline_mermaid
+from orchestra.pipelines.spec import load_pipeline, pipeline_mermaid
 
 PIPELINE = Path(__file__).resolve().parents[2] / "examples/agents_that_act/pipeline.yaml"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestra.family.corpus import data_text
-from orchestra.mapstore import MappingStore
+from orchestra.familycache.mapping_store import MappingStore
 from tests.tiny_family import build_tiny_family
 
 

@@ -25,7 +25,7 @@ from orchestra.errors import (
     UnknownAgentError,
 )
 from orchestra.family import FamilyManifest, MemberRecord
-from orchestra.gates import GatePolicy
+from orchestra.familycache.gates import GatePolicy
 
 YAML = """
 name: three
@@ -59,7 +59,7 @@ def three(maps: str = "MAPS", **options) -> Pipeline:
 
 
 class FakeOrchestra:
-    """Stands in for orchestra.scheduler.Orchestra: records its construction and replays two events."""
+    """Stands in for orchestra.runs.scheduler.Orchestra: records its construction and replays two events."""
 
     made: list[FakeOrchestra] = []
 
@@ -86,10 +86,10 @@ class FakeOrchestra:
 
 @pytest.fixture
 def fake_orchestra(monkeypatch):
-    import orchestra.scheduler
+    import orchestra.runs.scheduler
 
     FakeOrchestra.made = []
-    monkeypatch.setattr(orchestra.scheduler, "Orchestra", FakeOrchestra)
+    monkeypatch.setattr(orchestra.runs.scheduler, "Orchestra", FakeOrchestra)
     return FakeOrchestra
 
 

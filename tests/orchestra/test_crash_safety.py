@@ -142,7 +142,7 @@ def test_replace_without_an_atomic_swap_is_undone_or_recovered(old_mapping, tmp_
     # a crash between the renames: the old folder sits aside under a dead process's name
     aside = tmp_path / f".mapping.old-999999999-{_tag().split('-', 1)[1]}-dead"
     os.rename(out, aside)
-    with caplog.at_level(logging.WARNING, logger="orchestra.files"):
+    with caplog.at_level(logging.WARNING, logger="orchestra.documents.files"):
         assert load_mapping(out).manifest.tensors.sha256 == sha
     assert "restored" in caplog.text and not aside.exists()
     # and the two-rename install itself works

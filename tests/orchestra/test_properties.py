@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from agents.errors import AgentError
 from mappings.errors import MappingError
+from orchestra.documents.files import read_text_file
 from orchestra.errors import OrchestraError
-from orchestra.files import read_text_file
-from orchestra.pipeline import PipelineSpec, load_pipeline, pipeline_mermaid
+from orchestra.pipelines.spec import PipelineSpec, load_pipeline, pipeline_mermaid
 from tests.tiny_family import build_tiny_family
 
 TYPED = (OrchestraError, MappingError, AgentError)
@@ -133,8 +133,8 @@ def documents(draw):
 
 @pytest.fixture(scope="module")
 def orch(tiny_root):
-    from orchestra.mapstore import MappingStore
-    from orchestra.scheduler import Orchestra
+    from orchestra.familycache.mapping_store import MappingStore
+    from orchestra.runs.scheduler import Orchestra
 
     fam = build_tiny_family(tiny_root, "llama")
     spec = PipelineSpec.model_validate({

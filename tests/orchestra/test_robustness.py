@@ -17,12 +17,12 @@ from mappings.errors import CorruptMappingError
 from mappings.store import file_sha256, load_mapping, read_manifest
 from orchestra.cli import app
 from orchestra.errors import DocumentError
-from orchestra.events import Fallback, GateResult
 from orchestra.family.corpus import data_text
 from orchestra.family.manifest import MANIFEST_NAME, MEMBER_MARKER, family_dir, load_family
-from orchestra.mapstore import MappingStore
-from orchestra.pipeline import PipelineSpec
-from orchestra.scheduler import Orchestra
+from orchestra.familycache.mapping_store import MappingStore
+from orchestra.observability.events import Fallback, GateResult
+from orchestra.pipelines.spec import PipelineSpec
+from orchestra.runs.scheduler import Orchestra
 from tests.tiny_family import build_tiny_family
 
 runner = CliRunner()

@@ -9,11 +9,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from orchestra.errors import CrossFamilyError
-from orchestra.events import CacheReady, Fallback
 from orchestra.family.corpus import data_text
-from orchestra.pipeline import PipelineSpec
-from orchestra.registry import ModelRegistry
-from orchestra.scheduler import Orchestra
+from orchestra.models.registry import ModelRegistry
+from orchestra.observability.events import CacheReady, Fallback
+from orchestra.pipelines.spec import PipelineSpec
+from orchestra.runs.scheduler import Orchestra
 from tests.tokenizer_variants import model_folder, save_edited_tokenizer, save_instruct_tokenizer, swap_ids
 
 DOC = data_text("gpl-3.txt")[:320]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from orchestra.commands._live import RunDisplay, format_event
-from orchestra.events import AgentStarted, CacheStepEvent, GateResult, RunStarted, TokenEvent
 from orchestra.family.corpus import data_text
 from orchestra.familycache import CacheStep
+from orchestra.observability.events import AgentStarted, CacheStepEvent, GateResult, RunStarted, TokenEvent
 from tests.tiny_family import build_tiny_family
 
 ROOT = Path(__file__).resolve().parents[3]

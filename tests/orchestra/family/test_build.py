@@ -156,8 +156,8 @@ def _mapping_dirs(home: Path) -> list[Path]:
 
 
 def test_build_calibrates_a_loadable_mapping_for_every_member(tiny_build, tmp_path):
-    from orchestra.mapstore import MappingStore
-    from orchestra.registry import ModelRegistry
+    from orchestra.familycache.mapping_store import MappingStore
+    from orchestra.models.registry import ModelRegistry
 
     home = tmp_path / "home"
     manifest = build_family(home, calibrate=True, calibration_tokens=512, progress=False)

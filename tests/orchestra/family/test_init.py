@@ -16,9 +16,9 @@ from orchestra.errors import CrossFamilyError, FamilyError
 from orchestra.family import init_family, load_family
 from orchestra.family.corpus import data_text
 from orchestra.family.init import parse_member_arg
-from orchestra.pipeline import PipelineSpec
-from orchestra.registry import ModelRegistry
-from orchestra.scheduler import Orchestra
+from orchestra.models.registry import ModelRegistry
+from orchestra.pipelines.spec import PipelineSpec
+from orchestra.runs.scheduler import Orchestra
 from tests.fixtures.hubcache import hub_repo
 from tests.tokenizer_variants import model_folder, save_edited_tokenizer, swap_ids
 

@@ -7,7 +7,7 @@ import pytest
 
 from orchestra.family.corpus import data_text
 from orchestra.familycache import CacheLease, FamilyCache
-from orchestra.registry import ModelRegistry
+from orchestra.models.registry import ModelRegistry
 from tests.orchestra.familycache.test_core import TokenCounter
 
 

@@ -11,8 +11,8 @@ import torch
 from mappings import cache_layers, cache_length
 from orchestra.family.corpus import data_text
 from orchestra.familycache import CachePolicy, FamilyCache
-from orchestra.gates import GatePolicy
-from orchestra.registry import ModelRegistry
+from orchestra.familycache.gates import GatePolicy
+from orchestra.models.registry import ModelRegistry
 from tests.waiting import wait_until
 
 PERMISSIVE = GatePolicy.model_validate({"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0,
@@ -218,8 +218,8 @@ def test_byte_budget_counts_tail_logits(registry, mapstore):
 def test_two_agents_on_one_model_never_run_forward_passes_at_once(fam, mapstore):
     import anyio
 
-    from orchestra.pipeline import PipelineSpec
-    from orchestra.scheduler import Orchestra
+    from orchestra.pipelines.spec import PipelineSpec
+    from orchestra.runs.scheduler import Orchestra
 
     def agent(name):
         return {"name": name, "model": "base", "spec": {"task": f"Say {name}.",

@@ -14,8 +14,8 @@ import torch
 from mappings import cache_layers
 from orchestra.family.corpus import data_text
 from orchestra.familycache import CachePolicy, FamilyCache, KVStore, Namespace
-from orchestra.gates import GatePolicy
-from orchestra.registry import ModelRegistry
+from orchestra.familycache.gates import GatePolicy
+from orchestra.models.registry import ModelRegistry
 from tests.orchestra.familycache.test_core import TokenCounter
 
 PERMISSIVE = GatePolicy.model_validate({"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0,

@@ -25,8 +25,8 @@ from orchestra.familycache import (
     UnknownExecutorError,
     make_executor,
 )
-from orchestra.gates import GatePolicy
-from orchestra.registry import ModelRegistry
+from orchestra.familycache.gates import GatePolicy
+from orchestra.models.registry import ModelRegistry
 
 PERMISSIVE = GatePolicy.model_validate({"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0,
                                                                    "max_excess_kl": 100.0}})
@@ -166,7 +166,7 @@ def test_make_executor_builds_local_over_the_registry(registry):
 def test_make_executor_builds_ray_without_starting_it(registry):
     pytest.importorskip("ray")
     from orchestra.familycache._ray import RayExecutor
-    from orchestra.pipeline import ExecutorSpec
+    from orchestra.pipelines.spec import ExecutorSpec
 
     spec = ExecutorSpec(kind="ray", num_cpus=0.5)
     executor = make_executor("ray", registry, spec, members=["base"], name="contract")

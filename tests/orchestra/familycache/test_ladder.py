@@ -7,8 +7,8 @@ import pytest
 from mappings.repair import RepairPolicy, compute_share
 from orchestra.family.corpus import data_text
 from orchestra.familycache import CachePolicy, FamilyCache
-from orchestra.gates import GatePolicy
-from orchestra.registry import ModelRegistry
+from orchestra.familycache.gates import GatePolicy
+from orchestra.models.registry import ModelRegistry
 
 LADDER = (0.1, 0.2, 0.3)
 TAIL = 16
@@ -18,7 +18,7 @@ TAIL = 16
 def mapstore(tmp_path_factory):
     """Maps fitted on every position (`anchored`: no exact sinks), so with sink_tokens=0 the passes counted
     below are the ladder's alone (a served map's sinks are the map step's: test_core)."""
-    from orchestra.mapstore import MappingStore
+    from orchestra.familycache.mapping_store import MappingStore
 
     corpus = [("mpl", data_text("mpl-2.0.txt")[:6000]), ("apache", data_text("apache-2.0.txt")[:6000])]
     return MappingStore(tmp_path_factory.mktemp("plain-maps"), tokens=2048, corpus=corpus, method="anchored")

@@ -18,11 +18,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from orchestra.events import TokenEvent
 from orchestra.family.corpus import data_text
-from orchestra.mapstore import PROBE_FILE, MappingStore
-from orchestra.pipeline import PipelineSpec
-from orchestra.scheduler import Orchestra
+from orchestra.familycache.mapping_store import PROBE_FILE, MappingStore
+from orchestra.observability.events import TokenEvent
+from orchestra.pipelines.spec import PipelineSpec
+from orchestra.runs.scheduler import Orchestra
 from tests.tiny_family import build_tiny_family
 from tests.waiting import wait_for_exit, wait_until
 
@@ -54,7 +54,7 @@ def fam(tiny_root):
 @pytest.fixture(scope="module")
 def maps(tmp_path_factory, fam):
     """A store with the parent -> child mapping calibrated (offline, as the ray executor needs)."""
-    from orchestra.registry import ModelRegistry
+    from orchestra.models.registry import ModelRegistry
 
     directory = tmp_path_factory.mktemp("ray_maps")
     registry = ModelRegistry({"base": str(fam.parent), "child": str(fam.child)}, default_device="cpu")
@@ -244,8 +244,8 @@ from pathlib import Path
 
 import anyio
 
-from orchestra.events import TokenEvent
-from orchestra.scheduler import Orchestra
+from orchestra.observability.events import TokenEvent
+from orchestra.runs.scheduler import Orchestra
 
 marker = Path(sys.argv.pop(1))
 unheld = Orchestra.run
@@ -286,7 +286,7 @@ def test_the_typed_requests_give_the_same_answers_on_the_local_and_the_ray_execu
         TailLogitsRequest,
         make_executor,
     )
-    from orchestra.registry import ModelRegistry
+    from orchestra.models.registry import ModelRegistry
 
     registry = ModelRegistry({"base": str(fam.parent), "child": str(fam.child)}, default_device="cpu")
     ids = tuple(registry.load("base").tokenizer(DOC, add_special_tokens=False)["input_ids"][:64])

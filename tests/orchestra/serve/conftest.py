@@ -15,8 +15,8 @@ import pytest
 
 from orchestra.family.manifest import FamilyManifest, MemberRecord
 from orchestra.familycache import CachePolicy, FamilyCache
-from orchestra.mapstore import MappingStore
-from orchestra.registry import ModelRegistry
+from orchestra.familycache.mapping_store import MappingStore
+from orchestra.models.registry import ModelRegistry
 from orchestra.serve import ServeConfig, ServeEngine, ServerProcess, create_app
 from orchestra.serve import start_server as launch
 from tests.tiny_family import build_tiny_family

@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orchestra.family.corpus import data_text
+from orchestra.pipelines.trust import client_spec_reach
 from orchestra.serve import ServeConfig, create_app
-from orchestra.trust import client_spec_reach
 from tests.orchestra.serve.conftest import asgi_client, finish_run, tiny_engine
 from tests.orchestra.serve.test_app import assert_openai_error
 from tests.waiting import wait_until

@@ -22,9 +22,9 @@ from openai import OpenAI
 
 from orchestra.family.corpus import data_text
 from orchestra.familycache import CachePolicy, FamilyCache, make_executor
-from orchestra.gates import GatePolicy
-from orchestra.mapstore import MappingStore
-from orchestra.pipeline import ExecutorSpec
+from orchestra.familycache.gates import GatePolicy
+from orchestra.familycache.mapping_store import MappingStore
+from orchestra.pipelines.spec import ExecutorSpec
 from orchestra.serve import ServeConfig, ServeEngine, create_app, free_port
 from tests.waiting import wait_until
 

@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from orchestra.family.corpus import data_text
-from orchestra.mapstore import MappingStore
+from orchestra.familycache.mapping_store import MappingStore
 from orchestra.serve import ServeEngine, create_app
 from orchestra.serve._ui import RunView
 from tests.orchestra.serve.conftest import ROOT, TinyServeFamily, tiny_engine
