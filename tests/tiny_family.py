@@ -91,14 +91,19 @@ class TinyFamily:
     child: Path
 
 
-def build_tiny_family(root: Path, arch: str, seed: int = 0) -> TinyFamily:
-    """Build (or reuse) a parent and a child under ``root/arch``."""
+def build_tiny_family(root: Path, arch: str, seed: int = 0, head_dim: int | None = None) -> TinyFamily:
+    """Build (or reuse) a parent and a child under ``root/arch``.
+
+    `head_dim` overrides the layout's (vLLM's CPU attention kernels need a multiple of 32)."""
     parent_dir, child_dir = root / arch / "parent", root / arch / "child"
     if (child_dir / "config.json").exists():
         return TinyFamily(arch, parent_dir, child_dir)
     tokenizer = make_tokenizer()
     torch.manual_seed(seed)
-    parent = AutoModelForCausalLM.from_config(make_config(arch, len(tokenizer)))
+    config = make_config(arch, len(tokenizer))
+    if head_dim is not None:
+        config.head_dim = head_dim
+    parent = AutoModelForCausalLM.from_config(config)
     _train(parent, tokenizer, _TEXT_A + _TEXT_B, steps=40, lr=3e-3, seed=seed)
     parent.save_pretrained(parent_dir)
     tokenizer.save_pretrained(parent_dir)

@@ -118,7 +118,7 @@ class FamilyCache:
     def for_family(cls, family: BuiltFamily, *, source: str = "root", members: dict[str, str] | None = None,
                    device: str = "auto", dtype: str = "float32", mapping_dir: str | None = None,
                    on_missing: Literal["calibrate", "refuse"] = "refuse",
-                   policy: CachePolicy | None = None) -> FamilyCache:
+                   policy: CachePolicy | None = None, disk: KVStore | None = None) -> FamilyCache:
         """A FamilyCache over a built family (``orchestra.family.load_family(home)`` reads one): members by role
         unless `members` is given. The caller reads the manifest: the cache core never reaches into the builder."""
         from pathlib import Path
@@ -130,7 +130,7 @@ class FamilyCache:
         registry = ModelRegistry(aliases, family=family, default_device=device, dtype=dtype)
         registry.check_family(source)
         store = MappingStore(Path(mapping_dir) if mapping_dir else Path(family.home) / "mappings", on_missing=on_missing)
-        return cls(registry, store, source=source, policy=policy)
+        return cls(registry, store, source=source, policy=policy, disk=disk)
 
     @property
     def stats(self) -> PoolStats:
@@ -307,6 +307,10 @@ class FamilyCache:
             if step.source:
                 return step.source
         return None
+
+    def exact_namespace(self, member: str) -> Namespace:
+        """The namespace of `member`'s own exact caches (in memory and in the disk tier)."""
+        return self._exact_ns(self.executor.info(member))
 
     def _exact_ns(self, info: ModelInfo) -> Namespace:
         return Namespace("exact", info.fingerprint, self._dtype(info), info.rope)

@@ -1,0 +1,38 @@
+"""The connector's settings: what vLLM's ``kv_connector_extra_config`` holds for orchestra's family cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["ConnectorSettings"]
+
+
+class ConnectorSettings(BaseModel):
+    """Which family member this vLLM engine serves, and the store it shares with the family's other engines."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    home: str
+    """The family home (``orchestra family init`` / ``orchestra family build``): its manifest and mappings."""
+    member: str
+    """The member this engine serves, by name or role; vLLM's model must be that member's folder."""
+    store: str | None = None
+    """The KV store folder every engine of the family shares (default: ``<home>/kv``)."""
+    store_mb: int = Field(8192, ge=1)
+    """The store's byte budget in MiB: least recently used entries go first."""
+    min_tokens: int = Field(64, ge=1)
+    """Shorter prompts are neither saved nor loaded (recomputing them is cheaper)."""
+    min_mapped_tokens: int = Field(64, ge=1)
+    """A mapped load must bring at least this many tokens beyond what the engine holds."""
+    tail_tokens: int = Field(32, ge=2)
+    """Positions at the end of a mapped prefix recomputed on the member (what the probe gate reads)."""
+    mapping_dir: str | None = None
+    """Where the family's mappings are (default: ``<home>/mappings``)."""
+    events: str | None = None
+    """A JSON-lines file the connector appends one line to per load, save and refusal (tests, dashboards)."""
+
+    @property
+    def store_dir(self) -> Path:
+        return Path(self.store) if self.store else Path(self.home) / "kv"
