@@ -58,9 +58,20 @@ app.add_typer(family_cmd.app, name="family")
 app.add_typer(cache_cmd.app, name="cache")
 
 
+def _print_version(value: bool) -> None:
+    """``--version``: ``orchestra <version>``, then exit 0 before any command runs."""
+    if value:
+        from orchestra import __version__
+
+        typer.echo(f"orchestra {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _options(
     debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error (also $ORCHESTRA_DEBUG=1).")] = False,
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True,
+                                          help="Print orchestra's version and exit.")] = False,
 ) -> None:
     """Run multi-agent pipelines over one long document on a family of LLMs, prefilling it once."""
     if debug:

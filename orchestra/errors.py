@@ -149,7 +149,7 @@ class CycleError(PipelineError):
 
 
 class UnknownAgentError(PipelineError):
-    """An agent names an upstream agent that does not exist."""
+    """An agent name that does not exist: an upstream an agent reads, or one asked of a pipeline or a run report."""
 
 
 class UnknownModelError(PipelineError):

@@ -1,8 +1,10 @@
 """What a person sees while a pipeline runs: one line per event above a live table of the agents.
 
-The scheduler also logs every event through structlog, for services that collect logs. On a terminal
-that log would print each event a second time, and Python's warnings would come with their source
-lines, so `quiet_library_output` turns both into the CLI's own one-line form first.
+The scheduler also logs every event through structlog (`orchestra._logging`), for services that collect
+logs, and the web view's server logs its requests. On a terminal a log line would print beside each event's
+own, and Python's warnings would come with their source lines, so `quiet_library_output` configures
+structlog to keep warnings and errors alone (orchestra's events follow an application's structlog
+configuration) and turns Python's warnings into the CLI's own one-line form.
 """
 
 from __future__ import annotations

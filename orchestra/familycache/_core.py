@@ -26,9 +26,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
-import structlog
-
 from agents.bridge import run_in_thread
+from orchestra._logging import get_logger
 from orchestra.errors import DocumentError
 from orchestra.familycache._disk_tier import DiskTier
 from orchestra.familycache._events import CacheStep, HitDetail, PrefillDetail
@@ -56,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FamilyCache", "CacheLease", "CachePath", "StepSink"]
 
-log = structlog.get_logger("orchestra.cache")
+log = get_logger("orchestra.cache")
 
 
 class _Member(FamilyMember, Protocol):

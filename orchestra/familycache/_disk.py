@@ -32,9 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import structlog
-
 from agents.bridge import start_thread
+from orchestra._logging import get_logger
 from orchestra.familycache._pool import Namespace, common_prefix, token_hash
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ _META_KEY = "orchestra.kv"
 _SUFFIX = ".safetensors"
 _STALE_TMP_SECONDS = 3600.0
 
-log = structlog.get_logger("orchestra.kvstore")
+log = get_logger("orchestra.kvstore")
 
 
 def namespace_key(namespace: Namespace) -> str:

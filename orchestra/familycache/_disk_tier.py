@@ -13,8 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
-import structlog
-
+from orchestra._logging import get_logger
 from orchestra.errors import OrchestraError
 from orchestra.familycache._events import CacheStep, EvictDetail, LoadDetail
 from orchestra.familycache._pool import Entry
@@ -32,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DiskTier"]
 
-log = structlog.get_logger("orchestra.cache")
+log = get_logger("orchestra.cache")
 
 
 class _Cache(Protocol):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+from orchestra.errors import UnknownAgentError
 
 __all__ = ["AgentReport", "ChunkCall", "ChunkSummary", "ModelCacheReport", "RunReport"]
 
@@ -127,7 +130,15 @@ class RunReport(BaseModel):
         "(compare with prefill_s_spent).")
 
     def agent(self, name: str) -> AgentReport:
-        return next(a for a in self.agents if a.name == name)
+        """The report of the agent (or step) called ``name``; `UnknownAgentError` names the ones it has."""
+        for agent in self.agents:
+            if agent.name == name:
+                return agent
+        names = [a.name for a in self.agents]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        has = f"it has {', '.join(names)}" if names else "it has no agents"
+        raise UnknownAgentError(f"no agent {name!r} in this report{hint}: {has}")
 
     @property
     def succeeded(self) -> list[str]:

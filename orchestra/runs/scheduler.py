@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.from_thread
-import structlog
 
 from agents.bridge import call_in_loop, in_thread
+from orchestra._logging import get_logger
 from orchestra.documents.chunking import HOLD_INPUT_TOKENS
 from orchestra.errors import DocumentError, RunResumeError
 from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache, make_executor
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Orchestra"]
 
-log = structlog.get_logger("orchestra")
+log = get_logger("orchestra")
 
 
 _NOT_IN_RESULTS = {"kv_store", "executor", "store_budget_mb", "max_concurrency_per_device"}

@@ -19,7 +19,6 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING
 
 import anyio
-import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,6 +28,7 @@ from starlette.responses import ContentStream
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agents.bridge import in_thread
+from orchestra._logging import get_logger
 from orchestra.errors import ActorLostError, ExecutorError
 from orchestra.serve._config import ServeConfig
 from orchestra.serve._engine import Generation, ServeEngine
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = ["create_app"]
 
-log = structlog.get_logger("orchestra.serve.access")
+log = get_logger("orchestra.serve.access")
 OPEN_PATHS = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 # Keys typed int | str: FastAPI takes the mapping invariantly as dict[int | str, ...].
 ERRORS: dict[int | str, dict[str, type[ErrorBody]]] = {
@@ -292,7 +292,7 @@ def _add_error_handlers(app: FastAPI, slot: _EngineSlot) -> None:
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
-        structlog.get_logger("orchestra.serve").exception("internal_error", path=request.url.path)
+        get_logger("orchestra.serve").exception("internal_error", path=request.url.path)
         slot.count(request, 500)
         return JSONResponse({"error": {"message": f"internal error ({type(exc).__name__}); the server keeps serving",
                                        "type": "server_error", "param": None, "code": "internal_error"}},

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
-import structlog
 
 from agents.bridge import CancelFlag, ThreadStream, WorkerCancelledError, in_thread, start_thread
+from orchestra._logging import get_logger
 from orchestra.familycache import CacheLease, CachePolicy, FamilyCache, make_executor
 from orchestra.serve._config import ServeConfig
 from orchestra.serve._errors import (
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ServeEngine", "Generation", "CacheInfo", "render_messages", "tune_allocator"]
 
-log = structlog.get_logger("orchestra.serve")
+log = get_logger("orchestra.serve")
 
 
 @dataclass(frozen=True)

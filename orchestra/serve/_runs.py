@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
-import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from agents.errors import CodeNotAllowedError
 from agents.references import UNRESTRICTED, CodePolicy, code_policy
+from orchestra._logging import get_logger
 from orchestra.errors import OrchestraError
 from orchestra.serve._errors import ApiError, BadRequest, Forbidden, RateLimited
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RunRequest", "RunStatus", "RunManager", "RunNotFound", "RunConflict"]
 
-log = structlog.get_logger("orchestra.serve.runs")
+log = get_logger("orchestra.serve.runs")
 _PIPELINE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 RunState = Literal["running", "succeeded", "failed", "cancelled"]
 

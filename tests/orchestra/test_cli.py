@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestra.cli import app
+from tests.waiting import HANG_GUARD_S
 
 runner = CliRunner()
 
@@ -28,6 +29,28 @@ def test_every_command_has_help():
         result = runner.invoke(app, [*path, "--help"])
         assert result.exit_code == 0, (path, result.output)
         assert "Usage" in result.output
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_package_version_and_exits_0(flag):
+    from orchestra import __version__
+
+    result = runner.invoke(app, [flag])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"orchestra {__version__}\n"
+
+
+def test_version_from_the_console_entry_point():
+    """Through `main` (the console script's exit path) in a fresh process: one line, exit 0, even before a command."""
+    import subprocess
+    import sys
+
+    from orchestra import __version__
+
+    code = "import sys; sys.argv = ['orchestra', '--version', 'run']; from orchestra.cli import main; main()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == f"orchestra {__version__}\n" and out.stderr == ""
 
 
 def test_family_show_on_empty_home_is_a_clean_error(tmp_path):
