@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.waiting import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -141,7 +143,7 @@ class Zygote:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=HANG_GUARD_S)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

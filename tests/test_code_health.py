@@ -12,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+from tests.waiting import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "code_health.py"
 
@@ -157,7 +159,7 @@ def test_json_output_lists_what_the_table_counts(health, tmp_path, capsys):
 
 def test_the_repo_meets_the_function_length_private_import_and_crossing_thresholds():
     done = subprocess.run([sys.executable, str(SCRIPT), "--check", "--max-any", "-1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, f"{done.stderr}\n{done.stdout}"
 
 

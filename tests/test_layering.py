@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 ACYCLIC = ("mappings", "agents", "orchestra")
 
@@ -32,7 +34,7 @@ def _lint_imports() -> Path:
 
 def test_import_contracts_are_kept():
     done = subprocess.run([str(_lint_imports()), "--no-cache", "--no-logo"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_GUARD_S)
     assert done.returncode == 0, f"lint-imports failed:\n{done.stdout}\n{done.stderr}"
 
 

@@ -14,6 +14,7 @@ from orchestra.family.corpus import data_text
 from orchestra.familycache import CacheStep
 from orchestra.observability.events import AgentStarted, CacheStepEvent, GateResult, RunStarted, TokenEvent
 from tests.tiny_family import build_tiny_family
+from tests.waiting import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -37,7 +38,7 @@ def _run(fam, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     document.write_text(data_text("gpl-3.txt")[:250])
     env = {**os.environ, "ORCHESTRA_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "orchestra", "run", str(pipeline), "--document", str(document),
-                           *extra], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+                           *extra], capture_output=True, text=True, cwd=ROOT, env=env, timeout=HANG_GUARD_S)
 
 
 def test_run_with_events_prints_each_event_once_and_warnings_as_one_line(fam, tmp_path):

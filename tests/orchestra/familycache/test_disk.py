@@ -17,6 +17,7 @@ from orchestra.familycache import CachePolicy, FamilyCache, KVStore, Namespace
 from orchestra.familycache.gates import GatePolicy
 from orchestra.models.registry import ModelRegistry
 from tests.orchestra.familycache.test_core import TokenCounter
+from tests.waiting import HANG_GUARD_S
 
 PERMISSIVE = GatePolicy.model_validate({"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0,
                                                                    "max_excess_kl": 100.0}})
@@ -198,7 +199,7 @@ WRITER = textwrap.dedent("""
 def test_two_processes_writing_one_store_leave_only_whole_entries(tmp_path):
     root = Path(__file__).resolve().parents[3]
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), name], cwd=root) for name in "ab"]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    assert [p.wait(timeout=HANG_GUARD_S) for p in procs] == [0, 0]
     store = KVStore(tmp_path)
     entries = store.entries()
     assert len(entries) == 12  # one file per key, whoever wrote it last

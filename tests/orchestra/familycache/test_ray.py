@@ -24,7 +24,7 @@ from orchestra.observability.events import TokenEvent
 from orchestra.pipelines.spec import PipelineSpec
 from orchestra.runs.scheduler import Orchestra
 from tests.tiny_family import build_tiny_family
-from tests.waiting import wait_for_exit, wait_until
+from tests.waiting import HANG_GUARD_S, wait_for_exit, wait_until
 
 ray = pytest.importorskip("ray")
 
@@ -375,9 +375,9 @@ def test_ray_started_from_a_worker_thread_outlives_it(tmp_path):
         "t = threading.Thread(target=_init_from_a_lasting_thread, args=({'address': 'local', 'num_cpus': 1,\n"
         "                     'include_dashboard': False, 'log_to_driver': False},))\n"
         "t.start(); t.join(); time.sleep(1.0)  # the worker thread is gone\n"
-        "print('alive', ray.get(ray.remote(lambda: 41).remote(), timeout=60) + 1)\n"
+        "print('alive', ray.get(ray.remote(lambda: 41).remote(), timeout=900) + 1)\n"
         "ray.shutdown()\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_GUARD_S, env=env)
     assert "alive 42" in out.stdout, out.stderr[-2000:]

@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from orchestra import Pipeline
 from orchestra.family.corpus import data_text
 from orchestra.observability.tracing import RunTracer, run_tracer
+from tests.waiting import HANG_GUARD_S
 
 DOC = data_text("gpl-3.txt")[:300]
 
@@ -52,5 +53,5 @@ def test_tracing_is_off_without_a_provider_and_on_with_the_otlp_variable():
     code = ("import os; os.environ['OTEL_EXPORTER_OTLP_ENDPOINT'] = 'http://127.0.0.1:9'; "
             "from orchestra.observability.tracing import configure_from_env, run_tracer; "
             "print(configure_from_env(), run_tracer() is not None)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]

@@ -19,6 +19,7 @@ from orchestra.family.corpus import data_text
 from orchestra.observability.report import AgentReport
 from orchestra.runs.checkpoint import MemoryCheckpointer, RunIdentity, SqliteCheckpointer
 from tests.cli_run import run_pipeline_text
+from tests.waiting import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[3]
 DOC = data_text("gpl-3.txt")[:300]
@@ -52,7 +53,7 @@ def _run(fam, mapstore, tmp_path: Path, db: Path, kill_at: str, out: Path, *, re
     if resume:
         Path(str(out) + ".resume").write_text("")
     done = subprocess.run([sys.executable, "-c", RUNNER, str(fam.parent), str(fam.child), str(mapstore.directory),
-                           str(db), str(doc), kill_at, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           str(db), str(doc), kill_at, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode in (0, -9), done.stderr[-3000:]
     return done.returncode
 

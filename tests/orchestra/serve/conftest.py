@@ -74,7 +74,7 @@ def runs_engine(tiny_serve_family, tmp_path_factory) -> ServeEngine:
 async def asgi_client(engine: ServeEngine) -> AsyncIterator[httpx.AsyncClient]:
     """An HTTP client of the app over `engine`, in process (no socket)."""
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine=engine)),
-                                 base_url="http://test", timeout=120) as client:
+                                 base_url="http://test", timeout=HANG_GUARD_S) as client:
         yield client
 
 
@@ -98,7 +98,7 @@ class LiveServer(ServerProcess):
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a Prometheus sample over the series matching `labels`."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.base_url}/metrics", timeout=HANG_GUARD_S).text
         total = 0.0
         for line in text.splitlines():
             match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)

@@ -27,7 +27,7 @@ from orchestra.pipelines.trust import client_spec_reach
 from orchestra.serve import ServeConfig, create_app
 from tests.orchestra.serve.conftest import asgi_client, finish_run, tiny_engine
 from tests.orchestra.serve.test_app import assert_openai_error
-from tests.waiting import wait_until
+from tests.waiting import HANG_GUARD_S, wait_until
 
 DOC = data_text("gpl-3.txt")[:300]
 AGENT = {"name": "summary", "model": "root", "spec": {"task": "Summarise.", "generation": {"max_new_tokens": 3}}}
@@ -309,9 +309,9 @@ def test_a_live_server_refuses_client_code_over_http_and_the_openai_client(tiny_
     server = server_factory(tiny_family_home, "--allow-code", canary.name, env={"PYTHONPATH": os.pathsep.join(
         filter(None, [str(canary.site), os.environ.get("PYTHONPATH")]))})
     marker = tmp_path / "MARKER"
-    response = httpx.post(f"{server.base_url}/v1/runs", json=_attack(marker), timeout=60)
+    response = httpx.post(f"{server.base_url}/v1/runs", json=_attack(marker), timeout=HANG_GUARD_S)
     assert_openai_error(response, 403, "not_allowed", param="spec")
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S)
     for call in ("subprocess:run", f"{canary.name}:shell", f"{canary.name}:_private"):
         with pytest.raises(openai.PermissionDeniedError, match=re.escape(call)):
             client.post("/runs", cast_to=object, body={"spec": _with_step(call), "document": DOC})
@@ -321,7 +321,7 @@ def test_a_live_server_refuses_client_code_over_http_and_the_openai_client(tiny_
     status: dict = {}
 
     def ended() -> bool:
-        status.update(httpx.get(f"{server.base_url}/v1/runs/{started['id']}", timeout=30).json())  # type: ignore[index]
+        status.update(httpx.get(f"{server.base_url}/v1/runs/{started['id']}", timeout=HANG_GUARD_S).json())  # type: ignore[index]
         return status["status"] != "running"
 
     wait_until(ended, what="the allowed run to end", alive=server.process)

@@ -8,6 +8,7 @@ import httpx
 
 from orchestra.family.corpus import data_text
 from orchestra.familycache import KVStore
+from tests.waiting import HANG_GUARD_S
 
 DOC = data_text("gpl-3.txt")[:400]
 
@@ -15,7 +16,7 @@ DOC = data_text("gpl-3.txt")[:400]
 def _ask(base_url: str, question: str) -> httpx.Response:
     body = {"model": "root", "max_tokens": 3, "temperature": 0,
             "messages": [{"role": "system", "content": DOC}, {"role": "user", "content": question}]}
-    return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+    return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
 
 
 def test_a_restarted_server_serves_a_document_cached_before_the_restart(tiny_family_home, server_factory, tmp_path):

@@ -20,6 +20,7 @@ from openai import OpenAI
 
 from orchestra.family.corpus import data_text
 from tests.orchestra.serve.conftest import ROOT, LiveServer, start_server
+from tests.waiting import HANG_GUARD_S
 
 pytestmark = pytest.mark.real_model
 
@@ -39,7 +40,7 @@ def server(real_family, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=HANG_GUARD_S)
 
 
 def conversation(instruction: str, question: str) -> list[dict]:
@@ -176,7 +177,7 @@ def test_the_openai_client_example_runs_against_the_server(server, tmp_path):
     document.write_text(f"(example copy)\n{DOCUMENT}", encoding="utf-8")
     done = subprocess.run([sys.executable, str(ROOT / "examples/openai_client.py"), "--base-url",
                            f"{server.base_url}/v1", "--document", str(document), "--max-tokens", "6"],
-                          env={**os.environ, "OPENAI_API_KEY": KEY}, capture_output=True, text=True, timeout=300)
+                          env={**os.environ, "OPENAI_API_KEY": KEY}, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "root: " in done.stdout and "finetuned: " in done.stdout
     assert "cache: mapped (source root" in done.stdout, done.stdout
@@ -247,7 +248,7 @@ def test_a_langgraph_tool_loop_runs_to_a_final_answer_against_the_server(server)
         return "\n".join(line for line in DOCUMENT.splitlines() if word.lower() in line.lower())[:400] or "none"
 
     chat = ChatOpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, model="root", max_tokens=48, temperature=0,
-                      max_retries=0, timeout=120)
+                      max_retries=0, timeout=HANG_GUARD_S)
 
     def agent(state: MessagesState) -> dict:
         called = any(isinstance(m, ToolMessage) for m in state["messages"])

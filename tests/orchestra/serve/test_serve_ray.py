@@ -26,7 +26,7 @@ from orchestra.familycache.gates import GatePolicy
 from orchestra.familycache.mapping_store import MappingStore
 from orchestra.pipelines.spec import ExecutorSpec
 from orchestra.serve import ServeConfig, ServeEngine, create_app, free_port
-from tests.waiting import wait_until
+from tests.waiting import HANG_GUARD_S, wait_until
 
 ray = pytest.importorskip("ray")
 uvicorn = pytest.importorskip("uvicorn")
@@ -81,7 +81,7 @@ class LiveApp:
         self.thread.start()
         self.base_url = f"http://127.0.0.1:{port}"
         wait_until(lambda: self.server.started, what="uvicorn to start", alive=self.thread)
-        self.client = OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        self.client = OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -202,7 +202,7 @@ def test_a_client_that_disconnects_stops_its_row_in_the_actor(remote):
     body = {"model": "root", "messages": [{"role": "user", "content": "Tell me everything about the licence."}],
             "temperature": 0, "max_tokens": 450, "stream": True}
     pieces = 0
-    with httpx.stream("POST", f"{remote.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", f"{remote.base_url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
@@ -233,7 +233,7 @@ def test_a_killed_actor_fails_its_request_and_the_next_one_is_served(remote):
     # a non-streamed request whose actor dies: a 503 with a JSON error body naming the actor
     box: dict = {}
     asker = threading.Thread(target=lambda: box.update(response=httpx.post(
-        f"{remote.base_url}/v1/chat/completions", json=ask, timeout=120)))
+        f"{remote.base_url}/v1/chat/completions", json=ask, timeout=HANG_GUARD_S)))
     asker.start()
     restarted = executor.actors("finetuned")[0]
     # restarted, and the request is bound to it

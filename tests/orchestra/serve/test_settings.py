@@ -7,6 +7,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from tests.waiting import HANG_GUARD_S
+
 
 def test_flags_beat_the_environment_which_beats_the_config_file(tiny_family_home, server_factory, tmp_path):
     config = tmp_path / "serve.yaml"
@@ -17,12 +19,12 @@ def test_flags_beat_the_environment_which_beats_the_config_file(tiny_family_home
     # the file: no flag, no variable (the cache's budget is --cache-mb less the runtime reserve, here a quarter)
     assert server.metric("orchestra_cache_budget_bytes") == (77 - 77 // 4) << 20
     # the queue (variable 5, file 9) and the slots (flag 2, file 3): flood it and count what waits before 429
-    preflight = httpx.options(f"{server.base_url}/v1/chat/completions", timeout=10, headers={
+    preflight = httpx.options(f"{server.base_url}/v1/chat/completions", timeout=HANG_GUARD_S, headers={
         "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type"})
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == "https://app.example"
-    other = httpx.get(f"{server.base_url}/v1/models", headers={"Origin": "https://evil.example"}, timeout=10)
+    other = httpx.get(f"{server.base_url}/v1/models", headers={"Origin": "https://evil.example"}, timeout=HANG_GUARD_S)
     assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
     log = server.log.read_text()
     assert '"max_concurrent": 2' in log and '"max_queue": 5' in log, log[-2000:]

@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from tests.waiting import wait_until
+from tests.waiting import HANG_GUARD_S, wait_until
 
 pytestmark = pytest.mark.real_model
 
@@ -25,7 +25,7 @@ def test_a_signal_drains_the_in_flight_request_and_exits_0(real_family, server_f
     def ask() -> None:
         try:
             with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={**BODY, "stream": stream},
-                              timeout=120) as response:
+                              timeout=HANG_GUARD_S) as response:
                 outcome["status"] = response.status_code
                 outcome["body"] = response.read().decode()
         except httpx.HTTPError as exc:
