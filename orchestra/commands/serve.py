@@ -56,6 +56,14 @@ def serve(
     allow_code: Annotated[list[str] | None, typer.Option("--allow-code", envvar="ORCHESTRA_ALLOW_CODE", metavar="PREFIX", help="A module prefix whose "
                           "Python (steps, tools, output models) pipelines sent inline to POST /v1/runs may name, e.g. "
                           "mycompany.checks; repeat it or separate with commas. Unset: none (docs/serving.md#security).")] = None,
+    engine_kind: Annotated[str, typer.Option("--engine", envvar="ORCHESTRA_ENGINE", help="orchestra (its own decoding) or "
+                                        "vllm (one vLLM engine per member, sharing the family cache; docs/vllm.md).")] = "orchestra",
+    vllm_member: Annotated[list[str] | None, typer.Option("--vllm-member", metavar="MEMBER", help="--engine vllm: serve "
+                           "only this member (name or role); repeat it. Unset: every member.")] = None,
+    vllm_max_model_len: Annotated[int | None, typer.Option("--vllm-max-model-len", min=16, help="--engine vllm: vLLM's "
+                                  "--max-model-len for every engine.")] = None,
+    vllm_arg: Annotated[list[str] | None, typer.Option("--vllm-arg", metavar="ARG", help="--engine vllm: one more argument "
+                        "for every vLLM server (e.g. --vllm-arg=--enforce-eager); repeat it.")] = None,
     config_file: Annotated[Path | None, typer.Option("--config", envvar="ORCHESTRA_CONFIG", help="A YAML or TOML file of these options "
                                                 "(flags and ORCHESTRA_* variables win over it).")] = None,
 ) -> None:
@@ -65,6 +73,17 @@ def serve(
 
         assert ctx.command.callback is not None
         ctx.invoke(ctx.command.callback, **{**ctx.params, **file_settings(ctx, config_file), "config_file": None})
+        return
+    if engine_kind not in ("orchestra", "vllm"):
+        from orchestra.errors import OrchestraError
+
+        raise OrchestraError(f"--engine {engine_kind!r}: use orchestra or vllm")
+    if engine_kind == "vllm":
+        from orchestra.commands._serve_vllm import serve_vllm
+
+        _configure_logging(log_format)
+        serve_vllm(home=home, host=host, port=port, dtype=dtype, api_key_env=api_key_env, members=vllm_member,
+                   max_model_len=vllm_max_model_len, vllm_args=list(vllm_arg or []), graceful_s=graceful_s)
         return
     import signal
 

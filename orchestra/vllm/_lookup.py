@@ -164,7 +164,7 @@ class FamilyLookup:
         for i, (k, v) in enumerate(layers):
             tensors[f"k.{i}"] = k[..., :length, :].contiguous()
             tensors[f"v.{i}"] = v[..., :length, :].contiguous()
-        folder = self.settings.store_dir / "handoff"
+        folder = self.settings.handoff_dir
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{os.getpid()}-{uuid.uuid4().hex}.safetensors"
         write_atomic(path, save(tensors))

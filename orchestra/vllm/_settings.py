@@ -36,3 +36,9 @@ class ConnectorSettings(BaseModel):
     @property
     def store_dir(self) -> Path:
         return Path(self.store) if self.store else Path(self.home) / "kv"
+
+    @property
+    def handoff_dir(self) -> Path:
+        """Mapped caches on their way to a worker: beside the store, never inside it (the store reads every
+        file in its folders as one of its entries, and removes what is not)."""
+        return self.store_dir.with_name(self.store_dir.name + "-handoff")

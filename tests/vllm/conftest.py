@@ -8,6 +8,30 @@ Where ``ORCHESTRA_VLLM_TESTS`` is set a missing vLLM fails the run instead of sk
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.tiny_family import build_tiny_family
 
 if not os.environ.get("ORCHESTRA_VLLM_TESTS"):
     collect_ignore_glob = ["test_*.py"]
+
+# the engines' KV space on the CPU, GiB (vLLM's default takes a share of the machine's memory per engine)
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session")
+def calibrated_family(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny two-member family home (head_dim 32, as vLLM's CPU kernels need) with its base -> tuned map."""
+    from orchestra.family.init import init_family
+
+    tmp = tmp_path_factory.mktemp("vllm-family")
+    tiny = build_tiny_family(tmp / "models", "llama", head_dim=32)
+    home = tmp / "home"
+    init_family("tiny", [f"base={tiny.parent}", f"tuned={tiny.child}"], home=home)
+    calibrated = subprocess.run([sys.executable, "-m", "orchestra", "family", "calibrate", "--home", str(home),
+                                 "--tokens", "2048", "--no-repair"], capture_output=True, text=True, timeout=900)
+    assert calibrated.returncode == 0, calibrated.stderr[-3000:]
+    return {"tiny": tiny, "home": home}

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from orchestra.vllm import connector_config
-from tests.tiny_family import build_tiny_family
 
 DRIVER = Path(__file__).with_name("driver.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,20 +46,18 @@ def of(log: list[dict], event: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A tiny two-member family (head_dim 32, as vLLM's CPU kernels need), calibrated, and the base's answers
-    computed by a first engine, which saved every prompt into the store."""
-    from orchestra.family.init import init_family
+def family(calibrated_family: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The calibrated family, and the base's answers computed by a first engine, which saved every prompt."""
+    tmp = tmp_path_factory.mktemp("seed")
+    answers, log = run_engine(calibrated_family["tiny"].parent, tmp, home=calibrated_family["home"], member="base")
+    return {**calibrated_family, "tmp": tmp, "base": answers, "seed_log": log}
 
-    tmp = tmp_path_factory.mktemp("vllm-family")
-    tiny = build_tiny_family(tmp / "models", "llama", head_dim=32)
-    home = tmp / "home"
-    init_family("tiny", [f"base={tiny.parent}", f"tuned={tiny.child}"], home=home)
-    calibrated = subprocess.run([sys.executable, "-m", "orchestra", "family", "calibrate", "--home", str(home),
-                                 "--tokens", "2048", "--no-repair"], capture_output=True, text=True, timeout=900)
-    assert calibrated.returncode == 0, calibrated.stderr[-3000:]
-    answers, log = run_engine(tiny.parent, tmp, home=home, member="base")
-    return {"tiny": tiny, "home": home, "tmp": tmp, "base": answers, "seed_log": log}
+
+@pytest.fixture(scope="module")
+def tuned_own(calibrated_family: dict, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The tuned member's answers on its own prefill: its engine without the connector."""
+    answers, _ = run_engine(calibrated_family["tiny"].child, tmp_path_factory.mktemp("own"))
+    return answers
 
 
 def test_the_first_engine_saves_every_prompt_it_computes_under_its_members_exact_namespace(family: dict) -> None:
@@ -86,18 +83,17 @@ def test_a_new_engine_of_the_member_loads_its_stored_prompts_exact_and_answers_t
     assert all(a["cached"] >= 128 for a in answers)  # vLLM counts the loaded tokens as cached
 
 
-def test_another_member_loads_the_document_mapped_and_answers_as_on_its_own_prefill(family: dict,
+def test_another_member_loads_the_document_mapped_and_answers_as_on_its_own_prefill(family: dict, tuned_own: list,
                                                                                    tmp_path: Path) -> None:
     from orchestra.family.manifest import load_family
     from orchestra.familycache import KVStore
 
-    own, _ = run_engine(family["tiny"].child, tmp_path)
     answers, log = run_engine(family["tiny"].child, tmp_path, home=family["home"], member="tuned")
     planned = of(log, "load")
     # mapped blocks never enter vLLM's exact prefix cache: every prompt loads its own mapped prefix
     assert [e["kind"] for e in planned] == ["mapped"] * len(PROMPTS)
     assert all(e["source"] == "base" and "offline=pass" in e["gates"] for e in planned)
-    assert [a["ids"] for a in answers] == [a["ids"] for a in own]
+    assert [a["ids"] for a in answers] == [a["ids"] for a in tuned_own]
     # mapped KV never passes for exact: nothing was saved under the member's exact namespace
     assert not of(log, "save")
     tuned = load_family(family["home"]).member("tuned").fingerprint["combined"]
@@ -109,7 +105,7 @@ def test_another_member_loads_the_document_mapped_and_answers_as_on_its_own_pref
 def test_a_damaged_entry_is_recomputed_by_the_engine_and_the_answer_is_unchanged(family: dict,
                                                                                 tmp_path: Path) -> None:
     store = tmp_path / "kv"
-    shutil.copytree(family["home"] / "kv", store, ignore=shutil.ignore_patterns("handoff", ".lock"))
+    shutil.copytree(family["home"] / "kv", store, ignore=shutil.ignore_patterns(".lock"))
     for f in store.rglob("*.safetensors"):
         data = bytearray(f.read_bytes())
         data[-64:] = bytes(64)  # the tensors' last bytes: the header still reads, the hash fails
@@ -122,11 +118,10 @@ def test_a_damaged_entry_is_recomputed_by_the_engine_and_the_answer_is_unchanged
     assert not any(Path(e["entry"]).exists() for e in of(log, "load_failed"))
 
 
-def test_a_member_without_a_map_computes_its_own_prefill(family: dict, tmp_path: Path) -> None:
+def test_a_member_without_a_map_computes_its_own_prefill(family: dict, tuned_own: list, tmp_path: Path) -> None:
     home = tmp_path / "home"
-    shutil.copytree(family["home"], home, ignore=shutil.ignore_patterns("mappings", "handoff", ".lock"))
-    own, _ = run_engine(family["tiny"].child, tmp_path)
+    shutil.copytree(family["home"], home, ignore=shutil.ignore_patterns("mappings", "kv-handoff", ".lock"))
     answers, log = run_engine(family["tiny"].child, tmp_path, home=home, member="tuned")
     assert not of(log, "loaded")
     assert len(of(log, "refused")) == len(PROMPTS)
-    assert [a["ids"] for a in answers] == [a["ids"] for a in own]
+    assert [a["ids"] for a in answers] == [a["ids"] for a in tuned_own]

