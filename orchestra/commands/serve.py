@@ -58,11 +58,11 @@ def serve(
                           "mycompany.checks; repeat it or separate with commas. Unset: none (docs/serving.md#security).")] = None,
     engine_kind: Annotated[str, typer.Option("--engine", envvar="ORCHESTRA_ENGINE", help="orchestra (its own decoding) or "
                                         "vllm (one vLLM engine per member, sharing the family cache; docs/vllm.md).")] = "orchestra",
-    vllm_member: Annotated[list[str] | None, typer.Option("--vllm-member", metavar="MEMBER", help="--engine vllm: serve "
+    vllm_member: Annotated[list[str] | None, typer.Option("--vllm-member", envvar="ORCHESTRA_VLLM_MEMBER", metavar="MEMBER", help="--engine vllm: serve "
                            "only this member (name or role); repeat it. Unset: every member.")] = None,
-    vllm_max_model_len: Annotated[int | None, typer.Option("--vllm-max-model-len", min=16, help="--engine vllm: vLLM's "
+    vllm_max_model_len: Annotated[int | None, typer.Option("--vllm-max-model-len", envvar="ORCHESTRA_VLLM_MAX_MODEL_LEN", min=16, help="--engine vllm: vLLM's "
                                   "--max-model-len for every engine.")] = None,
-    vllm_arg: Annotated[list[str] | None, typer.Option("--vllm-arg", metavar="ARG", help="--engine vllm: one more argument "
+    vllm_arg: Annotated[list[str] | None, typer.Option("--vllm-arg", envvar="ORCHESTRA_VLLM_ARG", metavar="ARG", help="--engine vllm: one more argument "
                         "for every vLLM server (e.g. --vllm-arg=--enforce-eager); repeat it.")] = None,
     config_file: Annotated[Path | None, typer.Option("--config", envvar="ORCHESTRA_CONFIG", help="A YAML or TOML file of these options "
                                                 "(flags and ORCHESTRA_* variables win over it).")] = None,

@@ -32,12 +32,14 @@ from orchestra.serve._errors import (
 from orchestra.serve._metrics import ServeMetrics
 from orchestra.serve._process import ServerProcess, ServerStartError, free_port, start_server
 from orchestra.serve._schemas import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage
+from orchestra.serve._vllm import create_vllm_app
 
 if TYPE_CHECKING:
     from orchestra.serve._room import ROOM_CHUNK, RoomLayer, add_row, room_cache
 
 __all__ = [
     "create_app",
+    "create_vllm_app",
     "ServeConfig",
     "ServeEngine",
     "Generation",

@@ -74,6 +74,15 @@ class FamilyLookup:
         self._cache_lock = threading.Lock()
         self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchestra-vllm-map")
         self.namespace = self.cache.exact_namespace(self.member)
+        if settings.warm and self.cache.source != self.member:
+            # the models a map needs load now, beside vLLM's start-up, not in the first mapped request
+            self._jobs.submit(self._warm)
+
+    def _warm(self) -> None:
+        cache = self.cache
+        if cache.mappings.has(cache.executor.info(cache.source), cache.executor.info(self.member)):
+            cache.executor.model(cache.source)
+            cache.executor.model(self.member)
 
     def _member_name(self, key: str) -> str:
         for name, record in self.family.members.items():

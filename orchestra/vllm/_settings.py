@@ -30,6 +30,8 @@ class ConnectorSettings(BaseModel):
     """Positions at the end of a mapped prefix recomputed on the member (what the probe gate reads)."""
     mapping_dir: str | None = None
     """Where the family's mappings are (default: ``<home>/mappings``)."""
+    warm: bool = True
+    """Load the models a map needs when the engine starts (else on the first mapped request)."""
     events: str | None = None
     """A JSON-lines file the connector appends one line to per load, save and refusal (tests, dashboards)."""
 

@@ -66,6 +66,10 @@ class VllmEngines:
     max_model_len: int | None = None
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = 900.0
+    store: Path | None = None
+    """The store the connectors share (default: ``<home>/kv``)."""
+    connector: bool = True
+    """False: plain vLLM engines (their own prefix caches only), the baseline a user would otherwise run."""
     _running: dict[str, _Running] = field(default_factory=dict)
     _aliases: dict[str, str] = field(default_factory=dict)
 
@@ -105,10 +109,13 @@ class VllmEngines:
             raise
 
     def _command(self, spec: EngineSpec) -> list[str]:
-        connector = connector_json(str(self.home), spec.member, events=str(self.events))
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.folder),
                "--served-model-name", spec.member, "--host", self.host, "--port", str(spec.port),
-               "--dtype", self.dtype, "--kv-transfer-config", connector, "--enable-prompt-tokens-details"]
+               "--dtype", self.dtype, "--enable-prompt-tokens-details"]
+        if self.connector:
+            store = str(self.store) if self.store is not None else None
+            cmd += ["--kv-transfer-config", connector_json(str(self.home), spec.member, events=str(self.events),
+                                                           store=store)]
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
         return cmd + list(self.extra_args)
