@@ -15,7 +15,6 @@ do only when every agent succeeded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -33,26 +32,9 @@ CONTEXT = 4096  # the tiny models are made with 512 positions; RoPE takes more, 
 def build_tiny_home(scratch: Path) -> Path:
     """A family home laid out by `build_family`, its members derived from a freshly trained tiny llama."""
     sys.path.insert(0, str(ROOT))
-    from orchestra.family import build_family
-    from tests.fault_driver import tiny_build_patches
-    from tests.tiny_family import build_tiny_family
+    from tests.tiny_family import build_tiny_home as build
 
-    fam = build_tiny_family(scratch / "tiny", "llama")
-    config_file = Path(fam.parent) / "config.json"
-    config = json.loads(config_file.read_text())
-    config["max_position_embeddings"] = CONTEXT
-    config_file.write_text(json.dumps(config, indent=2))
-    home = scratch / "home"
-    patches = tiny_build_patches(fam.parent)
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    try:
-        for obj, name, value in patches:
-            setattr(obj, name, value)
-        build_family(home, calibrate=False)
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-    return home
+    return build(scratch, CONTEXT)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,6 @@ or ```bash block).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,11 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/quickstart.md")
 DOCUMENT_CHARS = 1500  # about as many tokens under the tiny tokenizer, with room for each agent's reply
 CONTEXT = 4096  # the tiny models are made with 512 positions; RoPE takes more, and the agents need them
-BLOCK_TIMEOUT_S = 300
+BLOCK_TIMEOUT_S = HANG_GUARD_S  # a hang guard, not a budget: load never fails a block
 
 _PYTHON_BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 _NOT_RUN = re.compile(r"#\s*not run:\s*(\S.*)")
@@ -44,26 +45,9 @@ BLOCKS = [pytest.param(doc, line, code, id=f"{doc}:{line}") for doc in DOCS for 
 def docs_home(tmp_path_factory) -> Path:
     """A family home like the bundled one, its members derived from a tiny llama model with a 4,096-token
     context (built in this module's own folder: the session's shared tiny models keep their 512)."""
-    from orchestra.family import build_family
-    from tests.fault_driver import tiny_build_patches
-    from tests.tiny_family import build_tiny_family
+    from tests.tiny_family import build_tiny_home
 
-    scratch = tmp_path_factory.mktemp("docs_examples")
-    fam = build_tiny_family(scratch / "tiny", "llama")
-    config_file = fam.parent / "config.json"
-    config = json.loads(config_file.read_text())
-    config["max_position_embeddings"] = CONTEXT
-    config_file.write_text(json.dumps(config, indent=2))
-    home = scratch / "home"
-    patches = tiny_build_patches(fam.parent)
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    try:
-        for obj, name, value in patches:
-            setattr(obj, name, value)
-        build_family(home, calibrate=False)  # the first block that maps calibrates on demand; the rest reuse it
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
+    home = build_tiny_home(tmp_path_factory.mktemp("docs_examples"), CONTEXT)
     return home
 
 

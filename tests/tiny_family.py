@@ -111,3 +111,31 @@ def build_tiny_family(root: Path, arch: str, seed: int = 0, head_dim: int | None
     parent.save_pretrained(child_dir)
     tokenizer.save_pretrained(child_dir)
     return TinyFamily(arch, parent_dir, child_dir)
+
+
+def build_tiny_home(scratch: Path, context: int = 4096) -> Path:
+    """A family home laid out by `build_family` (the bundled family's members and roles), its members derived
+    from a freshly trained tiny llama whose context is raised to `context` positions (RoPE takes more than the
+    512 it was made with; long documents and the report agent need them). Used by the CI's demo smoke run and
+    by the test that runs the docs' examples."""
+    import json
+
+    from orchestra.family import build_family
+    from tests.fault_driver import tiny_build_patches
+
+    fam = build_tiny_family(scratch / "tiny", "llama")
+    config_file = Path(fam.parent) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["max_position_embeddings"] = context
+    config_file.write_text(json.dumps(config, indent=2))
+    home = scratch / "home"
+    patches = tiny_build_patches(fam.parent)
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        build_family(home, calibrate=False)  # a first mapped request calibrates on demand; later ones reuse it
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+    return home
