@@ -135,7 +135,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             if plan.handoff is not None:
                 self._planned.pop(rid)
-                _remove(plan.handoff)
+                remove_file(plan.handoff)
             return
         plan.stop = plan.start + num_external_tokens
         self._to_load[rid] = self._planned.pop(rid)
@@ -190,10 +190,10 @@ class SchedulerSide:
         for table in (self._planned, self._to_load):
             left = table.pop(rid, None)
             if left is not None and left.handoff is not None:
-                _remove(left.handoff)
+                remove_file(left.handoff)
         future = self._pending.pop(rid, None)
         if future is not None:
-            future.add_done_callback(lambda f: _remove(f.result().handoff) if f.result().handoff else None)
+            future.add_done_callback(lambda f: remove_file(f.result().handoff) if f.result().handoff else None)
 
     def event(self, name: str, rid: str, **detail: Any) -> None:
         write_event(self.settings.events, {"event": name, "request": rid, "member": self.lookup.member,
@@ -212,7 +212,8 @@ def write_event(path: str | None, record: dict[str, Any]) -> None:
         fh.write(line)
 
 
-def _remove(path: str | None) -> None:
+def remove_file(path: str | None) -> None:
+    """Remove a hand-off file, if it is still there."""
     import os
 
     if path is not None:

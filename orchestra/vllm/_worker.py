@@ -15,7 +15,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from orchestra.vllm._layout import BlockLayout, slots_for
-from orchestra.vllm._scheduler import write_event
+from orchestra.vllm._scheduler import remove_file, write_event
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +86,7 @@ class WorkerSide:
             self.event("handoff_unreadable", spec.request_id, path=spec.handoff, error=str(exc))
             return None
         finally:
-            _unlink(spec.handoff)
+            remove_file(spec.handoff)
         count = len(tensors) // 2
         return [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(count)]
 
@@ -150,9 +150,3 @@ class WorkerSide:
             self._store.flush(timeout=60)
             self._store.close()
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -13,16 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from orchestra.serve import free_port
 from tests.waiting import wait_for_exit, wait_until
 
 DOCUMENT = ("The committee reviewed the annual report and found that revenue grew in every region. "
             "Costs fell as the new plant came online, and the board approved a dividend. ") * 4
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _healthy(url: str) -> bool:
@@ -39,7 +33,7 @@ def server(calibrated_family: dict, tmp_path_factory: pytest.TempPathFactory):
 
     home = tmp_path_factory.mktemp("serve") / "home"  # a store of its own: nothing computed yet
     shutil.copytree(calibrated_family["home"], home, ignore=shutil.ignore_patterns("kv"))
-    port = _port()
+    port = free_port()
     log = open(home.parent / "serve.log", "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "orchestra", "serve", "--engine", "vllm", "--home", str(home), "--port", str(port),
