@@ -72,6 +72,8 @@ class VllmEngines:
     """False: plain vLLM engines (their own prefix caches only), the baseline a user would otherwise run."""
     _running: dict[str, _Running] = field(default_factory=dict)
     _aliases: dict[str, str] = field(default_factory=dict)
+    _reports: dict[str, CacheReport] = field(default_factory=dict)
+    _events_read: int = 0
 
     @property
     def events(self) -> Path:
@@ -151,21 +153,25 @@ class VllmEngines:
         return list(self._running)
 
     def cache_report(self, request_id: str) -> CacheReport:
-        """What the connector loaded for the request whose id contains `request_id` (from the events file)."""
-        report = CacheReport("none")
-        if not self.events.exists():
-            return report
-        with open(self.events, encoding="utf-8") as fh:
-            for line in fh:
-                if request_id not in line:
-                    continue
-                event = json.loads(line)
-                if event.get("event") == "load":
-                    report = CacheReport(event["kind"], int(event.get("tokens", 0)), event.get("source"),
-                                         tuple(event.get("gates") or ()))
-                elif event.get("event") == "load_failed":
-                    report = CacheReport("none")
-        return report
+        """What the connector loaded for the request whose id contains `request_id` (from the events file).
+
+        Each call reads only the lines added since the last one; a request's report is handed out once."""
+        if self.events.exists():
+            with open(self.events, "rb") as fh:
+                fh.seek(self._events_read)
+                for line in fh:
+                    if not line.endswith(b"\n"):  # a line still being written: read it next time
+                        break
+                    self._events_read += len(line)
+                    event = json.loads(line)
+                    if event.get("event") == "load":
+                        self._reports[event["request"]] = CacheReport(
+                            event["kind"], int(event.get("tokens", 0)), event.get("source"),
+                            tuple(event.get("gates") or ()))
+                    elif event.get("event") == "load_failed":
+                        self._reports[event["request"]] = CacheReport("none")
+        found = next((key for key in self._reports if request_id in key), None)
+        return self._reports.pop(found) if found is not None else CacheReport("none")
 
     def stop(self) -> None:
         for running in self._running.values():
