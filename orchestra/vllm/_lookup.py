@@ -21,10 +21,11 @@ from orchestra.errors import OrchestraError
 
 if TYPE_CHECKING:
     from mappings.types import Tensor
-    from orchestra.familycache import FamilyCache, KVStore, Namespace, StoredEntry
+    from orchestra.familycache import FamilyCache, KVStore, LocalExecutor, Namespace, StoredEntry
+    from orchestra.familycache.mapping_store import MappingStore
     from orchestra.vllm._settings import ConnectorSettings
 
-__all__ = ["FamilyLookup", "StoredHit", "MappedBuild", "ConnectorSetupError"]
+__all__ = ["FamilyLookup", "StoredHit", "Mappable", "MappedBuild", "ConnectorSetupError"]
 
 
 class ConnectorSetupError(OrchestraError):
@@ -37,6 +38,14 @@ class StoredHit:
 
     entry: StoredEntry
     length: int
+
+
+@dataclass(frozen=True)
+class Mappable:
+    """The longest prefix of a prompt that a mapped build could give a member, and the member it maps from."""
+
+    length: int
+    source: str
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,8 @@ class MappedBuild:
 
 
 class FamilyLookup:
-    """One member's view of the family's store and mappings, for the scheduler side of the connector."""
+    """The family's store and mappings as one vLLM engine sees them: its member, and the LoRA adapters it serves
+    over that member (each a member of its own), for the scheduler side of the connector."""
 
     def __init__(self, settings: ConnectorSettings, *, dtype: str, model_path: str) -> None:
         from orchestra.family.manifest import load_family
@@ -66,24 +76,26 @@ class FamilyLookup:
         except OrchestraError as exc:
             raise ConnectorSetupError(f"the connector's family home {settings.home!r} holds no family: {exc}") from exc
         self.member = self._member_name(settings.member)
+        """The member vLLM's model is (requests without a LoRA)."""
         self._check_model(model_path)
+        self.adapters = self._check_adapters(settings.adapters)
+        """The engine's LoRA adapters by name (vLLM's ``lora_name``): members of their own over `member`."""
+        self.root = next((n for n, r in self.family.members.items() if r.role == "root"), self.member)
         self.dtype = dtype
         self.store: KVStore = KVStore(settings.store_dir, settings.store_mb << 20, min_tokens=settings.min_tokens,
                                       min_new_tokens=settings.min_tokens)
-        self._cache: FamilyCache | None = None
-        self._cache_lock = threading.Lock()
+        self._executor: LocalExecutor | None = None
+        self._mappings: MappingStore | None = None
+        self._caches: dict[str, FamilyCache] = {}
+        self._namespaces: dict[str, Namespace] = {}
+        self._lock = threading.Lock()
         self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchestra-vllm-map")
-        self.namespace = self.cache.exact_namespace(self.member)
-        if settings.warm and self.cache.source != self.member:
+        self.namespace = self.namespace_of(self.member)
+        if settings.warm and self._pairs():
             # the models a map needs load now, beside vLLM's start-up, not in the first mapped request
             self._jobs.submit(self._warm)
 
-    def _warm(self) -> None:
-        cache = self.cache
-        if cache.mappings.has(cache.executor.info(cache.source), cache.executor.info(self.member)):
-            cache.executor.model(cache.source)
-            cache.executor.model(self.member)
-
+    # -- set-up -----------------------------------------------------------------------------------------------
     def _member_name(self, key: str) -> str:
         for name, record in self.family.members.items():
             if key in (name, record.role):
@@ -99,69 +111,152 @@ class FamilyLookup:
             raise ConnectorSetupError(f"vLLM serves {served} but the connector's member {self.member!r} is "
                                       f"{member_path}: start vLLM on that folder, or name the member it serves")
 
+    def _check_adapters(self, adapters: dict[str, str]) -> dict[str, str]:
+        from orchestra.models.modelref import is_adapter_folder
+
+        for name, folder in adapters.items():
+            if name in self.family.members:
+                raise ConnectorSetupError(f"the connector's adapter {name!r} has the name of a family member: "
+                                          f"give the LoRA another name (in --lora-modules and the connector's adapters)")
+            if not is_adapter_folder(Path(folder).expanduser()):
+                raise ConnectorSetupError(f"the connector's adapter {name!r} is {folder}, which holds no "
+                                          f"adapter_config.json: give the folder peft's save_pretrained wrote")
+        return {name: str(Path(folder).expanduser().resolve()) for name, folder in adapters.items()}
+
     @property
-    def cache(self) -> FamilyCache:
-        """The family's FamilyCache over the shared store (models load on the first map, not before)."""
-        with self._cache_lock:
-            if self._cache is None:
+    def members(self) -> tuple[str, ...]:
+        """What this engine serves: its member, then its adapters."""
+        return (self.member, *self.adapters)
+
+    def member_for(self, lora_name: str | None) -> str | None:
+        """The member a request runs on (its LoRA's name, or None for the engine's member); None if unknown."""
+        if lora_name is None:
+            return self.member
+        return lora_name if lora_name in self.adapters else None
+
+    @property
+    def executor(self) -> LocalExecutor:
+        """One executor over the family and the engine's adapters (models load on the first map, not before)."""
+        with self._lock:
+            if self._executor is None:
+                from orchestra.familycache import LocalExecutor
+                from orchestra.familycache.mapping_store import MappingStore
+                from orchestra.models.modelref import AdapterSpec
+                from orchestra.models.registry import ModelRegistry
+
+                aliases: dict[str, str | AdapterSpec] = {n: n for n in self.family.members}
+                aliases.update({n: AdapterSpec(adapter=folder, base=self.member) for n, folder in self.adapters.items()})
+                registry = ModelRegistry(aliases, family=self.family, default_device="cpu", dtype=self.dtype)
+                self._executor = LocalExecutor(registry)
+                mapping_dir = Path(self.settings.mapping_dir) if self.settings.mapping_dir else Path(
+                    self.family.home) / "mappings"
+                self._mappings = MappingStore(mapping_dir, on_missing="calibrate" if self.settings.calibrate else "refuse",
+                                              tokens=self.settings.calibrate_tokens)
+            return self._executor
+
+    @property
+    def mappings(self) -> MappingStore:
+        self.executor  # noqa: B018 - builds both
+        assert self._mappings is not None
+        return self._mappings
+
+    def cache_for(self, source: str) -> FamilyCache:
+        """The FamilyCache that maps `source`'s caches (one per source; all share the executor and the store)."""
+        executor, mappings = self.executor, self.mappings
+        with self._lock:
+            if source not in self._caches:
                 from orchestra.familycache import CachePolicy, FamilyCache
 
                 policy = CachePolicy(tail_tokens=self.settings.tail_tokens,
                                      min_mapped_tokens=self.settings.min_mapped_tokens)
-                source = next((n for n, r in self.family.members.items() if r.role == "root"), self.member)
-                self._cache = FamilyCache.for_family(
-                    self.family, source=source, members={n: n for n in self.family.members}, device="cpu",
-                    dtype=self.dtype, mapping_dir=self.settings.mapping_dir, policy=policy, disk=self.store)
-            return self._cache
+                self._caches[source] = FamilyCache(executor, mappings, source=source, policy=policy,
+                                                   disk=self.store)
+            return self._caches[source]
+
+    def namespace_of(self, member: str) -> Namespace:
+        """`member`'s exact namespace: where its own caches are stored."""
+        with self._lock:
+            found = self._namespaces.get(member)
+        if found is None:
+            found = self.cache_for(self.root).exact_namespace(member)
+            with self._lock:
+                self._namespaces[member] = found
+        return found
+
+    def _sources(self, target: str) -> list[str]:
+        """Members whose caches may be mapped into `target`: the family's root and this engine's members."""
+        return [m for m in dict.fromkeys((self.root, *self.members)) if m != target]
+
+    def _pairs(self) -> list[tuple[str, str]]:
+        """(source, target) for every map into this engine's members that is stored or may be calibrated."""
+        pairs = []
+        for target in self.members:
+            for source in self._sources(target):
+                adapter_pair = target in self.adapters and (source == self.member or source in self.adapters)
+                if self._has(source, target) or (self.settings.calibrate and adapter_pair and source == self.member):
+                    pairs.append((source, target))
+        return pairs
+
+    def _has(self, source: str, target: str) -> bool:
+        return self.mappings.has(self.executor.info(source), self.executor.info(target))
+
+    def _warm(self) -> None:
+        for source, target in self._pairs():
+            if not self._has(source, target):  # settings.calibrate: the base's maps into its adapters, now
+                self.mappings.get(self.executor.model(source), self.executor.model(target))
+            self.executor.model(source)
+            self.executor.model(target)
 
     # -- what the store holds ---------------------------------------------------------------------------------
-    def own_entry(self, ids: tuple[int, ...]) -> StoredHit | None:
-        """The member's longest stored exact prefix of `ids`."""
-        entry, length = self.store.find(self.namespace, ids)
+    def own_entry(self, member: str, ids: tuple[int, ...]) -> StoredHit | None:
+        """`member`'s longest stored exact prefix of `ids`."""
+        entry, length = self.store.find(self.namespace_of(member), ids)
         return StoredHit(entry, length) if entry is not None else None
 
-    def mappable_length(self, ids: tuple[int, ...]) -> int:
-        """The longest prefix of `ids` another member (or a map into this one) holds in the store."""
+    def mappable(self, member: str, ids: tuple[int, ...]) -> Mappable | None:
+        """The longest prefix of `ids` another member holds in the store (or a map into `member` does), and whose
+        cache it is: what a mapped build would map."""
         from orchestra.familycache._pool import common_prefix
 
-        best = 0
+        target = self.namespace_of(member)
+        sources = {self.namespace_of(s).member_fingerprint: s for s in self._sources(member)
+                   if self.settings.calibrate or self._has(s, member)}
+        best: Mappable | None = None
         for entry in self.store.entries():
             ns = entry.namespace
-            if ns == self.namespace or not self._may_map(ns):
+            if ns.dtype != target.dtype:
                 continue
-            best = max(best, common_prefix(entry.tokens, ids))
+            if ns.kind == "mapped":  # a map into this member, built earlier (by any engine)
+                source = sources.get(ns.source_fingerprint or "") if ns.member_fingerprint == target.member_fingerprint else None
+            else:
+                source = sources.get(ns.member_fingerprint)
+            if source is None:
+                continue
+            length = common_prefix(entry.tokens, ids)
+            if best is None or length > best.length:
+                best = Mappable(length, source)
         return best
 
-    def _may_map(self, ns: Namespace) -> bool:
-        if ns.kind == "mapped":  # a map into this member, of this dtype
-            return ns.member_fingerprint == self.namespace.member_fingerprint and ns.dtype == self.namespace.dtype
-        return ns.dtype == self.namespace.dtype and ns.member_fingerprint in self._source_fingerprints()
-
-    def _source_fingerprints(self) -> set[str]:
-        cache = self.cache
-        return {cache.executor.info(cache.source).fingerprint} if cache.source != self.member else set()
-
     # -- mapped builds ----------------------------------------------------------------------------------------
-    def submit(self, ids: tuple[int, ...]) -> Future[MappedBuild]:
-        """Build the member's cache of `ids` through FamilyCache in the background."""
-        return self._jobs.submit(self._build, ids)
+    def submit(self, member: str, source: str, ids: tuple[int, ...]) -> Future[MappedBuild]:
+        """Build `member`'s cache of `ids` from `source`'s through FamilyCache in the background."""
+        return self._jobs.submit(self._build, member, source, ids)
 
-    def _build(self, ids: tuple[int, ...]) -> MappedBuild:
+    def _build(self, member: str, source: str, ids: tuple[int, ...]) -> MappedBuild:
         """A mapped cache of `ids`, or a refusal: never a prefill (the engine computes what is not mapped)."""
-        cache = self.cache
-        source, target = cache.executor.info(cache.source), cache.executor.info(self.member)
-        if not cache.mappings.has(source, target):
-            return MappedBuild(0, "refused", reason=f"no mapping {cache.source} -> {self.member} in "
-                                                    f"{cache.mappings.directory}: run `orchestra family calibrate`")
+        cache = self.cache_for(source)
+        if not self.settings.calibrate and not self._has(source, member):
+            return MappedBuild(0, "refused", reason=f"no mapping {source} -> {member} in {self.mappings.directory}: "
+                                                    f"run `orchestra family calibrate`, or set the connector's calibrate")
         try:
-            lease = cache.acquire_sync(self.member, ids)
+            lease = cache.acquire_sync(member, ids)
         except Exception as exc:  # a damaged mapping, a model that will not load: the engine computes
             return MappedBuild(0, "refused", reason=f"{type(exc).__name__}: {exc}")
         with lease:
             gates = tuple(f"{g.gate}={'pass' if g.passed else 'fail'}" for g in lease.gates)
             if lease.path != "mapped":  # a refused gate (FamilyCache re-prefilled), or the member's own entry
                 return MappedBuild(0, "refused", gates=gates, reason=lease.fallback_reason or f"path {lease.path}")
-            handoff = self._write_handoff(cache.executor.export_cache(self.member, lease.cache), len(ids))
+            handoff = self._write_handoff(cache.executor.export_cache(member, lease.cache), len(ids))
         return MappedBuild(len(ids), "mapped", handoff, lease.source, lease.mapping, gates)
 
     def _write_handoff(self, layers: list[tuple[Tensor, Tensor]], length: int) -> str:

@@ -46,6 +46,8 @@ class Track:
 
     ids: tuple[int, ...]
     block_ids: list[int]
+    member: str | None
+    """The member it runs on (the engine's, or one of its LoRA adapters); None: a LoRA the connector does not know."""
     mapped: bool = False
     held: int = 0
     saved: bool = False
@@ -66,10 +68,14 @@ class SchedulerSide:
         self._refused: set[str] = set()
         self._to_load: dict[str, Planned] = {}
         self._tracks: dict[str, Track] = {}
+        self._members: dict[str, str | None] = {}
 
     # -- get_num_new_matched_tokens ---------------------------------------------------------------------------
     def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         rid = request.request_id
+        member = self._member(request)
+        if member is None:
+            return 0, False
         ids = tuple(int(t) for t in (request.prompt_token_ids or ()))
         limit = len(ids) - 1  # vLLM computes at least the prompt's last token
         if rid in self._pending:
@@ -78,7 +84,7 @@ class SchedulerSide:
             self._take_build(rid, self._pending.pop(rid), limit)
         plan = self._planned.get(rid)
         if plan is None and rid not in self._refused and len(ids) >= self.settings.min_tokens:
-            plan = self._plan(rid, ids, num_computed, limit)
+            plan = self._plan(rid, member, ids, num_computed, limit)
             if plan is None and rid in self._pending:
                 return None, False
         if plan is None or plan.stop <= num_computed:
@@ -88,12 +94,25 @@ class SchedulerSide:
             self._into_mapped_space(request, num_computed, plan.salt or "orchestra-mapped")
         return plan.stop - num_computed, False
 
-    def _plan(self, rid: str, ids: tuple[int, ...], num_computed: int, limit: int) -> Planned | None:
-        own = self.lookup.own_entry(ids)
+    def _member(self, request: Any) -> str | None:
+        """The member `request` runs on, decided once per request (its LoRA, or the engine's member)."""
+        rid = getattr(request, "request_id", None) or request.req_id  # a Request, or a step's NewRequestData
+        if rid not in self._members:
+            lora = getattr(request, "lora_request", None)
+            name = lora.lora_name if lora is not None else None
+            self._members[rid] = self.lookup.member_for(name)
+            if self._members[rid] is None:
+                self.event("unknown_adapter", rid, adapter=name,
+                           reason="add it to the connector's adapters to save and load its caches")
+        return self._members[rid]
+
+    def _plan(self, rid: str, member: str, ids: tuple[int, ...], num_computed: int, limit: int) -> Planned | None:
+        own = self.lookup.own_entry(member, ids)
         own_len = min(own.length, limit) if own is not None else 0
-        mappable = min(self.lookup.mappable_length(ids), limit)
-        if mappable >= max(own_len, num_computed) + self.settings.min_mapped_tokens:
-            self._pending[rid] = self.lookup.submit(ids[:mappable])
+        mappable = self.lookup.mappable(member, ids)
+        length = min(mappable.length, limit) if mappable is not None else 0
+        if mappable is not None and length >= max(own_len, num_computed) + self.settings.min_mapped_tokens:
+            self._pending[rid] = self.lookup.submit(member, mappable.source, ids[:length])
             return None
         if own is not None and own_len >= num_computed + self.block_size:
             plan = Planned("exact", own_len, stored=own.entry, detail={"from": "store"})
@@ -145,7 +164,7 @@ class SchedulerSide:
         plan = StepPlan()
         for new in out.scheduled_new_reqs:
             ids = tuple(int(t) for t in (new.prompt_token_ids or ()))
-            track = self._tracks.setdefault(new.req_id, Track(ids, []))
+            track = self._tracks.setdefault(new.req_id, Track(ids, [], self._member(new)))
             track.block_ids = list(new.block_ids[0])
             self._load(plan, new.req_id, track)
             self._save(plan, new.req_id, track, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
@@ -174,18 +193,20 @@ class SchedulerSide:
 
     def _save(self, plan: StepPlan, rid: str, track: Track, done: int) -> None:
         length = len(track.ids)
-        if track.mapped or track.saved or done < length or length < self.settings.min_tokens:
+        if track.member is None or track.mapped or track.saved or done < length or length < self.settings.min_tokens:
             return
         track.saved = True
         if length - track.held < self.settings.min_tokens:
             return
-        plan.saves.append(SaveSpec(rid, self.lookup.namespace, self.lookup.member, track.ids, tuple(track.block_ids)))
+        plan.saves.append(SaveSpec(rid, self.lookup.namespace_of(track.member), track.member, track.ids,
+                                   tuple(track.block_ids)))
         self.event("save", rid, tokens=length)
 
     # -- request_finished -------------------------------------------------------------------------------------
     def finished(self, request: Any) -> None:
         rid = request.request_id
         self._tracks.pop(rid, None)
+        self._members.pop(rid, None)
         self._refused.discard(rid)
         for table in (self._planned, self._to_load):
             left = table.pop(rid, None)
@@ -196,8 +217,9 @@ class SchedulerSide:
             future.add_done_callback(lambda f: remove_file(f.result().handoff) if f.result().handoff else None)
 
     def event(self, name: str, rid: str, **detail: Any) -> None:
-        write_event(self.settings.events, {"event": name, "request": rid, "member": self.lookup.member,
-                                           "side": "scheduler", **detail})
+        member = self._members.get(rid) or self.lookup.member
+        write_event(self.settings.events, {"event": name, "request": rid, "member": member, "side": "scheduler",
+                                           **detail})
 
     def close(self) -> None:
         self.lookup.close()

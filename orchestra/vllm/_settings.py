@@ -32,6 +32,15 @@ class ConnectorSettings(BaseModel):
     """Where the family's mappings are (default: ``<home>/mappings``)."""
     warm: bool = True
     """Load the models a map needs when the engine starts (else on the first mapped request)."""
+    adapters: dict[str, str] = Field(default_factory=dict)
+    """The engine's LoRA adapters, ``name -> adapter folder`` (the pairs given to vLLM's ``--lora-modules``): each
+    is a member of its own over the engine's member, with its own exact entries and maps from its base and
+    from its sibling adapters. A request on a LoRA the connector was not told of is neither loaded nor saved."""
+    calibrate: bool = False
+    """Calibrate a missing map (base -> adapter, adapter -> adapter, root -> member) the first time a request
+    needs it, in the background (that request waits for it); else such a request computes its prefix."""
+    calibrate_tokens: int = Field(4096, ge=256)
+    """Tokens of calibration text per map calibrated on demand."""
     events: str | None = None
     """A JSON-lines file the connector appends one line to per load, save and refusal (tests, dashboards)."""
 
