@@ -69,12 +69,15 @@ def json_constraint(tokenizer: Tokenizer, vocab_size: int, fmt: ResponseFormat |
         return None
     from agents.constrained import JsonConstraint
     from orchestra.serve._errors import BadRequest
+    from orchestra.serve._tools import TOOL_REPLY
 
     schema = fmt.json_schema.schema_ if fmt.json_schema else None
     if schema is None:
         return JsonConstraint.for_tokenizer(tokenizer, None, vocab_size=vocab_size)
+    # a tool call (or answer) is the server's own JSON, parsed by it: laid out fixed, so it cannot be padded forever
+    fixed = fmt.json_schema is not None and fmt.json_schema.name == TOOL_REPLY
     try:
-        return JsonConstraint.for_tokenizer(tokenizer, schema, vocab_size=vocab_size)
+        return JsonConstraint.for_tokenizer(tokenizer, schema, vocab_size=vocab_size, fixed_layout=fixed)
     except Exception as exc:  # xgrammar refuses the schema (RuntimeError, ValueError, ...)
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)[:300]  # xgrammar's "[time] file.cc:N: "

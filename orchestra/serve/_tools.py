@@ -34,6 +34,12 @@ def has_tool_turns(req: ChatCompletionRequest) -> bool:
     """The conversation holds tool calls or results (they are rendered as plain turns)."""
     return any(m.role == "tool" or m.tool_calls for m in req.messages)
 
+TOOL_REPLY = "tool_reply"
+"""The `response_format.json_schema.name` of a tool-mode reply. Its grammar is laid out with a fixed 2-space indent
+and no other whitespace (`json_constraint`), as the agents' tool rounds are: JSON's any-whitespace grammar lets a
+small model pad the call with whitespace until max_tokens, and no call comes back. The server parses the reply
+itself, so the layout is never the client's."""
+
 MAX_ARGUMENT_CHARS = 40
 """Longest string argument the grammar allows, unless the tool's schema sets maxLength (a small model otherwise
 writes one until max_tokens, and the call is cut off)."""
@@ -76,7 +82,7 @@ def prepare_tool_request(req: ChatCompletionRequest) -> ChatCompletionRequest:
     else:
         messages[last] = ChatMessage(role="user", content=f"{messages[last].text()}\n\n{described}")
     schema = _reply_schema(offered, must_call=_must_call(req))
-    fmt = ResponseFormat(type="json_schema", json_schema=JsonSchemaSpec.model_validate({"name": "tool_reply",
+    fmt = ResponseFormat(type="json_schema", json_schema=JsonSchemaSpec.model_validate({"name": TOOL_REPLY,
                                                                                          "schema": schema}))
     return req.model_copy(update={"messages": messages, "response_format": fmt})
 
