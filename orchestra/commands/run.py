@@ -126,9 +126,10 @@ def view_options(ui: bool, ui_wait: bool, ui_port: int) -> ViewOptions | None:
     missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
     if missing:
         from agents.errors import MissingDependencyError
+        from orchestra.errors import install_command
 
         raise MissingDependencyError(f"--ui serves the web view with {' and '.join(missing)}, which a core install "
-                                     "leaves out: pip install 'orchestra-kv[serve]'", name=missing[0])
+                                     f"leaves out: {install_command('serve')}", name=missing[0])
     return ViewOptions(port=ui_port, wait=ui_wait)
 
 

@@ -25,10 +25,9 @@ from typing import Literal
 
 from orchestra.errors import DocumentFormatError, InputFileError
 
-__all__ = ["Document", "Anchor", "DocumentKind", "load_document", "sniff_kind", "DOCUMENTS_INSTALL"]
+__all__ = ["Document", "Anchor", "DocumentKind", "load_document", "sniff_kind"]
 
 DocumentKind = Literal["text", "markdown", "pdf", "html", "docx"]
-DOCUMENTS_INSTALL = "pip install 'orchestra-kv[documents]'"
 
 _SUFFIXES: dict[str, DocumentKind] = {
     ".txt": "text", ".text": "text", ".md": "markdown", ".markdown": "markdown", ".pdf": "pdf", ".html": "html",
@@ -223,5 +222,7 @@ def _need(module: str, what: str, *, package: str | None = None) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
+        from orchestra.errors import install_command
+
         raise DocumentFormatError(f"reading {what} documents needs {package or module}, which is not installed: "
-                                  f"{DOCUMENTS_INSTALL}") from exc
+                                  f"{install_command('documents')}") from exc

@@ -34,7 +34,7 @@ from orchestra.family.manifest import (  # family_dir/load_family: re-exported, 
 )
 from orchestra.paths import resolve_home
 
-__all__ = ["MemberSpec", "MEMBERS", "build_family", "load_family", "family_dir", "require_build_dependencies", "BUILD_INSTALL"]
+__all__ = ["MemberSpec", "MEMBERS", "build_family", "load_family", "family_dir", "require_build_dependencies"]
 
 
 class Recipe(TypedDict, total=False):
@@ -203,7 +203,6 @@ def build_family(
     return manifest
 
 
-BUILD_INSTALL = "pip install 'orchestra-kv[build]'"
 
 
 def require_build_dependencies() -> None:
@@ -217,10 +216,11 @@ def require_build_dependencies() -> None:
     missing = [name for name in ("gguf", "peft") if importlib.util.find_spec(name) is None]
     if missing:
         from agents.errors import MissingDependencyError
+        from orchestra.errors import install_command
 
         raise MissingDependencyError(
             f"building the bundled family needs {' and '.join(missing)}, which a core install leaves out: "
-            f"{BUILD_INSTALL} (a family of your own needs neither)", name=missing[0])
+            f"{install_command('build')} (a family of your own needs neither)", name=missing[0])
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ EXECUTORS: dict[str, type[Executor] | str] = {
 }
 """Executor kind -> its class, or ``"module:Class"`` imported on first use (an optional dependency)."""
 
-_EXTRAS = {"ray": ("Ray", "orchestra-kv[ray]")}
-"""Kind -> (what it needs, the pip extra that installs it), for the error when it is missing."""
+_NEEDS = {"ray": "Ray"}
+"""Kind -> what it needs (its pip extra is named after the kind), for the error when it is missing."""
 
 
 class UnknownExecutorError(ExecutorError, ValueError):
@@ -48,8 +48,10 @@ def executor_class(kind: str) -> type[Executor]:
     try:
         cls = getattr(importlib.import_module(module), name)
     except ImportError as exc:
-        needs, extra = _EXTRAS.get(kind, (module, f"orchestra-kv[{kind}]"))
-        raise ExecutorUnavailableError(f"the {kind} executor needs {needs} ({exc}): pip install '{extra}'") from exc
+        from orchestra.errors import install_command
+
+        raise ExecutorUnavailableError(f"the {kind} executor needs {_NEEDS.get(kind, module)} ({exc}): "
+                                       f"{install_command(kind)}") from exc
     if not (isinstance(cls, type) and issubclass(cls, Executor)):
         raise ExecutorError(f"executor kind {kind!r} names {target}, which is not an Executor")
     return cls

@@ -17,7 +17,7 @@ Schemes (:data:`SCHEMES`):
   a CUDA device of compute capability 8.0 or more, computing in bfloat16. torchao has no packed int4
   format for the CPU (its CPU int4 stores one value per byte: no smaller than int8), so it is refused there.
 
-torchao is the ``quant`` extra (:data:`QUANT_INSTALL`); it is imported only when a view is loaded, and its
+torchao is the ``quant`` extra; it is imported only when a view is loaded, and its
 absence is a `MissingDependencyError` naming the install command, raised when the view is resolved.
 
 Once installed, transformers imports torchao whenever it loads any model, and that import logs warnings
@@ -40,10 +40,9 @@ if TYPE_CHECKING:
 
     from mappings.types import Model
 
-__all__ = ["Scheme", "SCHEMES", "QUANT_INSTALL", "RECIPE_VERSION", "torchao_version", "check_device",
+__all__ = ["Scheme", "SCHEMES", "RECIPE_VERSION", "torchao_version", "check_device",
            "quantize_decoder", "resident_bytes", "estimate_bytes", "quantized_linears", "quiet_torchao_import"]
 
-QUANT_INSTALL = "pip install 'orchestra-kv[quant]'"
 
 RECIPE_VERSION = 1
 """Bump when what a scheme computes changes (which modules, which torchao config): views fingerprint apart."""
@@ -85,10 +84,11 @@ def torchao_version(alias: str) -> str:
         return version("torchao")
     except PackageNotFoundError:
         from agents.errors import MissingDependencyError
+        from orchestra.errors import install_command
 
         raise MissingDependencyError(
             f"model {alias!r} is a quantized view, which torchao makes, and torchao is not installed: "
-            f"{QUANT_INSTALL}", name="torchao") from None
+            f"{install_command('quant')}", name="torchao") from None
 
 
 def check_device(alias: str, scheme: Scheme, device: str) -> None:

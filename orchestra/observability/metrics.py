@@ -51,9 +51,9 @@ def _require_prometheus() -> None:
         import prometheus_client  # noqa: F401
     except ImportError as exc:
         from agents.errors import MissingDependencyError
+        from orchestra.errors import install_command
 
-        raise MissingDependencyError("pipeline metrics need prometheus-client: pip install 'orchestra-kv[serve]'"
-                                     ) from exc
+        raise MissingDependencyError(f"pipeline metrics need prometheus-client: {install_command('serve')}") from exc
 
 
 class PipelineMetrics:

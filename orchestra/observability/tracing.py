@@ -190,10 +190,10 @@ def configure_from_env() -> bool:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        from orchestra.errors import OrchestraError
+        from orchestra.errors import OrchestraError, install_command
 
         raise OrchestraError("OTEL_EXPORTER_OTLP_ENDPOINT is set but the OpenTelemetry SDK is not installed: "
-                             "pip install 'orchestra-kv[tracing]'") from exc
+                             f"{install_command('tracing')}") from exc
     provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME",
                                                                                          "orchestra")}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))

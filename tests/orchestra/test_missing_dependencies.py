@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from agents.errors import MissingDependencyError
 from orchestra.cli import app
+from orchestra.errors import install_command
 from orchestra.family.corpus import data_text
 from tests.tiny_family import build_tiny_family
 
@@ -74,7 +75,7 @@ def test_the_demo_refuses_at_once_without_the_family_builders_libraries(monkeypa
     monkeypatch.setenv("ORCHESTRA_HOME", str(tmp_path / "home"))
     result = runner.invoke(app, ["demo", "--home", str(tmp_path / "home")])
     assert result.exit_code == 2, result.output
-    assert "MissingDependencyError" in result.output and "pip install 'orchestra-kv[build]'" in result.output
+    assert "MissingDependencyError" in result.output and install_command("build") in result.output
     assert not (tmp_path / "home" / "family" / "smollm2-135m-instruct").exists()  # nothing was converted
 
 

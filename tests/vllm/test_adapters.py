@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestra.vllm import connector_config
+from tests.fixtures.adapters import make_lora_adapter
 
 DRIVER = Path(__file__).with_name("driver.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,31 +20,14 @@ DOCUMENT = ("The committee reviewed the annual report and found that revenue gre
 QUESTIONS = (" Revenue", " Costs fell", " The board")
 
 
-def make_adapter(base: Path, out: Path, *, seed: int, layers: list[int] | None) -> Path:
-    """A peft LoRA adapter of `base` with small random factors (a fine-tune's adapter, without the training)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                      layers_to_transform=layers))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(calibrated_family: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("loras")
     base = calibrated_family["tiny"].parent
     # `legal` adapts every layer; `code` only the upper two, so its maps keep the lower layers' K/V exact
-    return {"legal": make_adapter(base, tmp / "legal", seed=1, layers=None),
-            "code": make_adapter(base, tmp / "code", seed=2, layers=[2, 3])}
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    return {"legal": make_lora_adapter(base, tmp / "legal", targets=attention, scale=0.05, seed=1),
+            "code": make_lora_adapter(base, tmp / "code", layers=[2, 3], targets=attention, scale=0.05, seed=2)}
 
 
 def run_engine(family: dict, adapters: dict[str, Path], tmp: Path, prompts: list[dict], *,

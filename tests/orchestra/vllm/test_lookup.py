@@ -9,23 +9,8 @@ import pytest
 
 from orchestra.vllm._lookup import ConnectorSetupError, FamilyLookup
 from orchestra.vllm._settings import ConnectorSettings
+from tests.fixtures.adapters import make_lora_adapter
 from tests.tiny_family import build_tiny_family
-
-
-def make_adapter(base: Path, out: Path, seed: int) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +21,8 @@ def engine_family(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tiny = build_tiny_family(tmp / "models", "llama", head_dim=32)
     init_family("tiny", [f"base={tiny.parent}", f"tuned={tiny.child}"], home=tmp / "home")
     return {"tiny": tiny, "home": tmp / "home",
-            "adapters": {"legal": str(make_adapter(tiny.parent, tmp / "legal", 1)),
-                         "code": str(make_adapter(tiny.parent, tmp / "code", 2))}}
+            "adapters": {"legal": str(make_lora_adapter(tiny.parent, tmp / "legal", scale=0.05, seed=1)),
+                         "code": str(make_lora_adapter(tiny.parent, tmp / "code", scale=0.05, seed=2))}}
 
 
 def lookup_for(family: dict, tmp: Path, **settings: object) -> FamilyLookup:

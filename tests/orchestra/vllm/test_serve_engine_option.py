@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestra.cli import app
+from orchestra.errors import install_command
 
 
 def test_an_unknown_engine_is_refused_naming_the_choices() -> None:
@@ -21,5 +22,5 @@ def test_an_unknown_engine_is_refused_naming_the_choices() -> None:
 def test_the_vllm_engine_without_vllm_says_what_to_install() -> None:
     result = CliRunner().invoke(app, ["serve", "--engine", "vllm"])
     assert result.exit_code == 2
-    assert "pip install 'orchestra-kv[vllm]'" in result.output and "docs/vllm.md" in result.output
+    assert install_command("vllm") in result.output and "docs/vllm.md" in result.output
     assert "Traceback" not in result.output
