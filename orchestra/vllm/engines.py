@@ -70,6 +70,9 @@ class VllmEngines:
     """The store the connectors share (default: ``<home>/kv``)."""
     connector: bool = True
     """False: plain vLLM engines (their own prefix caches only), the baseline a user would otherwise run."""
+    kv_cache_gib: float = 2.0
+    """Each engine's KV space on a CPU (vLLM's CPU default reserves a share of the whole machine per engine,
+    so the second engine of a family finds too little left and stops). Unused where `extra_args` sizes it."""
     _running: dict[str, _Running] = field(default_factory=dict)
     _aliases: dict[str, str] = field(default_factory=dict)
     _reports: dict[str, CacheReport] = field(default_factory=dict)
@@ -96,11 +99,13 @@ class VllmEngines:
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for spec in self.specs():
+        specs = self.specs()
+        memory = self._memory_args(len(specs))
+        for spec in specs:
             self._aliases.update({spec.member: spec.member, **{a: spec.member for a in spec.aliases}})
             log = self.run_dir / f"vllm-{spec.member}.log"
             with open(log, "wb") as out:
-                process = subprocess.Popen(self._command(spec), stdout=out, stderr=subprocess.STDOUT,
+                process = subprocess.Popen(self._command(spec) + memory, stdout=out, stderr=subprocess.STDOUT,
                                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             self._running[spec.member] = _Running(spec, process, log)
         try:
@@ -121,6 +126,23 @@ class VllmEngines:
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
         return cmd + list(self.extra_args)
+
+    def _memory_args(self, engines: int) -> list[str]:
+        """How much memory each engine takes, so that all of them fit on one machine (or one GPU).
+
+        vLLM sizes an engine's KV space as if it were alone: a share (0.9) of the GPU's memory, or of the
+        machine's on a CPU. Unless `extra_args` says otherwise, the engines split that share on a GPU, and each
+        takes `kv_cache_gib` on a CPU (the CPU backend's own ``VLLM_CPU_KVCACHE_SPACE`` also sizes it)."""
+        sized = ("--gpu-memory-utilization", "--kv-cache-memory-bytes", "--kv-cache-memory")
+        if any(arg.split("=", 1)[0] in sized for arg in self.extra_args):
+            return []
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                return []
+            return ["--kv-cache-memory-bytes", str(int(self.kv_cache_gib * (1 << 30)))]
+        return ["--gpu-memory-utilization", f"{0.9 / max(engines, 1):.3f}"]
 
     def _wait_ready(self, running: _Running) -> None:
         deadline = time.monotonic() + self.start_timeout_s
