@@ -62,6 +62,8 @@ def serve(
                            "only this member (name or role); repeat it. Unset: every member.")] = None,
     vllm_max_model_len: Annotated[int | None, typer.Option("--vllm-max-model-len", envvar="ORCHESTRA_VLLM_MAX_MODEL_LEN", min=16, help="--engine vllm: vLLM's "
                                   "--max-model-len for every engine.")] = None,
+    vllm_adapter: Annotated[list[str] | None, typer.Option("--vllm-adapter", envvar="ORCHESTRA_VLLM_ADAPTER", metavar="NAME=FOLDER", help="--engine vllm: "
+                            "a peft LoRA adapter served by the root's engine as model NAME, sharing its documents; repeat it.")] = None,
     vllm_arg: Annotated[list[str] | None, typer.Option("--vllm-arg", envvar="ORCHESTRA_VLLM_ARG", metavar="ARG", help="--engine vllm: one more argument "
                         "for every vLLM server (e.g. --vllm-arg=--enforce-eager); repeat it.")] = None,
     config_file: Annotated[Path | None, typer.Option("--config", envvar="ORCHESTRA_CONFIG", help="A YAML or TOML file of these options "
@@ -83,7 +85,8 @@ def serve(
 
         _configure_logging(log_format)
         serve_vllm(home=home, host=host, port=port, dtype=dtype, api_key_env=api_key_env, members=vllm_member,
-                   max_model_len=vllm_max_model_len, vllm_args=list(vllm_arg or []), graceful_s=graceful_s)
+                   max_model_len=vllm_max_model_len, vllm_args=list(vllm_arg or []), graceful_s=graceful_s,
+                   adapters=list(vllm_adapter or []))
         return
     import signal
 

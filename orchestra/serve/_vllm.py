@@ -79,11 +79,12 @@ async def _forward(request: Request, engines: VllmEngines, client: Any) -> Respo
         body = json.loads(await request.body())
     except ValueError:
         return _error(400, "the body is not JSON", "invalid_request_error", "invalid_json")
-    member = engines.resolve(str(body.get("model", "")))
-    if member is None:
+    requested = str(body.get("model", ""))
+    member, name = engines.resolve(requested), engines.model_name(requested)
+    if member is None or name is None:
         return _error(404, f"model {body.get('model')!r} is not served: use one of {', '.join(engines.served)}",
                       "invalid_request_error", "model_not_found")
-    body["model"] = member
+    body["model"] = name
     request_id = uuid.uuid4().hex
     upstream = client.build_request("POST", engines.url(member) + request.url.path, json=body,
                                     headers={"X-Request-Id": request_id})
@@ -93,7 +94,7 @@ async def _forward(request: Request, engines: VllmEngines, client: Any) -> Respo
     async for chunk in chunks:  # the prompt is computed (or loaded) before vLLM answers a byte
         first = chunk
         break
-    headers = _cache_headers(engines, member, request_id)
+    headers = _cache_headers(engines, name, request_id)
     if not body.get("stream"):
         rest = [first] + [chunk async for chunk in chunks]
         await reply.aclose()

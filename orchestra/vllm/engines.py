@@ -70,11 +70,15 @@ class VllmEngines:
     """The store the connectors share (default: ``<home>/kv``)."""
     connector: bool = True
     """False: plain vLLM engines (their own prefix caches only), the baseline a user would otherwise run."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters (``name -> peft folder``) served by the family root's engine, each sharing the documents of
+    the root and of its sibling adapters through the connector (maps calibrated on first need)."""
     kv_cache_gib: float = 2.0
     """Each engine's KV space on a CPU (vLLM's CPU default reserves a share of the whole machine per engine,
     so the second engine of a family finds too little left and stops). Unused where `extra_args` sizes it."""
     _running: dict[str, _Running] = field(default_factory=dict)
     _aliases: dict[str, str] = field(default_factory=dict)
+    _lora_on: dict[str, str] = field(default_factory=dict)
     _reports: dict[str, CacheReport] = field(default_factory=dict)
     _events_read: int = 0
 
@@ -100,9 +104,11 @@ class VllmEngines:
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         specs = self.specs()
+        self._lora_on = self._adapter_engine(specs)
         memory = self._memory_args(len(specs))
         for spec in specs:
             self._aliases.update({spec.member: spec.member, **{a: spec.member for a in spec.aliases}})
+            self._aliases.update({name: spec.member for name, on in self._lora_on.items() if on == spec.member})
             log = self.run_dir / f"vllm-{spec.member}.log"
             with open(log, "wb") as out:
                 process = subprocess.Popen(self._command(spec) + memory, stdout=out, stderr=subprocess.STDOUT,
@@ -115,14 +121,58 @@ class VllmEngines:
             self.stop()
             raise
 
+    def _adapter_engine(self, specs: list[EngineSpec]) -> dict[str, str]:
+        """Adapter name -> the member whose engine serves it (the family root's, which must be started)."""
+        if not self.adapters:
+            return {}
+        from orchestra.models.modelref import is_adapter_folder
+
+        root = next((s for s in specs if "root" in s.aliases), None)
+        if root is None:
+            raise EngineStartError("LoRA adapters are served by the family root's engine: serve the root too "
+                                   "(add it to --vllm-member)")
+        for name, folder in self.adapters.items():
+            if name in self._names(specs):
+                raise EngineStartError(f"adapter {name!r} has the name of a member or role: name it otherwise")
+            if not is_adapter_folder(Path(folder)):
+                raise EngineStartError(f"adapter {name!r}: {folder} holds no adapter_config.json (give the folder "
+                                       "peft's save_pretrained wrote)")
+        return dict.fromkeys(self.adapters, root.member)
+
+    @staticmethod
+    def _names(specs: list[EngineSpec]) -> set[str]:
+        return {n for s in specs for n in (s.member, *s.aliases)}
+
+    def _lora_args(self, member: str) -> list[str]:
+        names = [name for name, on in self._lora_on.items() if on == member]
+        if not names:
+            return []
+        ranks = [int(json.loads((Path(self.adapters[n]) / "adapter_config.json").read_text()).get("r", 8))
+                 for n in names]
+        rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= max(ranks))  # vLLM's allowed ranks
+        return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(len(names)), "--lora-modules",
+                *(f"{n}={Path(self.adapters[n]).resolve()}" for n in names)]
+
+    def model_name(self, model: str) -> str | None:
+        """What to call `model` at its engine: an adapter keeps its name (vLLM picks the LoRA by it), a member
+        or role becomes the member's name; None if nothing serves it."""
+        member = self.resolve(model)
+        if member is None:
+            return None
+        return model if model in self._lora_on else member
+
     def _command(self, spec: EngineSpec) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(spec.folder),
                "--served-model-name", spec.member, "--host", self.host, "--port", str(spec.port),
                "--dtype", self.dtype, "--enable-prompt-tokens-details"]
+        lora = self._lora_args(spec.member)
         if self.connector:
             store = str(self.store) if self.store is not None else None
+            adapters = {n: str(Path(self.adapters[n]).resolve()) for n, on in self._lora_on.items() if on == spec.member}
+            extra = {"adapters": adapters, "calibrate": True} if adapters else {}
             cmd += ["--kv-transfer-config", connector_json(str(self.home), spec.member, events=str(self.events),
-                                                           store=store)]
+                                                           store=store, **extra)]
+        cmd += lora
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
         return cmd + list(self.extra_args)
@@ -172,7 +222,8 @@ class VllmEngines:
 
     @property
     def served(self) -> list[str]:
-        return list(self._running)
+        """The model names clients may use: the members, then the adapters."""
+        return [*self._running, *self._lora_on]
 
     def cache_report(self, request_id: str) -> CacheReport:
         """What the connector loaded for the request whose id contains `request_id` (from the events file).

@@ -24,3 +24,10 @@ def test_the_vllm_engine_without_vllm_says_what_to_install() -> None:
     assert result.exit_code == 2
     assert install_command("vllm") in result.output and "docs/vllm.md" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_malformed_vllm_adapter_is_one_line_naming_the_form() -> None:
+    result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--vllm-adapter", "legal"])
+    assert result.exit_code == 2
+    assert "--vllm-adapter 'legal': write NAME=FOLDER" in result.output
+    assert "Traceback" not in result.output
