@@ -102,10 +102,10 @@ def test_parse_output_schema_path():
     value, problem = parse_output('x {"x": 1}', out, "eos")
     assert value == {"x": 1} and problem is None
     value, problem = parse_output('{"y": 1}', out, "eos")
-    assert value is None and "missing required field 'x'" in problem.error
+    assert value is None and "'x' is a required property" in problem.error
 
 
-def test_schema_subset():
+def test_schema_errors_check_every_keyword_of_the_draft_with_paths():
     schema = {
         "type": "object",
         "$defs": {"Item": {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"]}},
@@ -117,12 +117,38 @@ def test_schema_subset():
     }
     assert schema_errors({"items": [{"k": "a"}], "name": None, "score": 3}, schema) == []
     errors = schema_errors({"items": [{"k": "z"}, {}, {"k": "a"}], "name": "long", "score": 1.5}, schema)
-    assert any("items[0].k" in e for e in errors)
-    assert any("missing required field 'k'" in e for e in errors)
-    assert any("at most 2" in e for e in errors)
-    assert any("longer than 3" in e for e in errors)
-    assert any("score" in e and "none of" in e for e in errors)
+    assert any(e.startswith("$.items[0].k: 'z' is not one of") for e in errors)
+    assert any(e.startswith("$.items[1]: 'k' is a required property") for e in errors)
+    assert any(e.startswith("$.items: ") and "too long" in e for e in errors)
+    assert any(e.startswith("$.name: 'long' is too long") for e in errors)
+    assert any(e.startswith("$.score: 1.5 is not valid under any of the given schemas") for e in errors)
     assert schema_errors(True, {"type": "integer"}) != []
+
+
+@pytest.mark.parametrize(("schema", "good", "bad"), [
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, 1.5, 2),  # 2 matches both: oneOf means exactly one
+    ({"type": "string", "pattern": "^[A-Z]{2}-[0-9]+$"}, "GP-3", "gp-3"),
+    ({"type": "string", "format": "date"}, "2026-12-06", "6 Dec 2026"),
+    ({"type": "string", "format": "email"}, "a@b.org", "not an address"),
+    ({"type": "array", "uniqueItems": True}, [1, 2], [1, 1]),
+    ({"type": "number", "multipleOf": 0.5}, 2.5, 2.3),
+    ({"not": {"const": "unknown"}}, "GPL", "unknown"),
+    ({"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False}, ["a", 1],
+     ["a", "b"]),
+])
+def test_schema_errors_enforce_the_keywords_a_hand_written_subset_left_out(schema, good, bad):
+    assert schema_errors(good, schema) == []
+    assert schema_errors(bad, schema) != []
+
+
+def test_a_schema_is_refused_with_where_it_is_wrong_and_never_fetches_a_ref():
+    from agents.schema import check_schema
+
+    with pytest.raises(ValueError, match="invalid JSON schema at properties/n/type"):
+        check_schema({"type": "object", "properties": {"n": {"type": "integr"}}})
+    with pytest.raises(ValueError, match="only \\$ref inside the schema"):
+        check_schema({"$ref": "https://example.com/schema.json"})
+    check_schema({"$defs": {"A": {"type": "string"}}, "items": {"$ref": "#/$defs/A"}, "type": "array"})
 
 
 def test_truncated_list_keeps_its_complete_items():
