@@ -219,9 +219,10 @@ class FamilyLookup:
         from orchestra.familycache._pool import common_prefix
 
         target = self.namespace_of(member)
-        sources = {self.namespace_of(s).member_fingerprint: s for s in self._sources(member)
-                   if self.settings.calibrate or self._has(s, member)}
+        # a source without a map is offered too: its build is refused at once, and the refusal counted
+        sources = {self.namespace_of(s).member_fingerprint: s for s in self._sources(member)}
         best: Mappable | None = None
+        mappable = {s: self.settings.calibrate or self._has(s, member) for s in sources.values()}
         for entry in self.store.entries():
             ns = entry.namespace
             if ns.dtype != target.dtype:
@@ -233,7 +234,8 @@ class FamilyLookup:
             if source is None:
                 continue
             length = common_prefix(entry.tokens, ids)
-            if best is None or length > best.length:
+            # a source with a map first, then the longest prefix
+            if best is None or (mappable[source], length) > (mappable[best.source], best.length):
                 best = Mappable(length, source)
         return best
 
