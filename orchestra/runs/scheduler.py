@@ -142,7 +142,10 @@ class Orchestra:
         if wanted and directory is not None:
             from orchestra.familycache import KVStore
 
-            disk = KVStore(directory, settings.budget_mb << 20)
+            # a run's caches are its documents, which a later run of the same document needs whole: one is
+            # skipped only when a stored entry already holds every token of it (the default skips near-duplicate
+            # chat prompts, and a document whose beginning a longer entry holds was recomputed in part each run)
+            disk = KVStore(directory, settings.budget_mb << 20, min_new_tokens=0)
         return FamilyCache(executor, mappings, source=pipeline.source_alias, policy=policy, breaker=breaker, disk=disk)
 
     def close(self) -> None:

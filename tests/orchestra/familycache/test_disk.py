@@ -251,3 +251,46 @@ def test_no_kv_store_on_the_command_line_keeps_caches_in_memory(fam, mapstore, t
     code, _, out = run_pipeline_text(tmp_path, yaml, doc, "--report", str(tmp_path / "r.json"))
     assert code == 0, out
     assert len(KVStore(tmp_path / "kv").entries()) == 1
+
+
+@pytest.mark.parametrize("chars", [300, 800], ids=["whole", "chunked"])
+def test_a_document_whose_beginning_a_longer_entry_holds_is_read_whole_from_disk_on_its_next_run(fam, mapstore,
+                                                                                                 tmp_path, chars):
+    """Excerpts and drafts of one text: after one run of a document, the next run in a new process computes none of
+    it, although the store also holds longer and shorter documents that begin the same way (the tiny models' 512
+    positions make the 800-character document a chunked run: each chunk is read whole)."""
+    import json
+    import os
+
+    yaml = (f"models: {{base: '{fam.parent}', child: '{fam.child}'}}\nsource: base\ndefault_device: cpu\n"
+            f"mapping: {{directory: '{mapstore.directory}'}}\n"
+            f"gate: {json.dumps(PERMISSIVE.model_dump())}\n"
+            "agents:\n  - {name: a, model: base, spec: {task: 'Summarise.', generation: {max_new_tokens: 3}}}\n"
+            "  - {name: b, model: child, spec: {task: 'Summarise.', generation: {max_new_tokens: 3}}}\n")
+    (tmp_path / "p.yaml").write_text(yaml)
+    text = data_text("gpl-3.txt")
+
+    def run(chars: int, tag: str) -> dict:
+        (tmp_path / f"{tag}.txt").write_text(text[:chars])
+        done = subprocess.run([sys.executable, "-m", "orchestra", "run", str(tmp_path / "p.yaml"), "--document",
+                               str(tmp_path / f"{tag}.txt"), "--home", str(tmp_path / "home"), "--report",
+                               str(tmp_path / f"{tag}.json")],
+                              env={**os.environ, "ORCHESTRA_KV_STORE": str(tmp_path / "kv")},
+                              cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True,
+                              timeout=HANG_GUARD_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((tmp_path / f"{tag}.json").read_text())
+
+    run(1100, "longer")
+    run(150, "shorter")
+    first = run(chars, "first")
+    # the stored entries serve most of it, the rest is computed: and now stored, though it adds little
+    assert first["prefill_s_spent"] > 0 and any(c["from_disk"] for c in first["caches"])
+    second = run(chars, "second")
+    assert bool(second["chunks"]) == (chars == 800)
+    lengths = [c["tokens"] for c in second["chunks"]] or [second["document_tokens"]]
+    for member, path in (("base", "exact"), ("child", "mapped")):
+        caches = [c for c in second["caches"] if c["model"] == member]
+        assert {c["path"] for c in caches} == {path}
+        assert [c["disk_tokens"] for c in caches] == lengths and all(c["from_disk"] for c in caches)
+    assert second["prefill_s_spent"] == 0  # not a token of the document computed in this process
