@@ -2,7 +2,8 @@
 ``orchestra.serve``; these are the runs').
 
 `PipelineMetrics` registers its series once in a registry (the process-wide default, or the server's);
-`sink(pipeline)` gives an event sink for one run. Series (label ``model_name`` as vLLM's, for members):
+`sink(pipeline)` gives an event sink for one run. Series (label ``model_name`` as vLLM's, for members, as the
+server's own series have it too):
 
 - ``orchestra_pipeline_runs_total{pipeline, status}`` and ``orchestra_pipeline_run_seconds{pipeline}``;
 - ``orchestra_pipeline_agents_total{pipeline, status}`` (succeeded, failed, skipped, degenerate, cancelled);

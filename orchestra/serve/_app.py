@@ -40,6 +40,7 @@ from orchestra.serve._schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     Delta,
     ErrorBody,
@@ -49,6 +50,7 @@ from orchestra.serve._schemas import (
     PrefillResponse,
     ToolCallDelta,
     Usage,
+    allowed_range,
 )
 from orchestra.serve._tools import read_tool_reply
 from orchestra.serve._ui import add_ui, is_ui_path
@@ -299,17 +301,28 @@ def _add_error_handlers(app: FastAPI, slot: _EngineSlot) -> None:
                             status_code=500)
 
 
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
     """The request's first validation error as a 400 naming the parameter."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     message = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":  # its loc is the byte offset of the mistake, not a parameter
+    kind = first.get("type")
+    if kind == "json_invalid":  # its loc is the byte offset of the mistake, not a parameter
         message = "the request body is not valid JSON; send a JSON object"
         loc = []
+    elif kind == "extra_forbidden" and len(loc) == 1:
+        message = (f"{loc[0]}: this server does not support the parameter {loc[0]!r} (it would change the reply, "
+                   "and is not ignored silently); remove it. The parameters it takes are listed in its docs "
+                   "(docs/serving.md, Request fields)")
     elif loc:
         message = f"{'.'.join(loc)}: {message}"
+        allowed = allowed_range(".".join(loc)) if kind in _RANGE_ERRORS else None
+        if allowed:
+            message += f" (allowed: {allowed})"
     return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
                                    "param": ".".join(loc) or None, "code": "invalid_request"}}, status_code=400)
 
@@ -411,9 +424,10 @@ async def _complete(request: Request, body: ChatCompletionRequest, opened: Abstr
         reply = read_tool_reply(text)
         message = AssistantMessage(content=reply.content, tool_calls=reply.calls or None)
         finish = reply.finish_reason or finish
+    logprobs = ChoiceLogprobs(content=gen.logprob_content(gen.token_logprobs)) if body.logprobs else None
     completion = ChatCompletion(
         id=gen.id, created=gen.created, model=body.model, usage=gen.usage(),
-        choices=[Choice(message=message, finish_reason=finish)])
+        choices=[Choice(message=message, finish_reason=finish, logprobs=logprobs)])
     return JSONResponse(completion.model_dump(mode="json"), headers=gen.cache_info.headers())
 
 
@@ -429,10 +443,11 @@ def _stream(request: Request, opened: AbstractAsyncContextManager[Generation], g
             with anyio.CancelScope(shield=True):
                 await opened.__aexit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
 
-    def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None, choices: bool = True) -> str:
+    def chunk(delta: Delta, finish: str | None = None, usage: Usage | None = None, choices: bool = True,
+              logprobs: ChoiceLogprobs | None = None) -> str:
         data = ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.request.model,
-                                   choices=[ChunkChoice(delta=delta, finish_reason=finish)] if choices else [],
-                                   usage=usage)
+                                   choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]
+                                   if choices else [], usage=usage)
         return f"data: {data.model_dump_json(exclude_none=False)}\n\n"
 
     async def events() -> AsyncIterator[str]:
@@ -446,6 +461,11 @@ def _stream(request: Request, opened: AbstractAsyncContextManager[Generation], g
                 elif reply.content:
                     yield chunk(Delta(content=reply.content))
                 yield chunk(Delta(), finish=reply.finish_reason or gen.finish_reason)
+            elif gen.request.logprobs:  # each piece with its tokens' log-probabilities
+                async for piece in gen.pieces():
+                    yield chunk(Delta(content=piece.text),
+                                logprobs=ChoiceLogprobs(content=gen.logprob_content(piece.logprobs)))
+                yield chunk(Delta(), finish=gen.finish_reason)
             else:
                 async for text in gen.stream():
                     yield chunk(Delta(content=text))

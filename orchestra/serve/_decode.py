@@ -10,35 +10,25 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypedDict, cast
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     from agents.constrained import JsonConstraint, TokenConstraint
-    from agents.continuation import Continuation
+    from agents.continuation import Continuation, TokenStream
     from mappings.types import KVCache, Model, Tokenizer
     from orchestra.models.registry import LoadedModel
     from orchestra.serve._batch import BatchDecoder
+    from orchestra.serve._sampling import SampledToken, SamplingSettings
     from orchestra.serve._schemas import ResponseFormat
 
 __all__ = ["batch_stats_op", "decode", "json_constraint", "remote_decode_op"]
 
-OnToken = Callable[[str, int, int], None]
+OnToken = Callable[[str, int, int, "SampledToken | None"], None]
+"""Called for every generated token: its text (what became safe to stream, possibly ''), id, index, and its
+log-probability when the reply reports them."""
 
 _BATCHERS = threading.Lock()
-
-
-class SamplingSettings(TypedDict, total=False):
-    """The sampling settings of one reply, as the engine builds them (`TokenStream` / `continue_ids` keywords)."""
-
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int | None
-    seed: int | None
-    stop: Sequence[str]
-    repetition_penalty: float
-    no_repeat_ngram_size: int
 
 
 def decode(loaded: LoadedModel, lock: threading.Lock, cache: KVCache, prefix_len: int, new_ids: list[int],
@@ -46,21 +36,69 @@ def decode(loaded: LoadedModel, lock: threading.Lock, cache: KVCache, prefix_len
            constraint: TokenConstraint | None,
            batcher: Callable[[], BatchDecoder] | None) -> Continuation:
     """The reply to `new_ids` after `prefix_len` cached positions; `batcher` gives the member's batch decoder
-    (None: decode alone). `settings` are the sampling ones (max_new_tokens, temperature, top_p, seed, stop)."""
-    from agents.continuation import TokenStream, continue_ids
+    (None: decode alone). `settings` are the reply's sampling ones (`SamplingSettings`)."""
+    from agents.continuation import TokenStream
     from agents.runner import eos_token_ids
     from orchestra.serve._batch import batchable
+    from orchestra.serve._sampling import ServeSampler
 
-    sampling = cast(SamplingSettings, settings)  # the engine's own keys (SamplingSettings), not a client's dict
+    sampling = cast("SamplingSettings", settings)  # the engine's own keys, not a client's dict
+    sampler = ServeSampler.from_serve_settings(sampling)
+
+    def token_done(text: str, token_id: int, index: int) -> None:
+        if on_token is not None:
+            on_token(text, token_id, index, sampler.last)
+
+    stream = TokenStream(loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer),
+                         max_new_tokens=sampling["max_new_tokens"], stop=sampling.get("stop", ()),
+                         on_token=token_done, constraint=constraint, sampler=sampler)
     if batcher is not None and batchable(cache):
         from agents.kv import check_context
 
         check_context(loaded.model, prefix_len, len(new_ids), sampling["max_new_tokens"])
-        stream = TokenStream(loaded.tokenizer, eos_token_ids(loaded.model, loaded.tokenizer), on_token=on_token,
-                             constraint=constraint, **sampling)
         return batcher().decode(cache, prefix_len, new_ids, stream, cancel)
-    return continue_ids(loaded.model, loaded.tokenizer, cache, prefix_len, new_ids, cancel=cancel, lock=lock,
-                        on_token=on_token, constraint=constraint, **sampling)
+    return _decode_alone(loaded.model, lock, cache, prefix_len, new_ids, stream, cancel)
+
+
+def _decode_alone(model: Model, lock: threading.Lock, cache: KVCache | None, prefix_len: int, new_ids: list[int],
+                  stream: TokenStream, cancel: threading.Event) -> Continuation:
+    """`agents.continue_ids` with the reply's own `TokenStream`: the prefix cache copied (never modified), the new
+    ids fed after it, then one token per forward pass, holding `lock` per pass; stops between tokens on `cancel`."""
+    import time
+
+    import torch
+
+    from agents.kv import check_context, check_prefix_cache, forward_tokens
+    from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
+
+    if not new_ids:
+        raise ValueError("new_ids is empty: give at least one token to continue from")
+    if cache is not None:
+        check_prefix_cache(cache, prefix_len)
+    check_context(model, prefix_len, len(new_ids), stream.max_new_tokens)
+    device = model_device(model)
+    t0 = time.perf_counter()
+    if cancel.is_set():
+        return stream.result(len(new_ids), 0.0, 0.0, cancelled=True)
+    with torch.no_grad():
+        own = copy_cache(cache, model) if cache is not None else new_cache(model)
+        with lock:
+            logits = forward_tokens(model, new_ids, own, prefix_len)
+            sync_device(device)
+        t1 = time.perf_counter()
+        position = prefix_len + len(new_ids)
+        while True:
+            token = stream.push(logits)
+            if stream.finish is not None:
+                break
+            if cancel.is_set():
+                stream.finish = "cancelled"
+                break
+            with lock:  # per step: other work on this model interleaves token by token
+                logits = forward_tokens(model, [token], own, position)
+            position += 1
+        sync_device(device)
+    return stream.result(len(new_ids), t1 - t0, time.perf_counter() - t1)
 
 
 def json_constraint(tokenizer: Tokenizer, vocab_size: int, fmt: ResponseFormat | None) -> JsonConstraint | None:
@@ -93,9 +131,9 @@ def vocab_size(model: Model) -> int:
 def remote_decode_op(loaded: LoadedModel, cache: KVCache, prefix_len: int, new_ids: list[int],
                      settings: Mapping[str, object],
                      response_format: ResponseFormat | None, batch: bool, max_batch: int, *,
-                     emit: Callable[[tuple[str, int, int]], None], cancel: threading.Event,
+                     emit: Callable[[tuple[str, int, int, SampledToken | None]], None], cancel: threading.Event,
                      state: dict[str, object]) -> Continuation:
-    """`decode` inside a member's Ray actor: each token is emitted as ``(text, token_id, index)``.
+    """`decode` inside a member's Ray actor: each token is emitted as ``(text, token_id, index, logprob)``.
 
     The actor's one batch decoder (kept in its `state`) batches every reply running on it, whichever
     driver thread asked; the JSON constraint is compiled here, where its matcher is stepped.
@@ -112,7 +150,8 @@ def remote_decode_op(loaded: LoadedModel, cache: KVCache, prefix_len: int, new_i
             return found
 
     return decode(loaded, loaded.lock, cache, prefix_len, new_ids, settings, cancel,
-                  on_token=lambda text, token_id, index: emit((text, token_id, index)), constraint=constraint,
+                  on_token=lambda text, token_id, index, logprob: emit((text, token_id, index, logprob)),
+                  constraint=constraint,
                   batcher=batcher if batch else None)
 
 

@@ -2,8 +2,9 @@
 
 Every request renders its messages with the family's (shared) chat template, asks the FamilyCache
 for the longest cached prefix of the prompt on the requested member (exact, or mapped from another
-member and gated, or prefilled), and decodes the reply with `agents.continue_ids` under the
-member's lock. Backends that do not want HTTP use this class directly:
+member and gated, or prefilled), and decodes the reply over it under the
+member's lock, sampling as the request's fields ask (`orchestra.serve._sampling`). Backends that do not want
+HTTP use this class directly:
 
     engine = ServeEngine(ServeConfig())
     async with engine.open(ChatCompletionRequest(model="finetuned", messages=[...])) as gen:
@@ -40,7 +41,15 @@ from orchestra.serve._errors import (
     RequestTimeout,
 )
 from orchestra.serve._metrics import ServeMetrics
-from orchestra.serve._schemas import ChatCompletionRequest, ChatMessage, ModelCard, ResponseFormat, Usage
+from orchestra.serve._schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ModelCard,
+    ResponseFormat,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from agents.constrained import JsonConstraint
@@ -49,8 +58,9 @@ if TYPE_CHECKING:
     from orchestra.family.manifest import FamilyManifest
     from orchestra.serve._batch import BatchDecoder
     from orchestra.serve._runs import RunManager
+    from orchestra.serve._sampling import SampledToken
 
-__all__ = ["ServeEngine", "Generation", "CacheInfo", "render_messages", "tune_allocator"]
+__all__ = ["ServeEngine", "Generation", "CacheInfo", "Piece", "render_messages", "tune_allocator"]
 
 log = get_logger("orchestra.serve")
 
@@ -118,6 +128,15 @@ def _json_hint(fmt: ResponseFormat | None) -> str:
             + json.dumps(fmt.json_schema.schema_, separators=(",", ":")))
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A piece of a reply's text as it becomes safe to show, and the log-probabilities of the tokens it completes
+    (when the request asked for them; a token whose text is held back is reported with the next piece)."""
+
+    text: str
+    logprobs: tuple[SampledToken, ...] = ()
+
+
 @dataclass
 class Generation:
     """One admitted request: its cache lease, then the streamed reply; close it to free its slot."""
@@ -145,7 +164,13 @@ class Generation:
     """The request's JSON constraint (response_format), compiled before it was admitted (local executor)."""
     placement: dict[str, str] = field(default_factory=dict)
     """Where it was decoded under the ray executor: ``{"actor": "root#0", "node": ...}``."""
-    _decoding: ThreadStream[str, Continuation] | None = None
+    tokenizer: Tokenizer | None = None
+    """The member's tokenizer (the text of the tokens in `token_logprobs`)."""
+    token_logprobs: list[SampledToken] = field(default_factory=list)
+    """Each reply token's log-probability, when the request asked for them (``logprobs``)."""
+    token_gaps: list[float] = field(default_factory=list)
+    """Seconds between consecutive reply tokens (the inter-token latency metric)."""
+    _decoding: ThreadStream[Piece, Continuation] | None = None
 
     async def stop(self) -> None:
         """Stop decoding at the next token and wait for the thread (idempotent)."""
@@ -155,16 +180,37 @@ class Generation:
 
     async def stream(self) -> AsyncIterator[str]:
         """Text pieces as they become safe to show; `result` is set when it ends (also on cancel)."""
+        async for piece in self.pieces():
+            if piece.text:
+                yield piece.text
 
-        def work(emit: Callable[[str], None], cancel: threading.Event) -> Continuation:  # the decoding thread
-            def on_token(text: str, token_id: int, index: int) -> None:
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """`stream`, each piece with the log-probabilities of its tokens (a piece with no text carries those of
+        the last tokens, when their text is empty: an end-of-sequence token)."""
+        wants_logprobs = bool(self.request.logprobs)
+
+        def work(emit: Callable[[Piece], None], cancel: threading.Event) -> Continuation:  # the decoding thread
+            pending: list[SampledToken] = []
+            last: list[float] = []
+
+            def on_token(text: str, token_id: int, index: int, logprob: SampledToken | None) -> None:
+                now = time.perf_counter()
                 self.completion_tokens = index + 1
                 if self.ttft_s is None:
-                    self.ttft_s = time.perf_counter() - self.started
+                    self.ttft_s = now - self.started
+                elif last:
+                    self.token_gaps.append(now - last[0])
+                last[:] = [now]
+                if wants_logprobs and logprob is not None:
+                    self.token_logprobs.append(logprob)
+                    pending.append(logprob)
                 if text:
-                    emit(text)
+                    emit(Piece(text, tuple(pending)))
+                    pending.clear()
 
             self.result = self.engine._decode(self, on_token)
+            if pending:
+                emit(Piece("", tuple(pending)))
             return self.result
 
         remaining = self.engine.config.request_timeout_s - (time.perf_counter() - self.started)
@@ -173,8 +219,8 @@ class Generation:
         async with ThreadStream(work, cancel=self.cancel, thread_name=f"decode-{self.id}") as decoding:
             self._decoding = decoding
             with anyio.move_on_after(max(0.0, remaining)) as scope:
-                async for text in decoding:  # the decode's error, unwrapped, once its text is out
-                    yield text
+                async for piece in decoding:  # the decode's error, unwrapped, once its text is out
+                    yield piece
             if scope.cancelled_caught:
                 self.timed_out = True
                 self.cancel.set()
@@ -185,6 +231,24 @@ class Generation:
                 pass
             raise RequestTimeout(f"the request ran past the server's {self.engine.config.request_timeout_s:g} s "
                                  "timeout; ask for fewer max_tokens or raise --request-timeout")
+
+    def logprob_content(self, tokens: Sequence[SampledToken]) -> list[TokenLogprob]:
+        """`tokens` as OpenAI's ``logprobs.content`` entries: each token's text, UTF-8 bytes and log-probability,
+        with the step's likeliest tokens."""
+        tokenizer = self.tokenizer
+        assert tokenizer is not None, "the generation was made without its tokenizer"
+        texts: dict[int, str] = {}
+
+        def text(token_id: int) -> str:
+            if token_id not in texts:
+                decoded = tokenizer.decode([token_id])
+                texts[token_id] = decoded if isinstance(decoded, str) else "".join(decoded)
+            return texts[token_id]
+
+        return [TokenLogprob(token=text(t.token_id), logprob=t.logprob, bytes=list(text(t.token_id).encode()),
+                             top_logprobs=[TopLogprob(token=text(i), logprob=lp, bytes=list(text(i).encode()))
+                                           for i, lp in t.top])
+                for t in tokens]
 
     async def text(self) -> str:
         """The whole reply (non-streamed requests)."""
@@ -215,6 +279,7 @@ class _Prepared:
     constraint: JsonConstraint | None
     started: float
     """When the request arrived (`time.perf_counter`)."""
+    tokenizer: Tokenizer
 
 
 class ServeEngine:
@@ -257,7 +322,7 @@ class ServeEngine:
         self.remote = not cache.executor.in_process
         """Models live elsewhere (Ray actors): replies are decoded there, tokens streamed back."""
         self.metrics = metrics or ServeMetrics()
-        self.metrics.bind_cache(cache)
+        self.metrics.bind_cache(cache, members=[record.role for record in family.members.values()])
         self._names = {name: record.role for name, record in family.members.items()}
         self._roles = {record.role for record in family.members.values()}
         self._batchers: dict[str, BatchDecoder] = {}
@@ -343,16 +408,25 @@ class ServeEngine:
         if req.tool_mode() or has_tool_turns(req):  # a call or an answer under a grammar; tool turns as plain turns
             req = prepare_tool_request(req)
         max_tokens = self._max_tokens(req)
-        ids = await self.prompt_ids(member, req.messages, response_format=req.response_format)
+        tokenizer = await in_thread(self.cache.executor.tokenizer, member)
+        ids = await in_thread(functools.partial(render_messages, tokenizer, req.messages,
+                                                response_format=req.response_format))
         limit = self.cache.info(member).max_positions
         if limit and len(ids) + max_tokens > limit:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {limit} tokens; the messages are {len(ids)} tokens and "
                 f"{max_tokens} completion tokens were asked for: shorten the messages or lower max_tokens",
                 param="messages")
+        if req.logit_bias:
+            vocab = await in_thread(self._vocab_size, member)
+            beyond = sorted((t for t in req.logit_bias if int(t) >= vocab), key=int)
+            if beyond:
+                raise BadRequest(f"logit_bias names token ids this model does not have ({', '.join(beyond[:5])}"
+                                 f"{', ...' if len(beyond) > 5 else ''}); its ids are 0 to {vocab - 1}",
+                                 param="logit_bias")
         constraint = await in_thread(self._json_constraint, member, req)
         return _Prepared(req=req, member=member, ids=ids, max_tokens=max_tokens, constraint=constraint,
-                         started=started)
+                         started=started, tokenizer=tokenizer)
 
     async def _admit(self, member: str) -> None:
         """Wait for a generation slot (counted as waiting, then running); RateLimited when the queue is full."""
@@ -382,8 +456,8 @@ class ServeEngine:
                               self.cache.prefill_estimate(member, info.cached_tokens), prompt_tokens=len(ids))
         return Generation(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=request.req.model,
                           member=member, prompt_ids=ids, lease=lease, cache_info=info, leased_tokens=lease.tokens,
-                          max_tokens=request.max_tokens,
-                          request=request.req, engine=self, started=request.started, constraint=request.constraint)
+                          max_tokens=request.max_tokens, request=request.req, engine=self, started=request.started,
+                          constraint=request.constraint, tokenizer=request.tokenizer)
 
     async def _finish(self, request: _Prepared, gen: Generation) -> None:
         """Stop `gen`'s decoding (shielded: also when the request is cancelled), then count and log it."""
@@ -415,10 +489,9 @@ class ServeEngine:
         """Decode `gen`'s reply (in a worker thread) over its lease: batched with the member's other requests,
         or alone, holding the member's lock per step either way; in the member's actor under the ray executor."""
         from orchestra.serve._decode import decode
+        from orchestra.serve._sampling import sampling_settings
 
-        req = gen.request
-        settings = {"max_new_tokens": gen.max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
-                    "top_p": req.top_p or 1.0, "seed": req.seed, "stop": req.stop_list()}
+        settings = sampling_settings(gen.request, gen.max_tokens, gen.prompt_ids)
         prefix_len, new = gen.leased_tokens, gen.prompt_ids[gen.leased_tokens:]
         if self.remote:
             return self._decode_remote(gen, on_token, prefix_len, new, settings)
@@ -461,16 +534,23 @@ class ServeEngine:
         Under the ray executor the schema is only checked here (so a bad one is refused before admission);
         the constraint that steers decoding is compiled in the member's actor, beside the model.
         """
-        from orchestra.serve._decode import json_constraint, vocab_size
+        from orchestra.serve._decode import json_constraint
+
+        if self.remote:
+            json_constraint(self.cache.executor.tokenizer(member), self._vocab_size(member), req.response_format)
+            return None
+        loaded = self.cache.executor.model(member)
+        return json_constraint(loaded.tokenizer, self._vocab_size(member), req.response_format)
+
+    def _vocab_size(self, member: str) -> int:
+        """The member's logits width (it may pad the tokenizer's vocabulary)."""
+        from orchestra.serve._decode import vocab_size
 
         if self.remote:
             config = self.cache.info(member).config
             text = config.get("text_config") or config
-            size = int(text.get("vocab_size") or len(self.cache.executor.tokenizer(member)))
-            json_constraint(self.cache.executor.tokenizer(member), size, req.response_format)
-            return None
-        loaded = self.cache.executor.model(member)
-        return json_constraint(loaded.tokenizer, vocab_size(loaded.model), req.response_format)
+            return int(text.get("vocab_size") or len(self.cache.executor.tokenizer(member)))
+        return vocab_size(self.cache.executor.model(member).model)
 
     @property
     def runs(self) -> RunManager:

@@ -1,15 +1,25 @@
 """The OpenAI chat-completions wire format, as pydantic models (they also give the OpenAPI schema).
 
 Requests are validated strictly, as OpenAI does: a string where a number or a boolean belongs (`"max_tokens": "8"`,
-`"stream": 0`) is a 400, not coerced; unknown fields are ignored.
+`"stream": 0`) is a 400, not coerced. A request's every field is honoured, or accepted because it cannot change
+the reply (`user`, `metadata`, ...); any other field is a 400 naming it, never silently dropped (docs/serving.md
+lists them). Inside messages, tools and formats, unknown keys are ignored (clients send back reply objects whole).
 """
 
 from __future__ import annotations
 
 import builtins
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "TextPart",
@@ -18,6 +28,10 @@ __all__ = [
     "ResponseFormat",
     "StreamOptions",
     "ChatCompletionRequest",
+    "allowed_range",
+    "TopLogprob",
+    "TokenLogprob",
+    "ChoiceLogprobs",
     "PromptTokensDetails",
     "Usage",
     "AssistantMessage",
@@ -35,6 +49,11 @@ __all__ = [
 ]
 
 INT64 = 2**63
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_TOP_LOGPROBS = 20
+TokenId = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,12}$")]
+"""A token id, as a JSON object key (`logit_bias`)."""
+Bias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]
 
 
 class TextPart(BaseModel):
@@ -147,25 +166,63 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """POST /v1/chat/completions. Unknown fields are ignored, as OpenAI-compatible servers do."""
+    """POST /v1/chat/completions. Every field is honoured or harmless; any other is refused (400 naming it)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str = Field(min_length=1, description="A family member by role (root, finetuned, ...) or by name.")
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default 1; 0 is greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, lt=INT64, description="Sample from the k likeliest tokens (vLLM); -1 or "
+                              "0: off.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="Drop tokens less likely than min_p times the "
+                                "likeliest (vLLM); 0: off.")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Subtracted from a token's logit per "
+                                            "time the reply has it.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Subtracted from a token's logit if "
+                                           "the reply has it.")
+    repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM's: logits of tokens in the prompt or "
+                                             "the reply divided by it (multiplied when negative); 1: off.")
+    logit_bias: dict[TokenId, Bias] | None = Field(None, description="Token id -> bias (-100 to 100) added to its "
+                                                   "logit.")
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1, description="Only one choice per request.")
     response_format: ResponseFormat | None = None
-    user: str | None = None
     tools: list[ToolDefinition] | None = Field(None, description="Functions the model may call (one call per reply).")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="Accepted; a reply makes at most one call.")
+    logprobs: bool | None = Field(None, description="Return each reply token's log-probability (of the model's raw "
+                                  "output, before penalties and temperature).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="With logprobs: the likeliest "
+                                     "tokens of each step too.")
+    # accepted, without effect on the reply
+    user: str | None = Field(None, description="Accepted; not used.")
+    metadata: dict[str, str] | None = Field(None, description="Accepted; not stored.")
+    store: bool | None = Field(None, description="Accepted; nothing is stored.")
+    service_tier: str | None = Field(None, description="Accepted; there is one tier.")
+    prompt_cache_key: str | None = Field(None, description="Accepted; the prefix cache needs no key.")
+    safety_identifier: str | None = Field(None, description="Accepted; not used.")
+    modalities: list[Literal["text"]] | None = Field(None, description="Text only.")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_of_text(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        tools, choice = info.data.get("tools"), info.data.get("tool_choice")
+        if value and tools and choice != "none":
+            raise ValueError("logprobs cannot be combined with tools: a tool reply is rewritten into a call")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @model_validator(mode="after")
     def _tools_consistent(self) -> ChatCompletionRequest:
@@ -209,6 +266,39 @@ class ChatCompletionRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+def allowed_range(param: str) -> str | None:
+    """The range a numeric request field takes, as a 400 states it: ``"-2 to 2"`` (None for other fields)."""
+    top = param.split(".", 1)[0]
+    if top == "logit_bias":
+        return f"{LOGIT_BIAS_RANGE[0]:g} to {LOGIT_BIAS_RANGE[1]:g}"
+    found = ChatCompletionRequest.model_fields.get(top)
+    if found is None:
+        return None
+    low = high = None
+    for item in found.metadata:  # pydantic's constraint markers (annotated_types' Ge, Gt, Le, Lt)
+        if getattr(item, "ge", None) is not None:
+            low = _number(item.ge)
+        elif getattr(item, "gt", None) is not None:
+            low = f"more than {_number(item.gt)}"
+        elif getattr(item, "le", None) is not None:
+            high = _number(item.le)
+        elif getattr(item, "lt", None) is not None:
+            high = f"under {_number(item.lt)}"
+    if low is None and high is None:
+        return None
+    if high is None:
+        return low if low and low.startswith("more") else f"{low} or more"
+    if low is None:
+        return high if high.startswith("under") else f"{high} or less"
+    return f"{low} to {high}"
+
+
+def _number(value: object) -> str:
+    if isinstance(value, int) and abs(value) == INT64:
+        return "-2^63" if value < 0 else "2^63"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(0, description="Prompt tokens served from the family-wide cache, not recomputed.")
 
@@ -227,11 +317,31 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="The token's text as UTF-8 bytes (a partial character as U+FFFD).")
+
+
+class TokenLogprob(BaseModel):
+    """A reply token's log-probability under the model's raw output, and the likeliest tokens at its step."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls"] | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -261,7 +371,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -209,7 +209,7 @@ async def test_metrics_count_requests_tokens_and_cache_paths(client):
                  "orchestra_ttft_seconds_bucket", "orchestra_cache_bytes", "orchestra_cache_budget_bytes",
                  "orchestra_queued_requests", "orchestra_running_generations", "orchestra_prefill_seconds_saved_total"):
         assert name in text, name
-    assert 'orchestra_cache_lookups_total{model="root",path="exact"}' in text
+    assert 'orchestra_cache_lookups_total{model_name="root",path="exact"}' in text
 
 
 async def test_prefill_warms_the_cache_for_later_requests(client):

@@ -153,6 +153,29 @@ def test_streamed_reply_equals_the_whole_one(remote):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_sampling_fields_and_logprobs_are_honoured_in_the_actor(local, remote):
+    """Penalties, logit_bias, top_k and logprobs travel to the member's actor: the same reply and log-probabilities
+    as the local executor's, streamed or not."""
+    fields = {"max_tokens": 8, "frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {"100": 3.0},
+              "logprobs": True, "top_logprobs": 3, "extra_body": {"repetition_penalty": 1.3}}
+    got = {name: _ask(live.client, "root", "Who may change it?", **fields)[1] for name, live in
+           (("local", local), ("ray", remote))}
+    local_reply, ray_reply = got["local"].choices[0], got["ray"].choices[0]
+    assert ray_reply.message.content == local_reply.message.content
+    ray_tokens, local_tokens = ray_reply.logprobs.content, local_reply.logprobs.content
+    assert [t.token for t in ray_tokens] == [t.token for t in local_tokens]
+    assert [t.logprob for t in ray_tokens] == pytest.approx([t.logprob for t in local_tokens], abs=1e-4)
+    assert all(len(t.top_logprobs) == 3 for t in ray_tokens)
+    stream = remote.client.chat.completions.create(model="root", messages=conversation("Who may change it?"),
+                                                   temperature=0, stream=True, **fields)
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in ray_tokens]
+    greedy = _ask(remote.client, "root", "Who may change it?", max_tokens=8)[1]
+    top1 = remote.client.chat.completions.create(model="root", messages=conversation("Who may change it?"),
+                                                 max_tokens=8, temperature=1.0, extra_body={"top_k": 1})
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+
+
 def test_json_constraint_runs_in_the_actor(local, remote):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
               "additionalProperties": False}
