@@ -112,6 +112,12 @@ def json_constraint(tokenizer: Tokenizer, vocab_size: int, fmt: ResponseFormat |
     schema = fmt.json_schema.schema_ if fmt.json_schema else None
     if schema is None:
         return JsonConstraint.for_tokenizer(tokenizer, None, vocab_size=vocab_size)
+    from agents.schema import check_schema
+
+    try:  # the schema itself first (jsonschema): a mistake in it is named where it is, not as a grammar error
+        check_schema(schema)
+    except ValueError as exc:
+        raise BadRequest(f"response_format.json_schema.schema: {exc}", param="response_format") from None
     # a tool call (or answer) is the server's own JSON, parsed by it: laid out fixed, so it cannot be padded forever
     fixed = fmt.json_schema is not None and fmt.json_schema.name == TOOL_REPLY
     try:

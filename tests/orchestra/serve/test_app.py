@@ -202,6 +202,17 @@ async def test_an_unusable_json_schema_is_400(client):
                         param="response_format")
 
 
+@pytest.mark.parametrize(("schema", "says"), [
+    ({"type": "object", "properties": {"n": {"type": "string", "minLength": -1}}}, "invalid JSON schema at properties/n/minLength"),
+    ({"$ref": "https://example.com/schema.json"}, "only $ref inside the schema"),
+])
+async def test_a_wrong_json_schema_is_a_400_saying_where_and_a_remote_ref_is_never_fetched(client, schema, says):
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    reply = await client.post("/v1/chat/completions", json={**BODY, "response_format": fmt})
+    assert_openai_error(reply, 400, param="response_format")
+    assert says in reply.json()["error"]["message"]
+
+
 async def test_metrics_count_requests_tokens_and_cache_paths(client):
     await client.post("/v1/chat/completions", json=BODY)
     text = (await client.get("/metrics")).text
