@@ -282,6 +282,13 @@ class _Prepared:
     tokenizer: Tokenizer
 
 
+def member_aliases(family: FamilyManifest) -> dict[str, str]:
+    """Member name -> the model id it is served under: its role (``root``, ``finetuned``), or its name where
+    several members share a role (the members of ``family init`` besides the root are all ``external``)."""
+    roles = [record.role for record in family.members.values()]
+    return {name: record.role if roles.count(record.role) == 1 else name for name, record in family.members.items()}
+
+
 class ServeEngine:
     """Members by role (and name), one FamilyCache for all of them, admission control, metrics."""
 
@@ -301,7 +308,7 @@ class ServeEngine:
             from orchestra.familycache.mapping_store import MappingStore
             from orchestra.models.registry import ModelRegistry
 
-            aliases: dict[str, str] = {record.role: name for name, record in family.members.items()}
+            aliases: dict[str, str] = {alias: name for name, alias in member_aliases(family).items()}
             registry = ModelRegistry(aliases, family=family, default_device=self.config.device, dtype=self.config.dtype)
             registry.check_family(self.config.source)
             store = MappingStore(Path(family.home) / "mappings", on_missing=self.config.on_missing_mapping)
@@ -322,9 +329,10 @@ class ServeEngine:
         self.remote = not cache.executor.in_process
         """Models live elsewhere (Ray actors): replies are decoded there, tokens streamed back."""
         self.metrics = metrics or ServeMetrics()
-        self.metrics.bind_cache(cache, members=[record.role for record in family.members.values()])
-        self._names = {name: record.role for name, record in family.members.items()}
-        self._roles = {record.role for record in family.members.values()}
+        self._names = member_aliases(family)
+        """Member name -> the id it is served under (its role; its name where members share a role)."""
+        self._roles = set(self._names.values())
+        self.metrics.bind_cache(cache, members=sorted(self._roles))
         self._batchers: dict[str, BatchDecoder] = {}
         self._batch_lock = threading.Lock()
         self._mean_s = 1.0
@@ -348,12 +356,13 @@ class ServeEngine:
     def model_cards(self) -> list[ModelCard]:
         cards = []
         for name, record in self.family.members.items():
-            parent = self.family.members.get(record.parent) if record.parent else None
+            alias = self._names[name]
+            parent = self._names.get(record.parent) if record.parent else None
             cards.append(ModelCard(
-                id=record.role, created=self._created, name=name, role=record.role,
-                parent=parent.role if parent is not None else record.parent,
+                id=alias, created=self._created, name=name, role=record.role,
+                parent=parent if parent is not None else record.parent,
                 divergence=record.divergence.model_dump() if record.divergence else None,
-                max_context=self.cache.info(record.role).max_positions or None,
+                max_context=self.cache.info(alias).max_positions or None,
             ))
         return cards
 
