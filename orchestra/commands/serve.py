@@ -13,6 +13,10 @@ app = typer.Typer(no_args_is_help=False)
 @app.command("serve")
 def serve(
     ctx: typer.Context,
+    models: Annotated[list[str] | None, typer.Argument(metavar="MODEL", help="Serve these models (folders or Hub "
+                      "ids org/name@revision, optionally name=MODEL; the first is the root) as a family, without "
+                      "`orchestra family init`: initialised once under <home>/served/, reused after. Unset: the "
+                      "family of --home.", show_default=False)] = None,
     home: Annotated[Path | None, typer.Option("--home", help="Family home (default: $ORCHESTRA_HOME or ~/.cache/orchestra).")] = None,
     host: Annotated[str, typer.Option("--host", envvar="ORCHESTRA_HOST", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", envvar="ORCHESTRA_PORT", min=0, max=65535, help="Port to listen on.")] = 8000,
@@ -80,6 +84,10 @@ def serve(
         from orchestra.errors import OrchestraError
 
         raise OrchestraError(f"--engine {engine_kind!r}: use orchestra or vllm")
+    if models:
+        from orchestra.family.init import home_for_models
+
+        home = home_for_models(models, under=home)
     if engine_kind == "vllm":
         from orchestra.commands._serve_vllm import serve_vllm
 

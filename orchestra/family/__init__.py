@@ -20,6 +20,7 @@ __all__ = [
     "MemberSpec",
     "build_family",
     "init_family",
+    "home_for_models",
     "load_family",
     "family_dir",
     "FamilyManifest",
@@ -32,6 +33,7 @@ _LAZY = {
     "MemberSpec": "orchestra.family.build",
     "build_family": "orchestra.family.build",
     "init_family": "orchestra.family.init",
+    "home_for_models": "orchestra.family.init",
     "load_family": "orchestra.family.manifest",
     "family_dir": "orchestra.family.manifest",
     "FamilyManifest": "orchestra.family.manifest",
@@ -41,7 +43,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # for type checkers, IDEs and the import contracts (which count these imports)
     from orchestra.family.build import MEMBERS, MemberSpec, build_family
-    from orchestra.family.init import init_family
+    from orchestra.family.init import home_for_models, init_family
     from orchestra.family.manifest import Divergence, FamilyManifest, MemberRecord, family_dir, load_family
 
 

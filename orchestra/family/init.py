@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from orchestra.family.manifest import FamilyManifest, MemberRecord
     from orchestra.models.modelref import ResolvedModel
 
-__all__ = ["MemberArg", "parse_member_arg", "init_family"]
+__all__ = ["MemberArg", "parse_member_arg", "init_family", "home_for_models"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -93,6 +93,33 @@ def init_family(name: str, models: Sequence[str], *, home: str | os.PathLike[str
     target.parent.mkdir(parents=True, exist_ok=True)
     manifest.save(target)
     return FamilyManifest.load(target)
+
+
+def home_for_models(models: Sequence[str], *, under: str | os.PathLike[str] | None = None,
+                    source: str | None = None) -> Path:
+    """A family home of `models` (``orchestra serve MODEL...`` without a prior ``family init``): initialised once
+    under ``<home>/served/<key>``, then reused while the recorded files are the same (fingerprints are not
+    computed again); re-initialised when a folder's files changed. The key is the references as given (a folder
+    by its absolute path), with the source."""
+    import hashlib
+    import json
+
+    from orchestra.family.manifest import load_family
+    from orchestra.paths import resolve_home
+
+    if not models:
+        raise FamilyError("give at least one model (a folder or a Hub id)")
+    args = [parse_member_arg(m) for m in models]
+    refs = [(a.name, str(Path(a.reference).expanduser().resolve()) if Path(a.reference).expanduser().exists()
+             else a.reference) for a in args]
+    key = hashlib.sha256(json.dumps({"models": refs, "source": source}).encode()).hexdigest()[:16]
+    home = resolve_home(under) / "served" / key
+    try:
+        load_family(home)
+        return home
+    except FamilyError:  # none yet, or its files changed since: (re)initialise
+        init_family("served", models, home=home, source=source, force=True)
+        return home
 
 
 def _member_names(args: list[MemberArg], resolved: list[ResolvedModel]) -> list[str]:
