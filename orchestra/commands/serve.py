@@ -66,6 +66,10 @@ def serve(
                            "only this member (name or role); repeat it. Unset: every member.")] = None,
     vllm_max_model_len: Annotated[int | None, typer.Option("--vllm-max-model-len", envvar="ORCHESTRA_VLLM_MAX_MODEL_LEN", min=16, help="--engine vllm: vLLM's "
                                   "--max-model-len for every engine.")] = None,
+    adapter: Annotated[list[str] | None, typer.Option("--adapter", envvar="ORCHESTRA_ADAPTER", metavar="NAME=ADAPTER", help="Serve a peft "
+                       "LoRA adapter (a folder or Hub id) over the source as model NAME, a member of its own; repeat it.")] = None,
+    quantized: Annotated[list[str] | None, typer.Option("--quantized", envvar="ORCHESTRA_QUANTIZED", metavar="NAME=BASE:SCHEME", help="Serve "
+                         "a torchao-quantized view of member BASE as model NAME (e.g. root-int8=root:int8); repeat it.")] = None,
     vllm_adapter: Annotated[list[str] | None, typer.Option("--vllm-adapter", envvar="ORCHESTRA_VLLM_ADAPTER", metavar="NAME=FOLDER", help="--engine vllm: "
                             "a peft LoRA adapter served by the root's engine as model NAME, sharing its documents; repeat it.")] = None,
     vllm_arg: Annotated[list[str] | None, typer.Option("--vllm-arg", envvar="ORCHESTRA_VLLM_ARG", metavar="ARG", help="--engine vllm: one more argument "
@@ -122,7 +126,8 @@ def serve(
                              pipelines_dir=pipelines, max_runs=max_runs,
                              cors_origins=[o.strip() for o in (cors_origins or "").split(",") if o.strip()],
                              allow_code=[p.strip() for item in allow_code or [] for p in str(item).split(",") if p.strip()],
-                             executor=_executor_spec(executor, ray_address), repair=_ladder(repair_ladder))
+                             executor=_executor_spec(executor, ray_address), repair=_ladder(repair_ladder),
+                             adapters=_pairs("--adapter", adapter), quantized=_pairs("--quantized", quantized))
         config.api_key()  # a missing key is a start-up mistake, said before anything loads
         # what the flags, ORCHESTRA_* variables and --config file came to (the key's variable name, never the key)
         structlog.get_logger("orchestra.serve").info("settings", **config.model_dump(mode="json"))
@@ -189,3 +194,16 @@ def _configure_logging(fmt: str) -> None:
     structlog.configure(processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
                                     structlog.processors.format_exc_info, renderer])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+
+def _pairs(flag: str, items: list[str] | None) -> dict[str, str]:
+    """``NAME=VALUE`` options as a mapping; a malformed one is a user's mistake naming the form."""
+    from orchestra.errors import OrchestraError
+
+    found: dict[str, str] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise OrchestraError(f"{flag} {item!r}: write NAME=VALUE (see orchestra serve --help)")
+        found[name] = value
+    return found

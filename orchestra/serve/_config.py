@@ -14,6 +14,7 @@ from orchestra.familycache.gates import GatePolicy
 
 if TYPE_CHECKING:
     from agents.references import CodePolicy
+    from orchestra.models.modelref import AdapterSpec, QuantizeSpec
 
 __all__ = ["ServeConfig"]
 
@@ -82,12 +83,38 @@ class ServeConfig(BaseModel):
     cors_origins: list[str] = Field(default_factory=list)
     """Browser origins allowed to call the API from their pages (CORS), e.g. ``https://app.example.com``; ``*``
     for any; empty: no CORS headers (same-origin pages, such as the web view at /ui, need none)."""
+    adapters: dict[str, str] = Field(default_factory=dict)
+    """peft LoRA adapters served as members of their own over the source: model id -> adapter folder or Hub id.
+    Each shares the source's weights and reaches a document the family computed through a map."""
+    quantized: dict[str, str] = Field(default_factory=dict)
+    """Quantized views served as members of their own: model id -> ``BASE:SCHEME`` (``root:int8``), the member
+    quantized by torchao at load time."""
     on_missing_mapping: Literal["refuse", "calibrate"] = "refuse"
     """A pair without a calibrated mapping is re-prefilled (refuse) or calibrated inside the request (minutes)."""
     executor: ExecutorSpec = Field(default_factory=ExecutorSpec)
     """Where the models run: ``local`` (this process) or ``ray`` (one actor per member and replica, the
     caches in Ray's object store, each reply decoded and batched in its member's actor); the same shape
     as a pipeline's ``executor:`` (``{kind: ray, address: auto, members: {finetuned: {num_gpus: 1}}}``)."""
+
+    @field_validator("quantized")
+    @classmethod
+    def _views(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, view in value.items():
+            base, sep, scheme = view.partition(":")
+            if not sep or not base or not scheme:
+                raise ValueError(f"quantized view {name!r} is {view!r}: write BASE:SCHEME, e.g. root:int8")
+        return value
+
+    def views(self) -> dict[str, AdapterSpec | QuantizeSpec]:
+        """The served adapters and quantized views as the registry takes them (model id -> spec)."""
+        from orchestra.models.modelref import AdapterSpec, QuantizeSpec
+
+        found: dict[str, AdapterSpec | QuantizeSpec] = {
+            name: AdapterSpec(adapter=folder, base=self.source) for name, folder in self.adapters.items()}
+        for name, view in self.quantized.items():
+            base, _, scheme = view.partition(":")
+            found[name] = QuantizeSpec(base=base, quantize=scheme)
+        return found
 
     @field_validator("allow_code")
     @classmethod

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from agents.continuation import Continuation
     from mappings.types import Tokenizer
     from orchestra.family.manifest import FamilyManifest
+    from orchestra.models.modelref import AdapterSpec, QuantizeSpec
     from orchestra.serve._batch import BatchDecoder
     from orchestra.serve._runs import RunManager
     from orchestra.serve._sampling import SampledToken
@@ -308,7 +309,9 @@ class ServeEngine:
             from orchestra.familycache.mapping_store import MappingStore
             from orchestra.models.registry import ModelRegistry
 
-            aliases: dict[str, str] = {alias: name for name, alias in member_aliases(family).items()}
+            aliases: dict[str, str | AdapterSpec | QuantizeSpec] = {
+                alias: name for name, alias in member_aliases(family).items()}
+            aliases.update(self._views(family))
             registry = ModelRegistry(aliases, family=family, default_device=self.config.device, dtype=self.config.dtype)
             registry.check_family(self.config.source)
             store = MappingStore(Path(family.home) / "mappings", on_missing=self.config.on_missing_mapping)
@@ -331,6 +334,10 @@ class ServeEngine:
         self.metrics = metrics or ServeMetrics()
         self._names = member_aliases(family)
         """Member name -> the id it is served under (its role; its name where members share a role)."""
+        self._views_served = {name: spec for name, spec in self._views(family).items()
+                              if name in set(cache.executor.members)}
+        """Served adapters and quantized views, by model id (members of their own over a family member)."""
+        self._names.update({name: name for name in self._views_served})
         self._roles = set(self._names.values())
         self.metrics.bind_cache(cache, members=sorted(self._roles))
         self._batchers: dict[str, BatchDecoder] = {}
@@ -342,6 +349,30 @@ class ServeEngine:
         self._waiting = 0
         self._running = 0
         self._created = int(time.time())
+
+    def _views(self, family: FamilyManifest) -> dict[str, AdapterSpec | QuantizeSpec]:
+        """The configured adapters and views, their bases named by served id; a clash or unknown base refused."""
+        from dataclasses import replace
+
+        from orchestra.errors import ModelReferenceError
+
+        served = member_aliases(family)
+        ids = set(served.values())
+        views = {}
+        if self.config.views() and self.config.executor.kind == "ray":
+            raise ModelReferenceError("adapters and quantized views are served by the local executor only (a Ray "
+                                      "actor holds one family member, without the base a view reads): drop "
+                                      "--adapter/--quantized or --executor ray")
+        for name, spec in self.config.views().items():
+            if name in ids or name in served:
+                raise ModelReferenceError(f"{name!r} is already a member's id or name: serve the adapter or view "
+                                          "under another name")
+            base = served.get(spec.base, spec.base)
+            if base not in ids:
+                raise ModelReferenceError(f"{name!r} is over {spec.base!r}, which is no member of the family: "
+                                          f"name one of {', '.join(sorted(ids))}")
+            views[name] = replace(spec, base=base)
+        return views
 
     # -- models ---------------------------------------------------------------------------------
     def resolve(self, model: str) -> str:
@@ -364,6 +395,12 @@ class ServeEngine:
                 divergence=record.divergence.model_dump() if record.divergence else None,
                 max_context=self.cache.info(alias).max_positions or None,
             ))
+        from orchestra.models.modelref import AdapterSpec
+
+        for name, spec in self._views_served.items():
+            role = "adapter" if isinstance(spec, AdapterSpec) else "quantized"
+            cards.append(ModelCard(id=name, created=self._created, name=name, role=role, parent=spec.base,
+                                   divergence=None, max_context=self.cache.info(name).max_positions or None))
         return cards
 
     def ready(self) -> bool:
