@@ -3,6 +3,7 @@ FamilyCache path through `run`, and `make_executor` builds executors by name fro
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -14,7 +15,7 @@ import torch
 
 from mappings import cache_layers
 from mappings.repair import RepairPolicy
-from orchestra.errors import ExecutorError, ExecutorUnavailableError
+from orchestra.errors import ExecutorError, ExecutorUnavailableError, install_command
 from orchestra.family.corpus import data_text
 from orchestra.familycache import (
     EXECUTORS,
@@ -189,7 +190,7 @@ def test_make_executor_refuses_an_unknown_kind_listing_the_known_ones(registry):
 def test_make_executor_says_how_to_install_ray_when_it_cannot_be_imported(registry, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     monkeypatch.delitem(sys.modules, "orchestra.familycache._ray", raising=False)
-    hint = r"the ray executor needs Ray \(.*\): pip install 'orchestra(-kv)?\[ray\]'"
+    hint = r"the ray executor needs Ray \(.*\): " + re.escape(install_command("ray"))
     with pytest.raises(ExecutorUnavailableError, match=hint):
         make_executor("ray", registry)
 

@@ -10,6 +10,7 @@ are needed. int4 is CUDA-only in torchao 0.18 (no packed int4 CPU format), so he
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 
 import pytest
@@ -23,6 +24,7 @@ from orchestra.errors import (
     PipelineValidationError,
     QuantizeBaseError,
     QuantizeError,
+    install_command,
 )
 from orchestra.family.corpus import data_text
 from orchestra.models.modelref import AdapterSpec, QuantizeSpec
@@ -242,7 +244,7 @@ def test_without_torchao_a_view_is_refused_with_the_install_command(fam, monkeyp
         return real(name)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    with pytest.raises(MissingDependencyError, match=r"pip install 'orchestra-kv\[quant\]'"):
+    with pytest.raises(MissingDependencyError, match=re.escape(install_command("quant"))):
         _registry(fam).info("q8")
     assert _registry(fam).info("base").quantized is None  # plain members never need it
 
