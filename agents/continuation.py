@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 from agents.sampling import Sampler
 from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
 
-__all__ = ["Continuation", "ContinuationFinish", "TokenStream", "continue_ids", "eos_token_ids"]
+__all__ = ["Continuation", "ContinuationFinish", "TokenStream", "continue_ids", "continue_stream", "eos_token_ids"]
 
 ContinuationFinish = Literal["eos", "stop", "length", "cancelled"]
 
@@ -184,14 +184,22 @@ def continue_ids(
     ``no_repeat_ngram_size`` control repetition within the reply (off by default; see `Sampler`).
     Raises ContextOverflowError before any compute when prefix + new ids + max_new_tokens do not fit.
     """
-    new = [int(t) for t in new_ids]
-    _check_request(model, prefix_cache, prefix_len, new, max_new_tokens)
-    cancelled = _cancel_check(cancel)
-    held = lock if lock is not None else contextlib.nullcontext()
     stream = TokenStream(tokenizer, eos_token_ids(model, tokenizer), max_new_tokens=max_new_tokens,
                          temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                          on_token=on_token, constraint=constraint, repetition_penalty=repetition_penalty,
                          no_repeat_ngram_size=no_repeat_ngram_size)
+    return continue_stream(model, stream, prefix_cache, prefix_len, new_ids, cancel=cancel, lock=lock)
+
+
+def continue_stream(model: Model, stream: TokenStream, prefix_cache: CacheLike | None, prefix_len: int,
+                    new_ids: Sequence[int], *, cancel: threading.Event | Callable[[], bool] | None = None,
+                    lock: AbstractContextManager[object] | None = None) -> Continuation:
+    """`continue_ids` over a `TokenStream` the caller built (its own sampler, constraint, stops and token sink),
+    as a server does for the sampling fields of its requests; the same checks, copying and locking."""
+    new = [int(t) for t in new_ids]
+    _check_request(model, prefix_cache, prefix_len, new, stream.max_new_tokens)
+    cancelled = _cancel_check(cancel)
+    held = lock if lock is not None else contextlib.nullcontext()
     device = model_device(model)
     t0 = time.perf_counter()
     if cancelled():

@@ -62,43 +62,10 @@ def decode(loaded: LoadedModel, lock: threading.Lock, cache: KVCache, prefix_len
 
 def _decode_alone(model: Model, lock: threading.Lock, cache: KVCache | None, prefix_len: int, new_ids: list[int],
                   stream: TokenStream, cancel: threading.Event) -> Continuation:
-    """`agents.continue_ids` with the reply's own `TokenStream`: the prefix cache copied (never modified), the new
-    ids fed after it, then one token per forward pass, holding `lock` per pass; stops between tokens on `cancel`."""
-    import time
+    """One reply on its own: `agents.continuation.continue_stream` with the reply's `TokenStream` (its sampler)."""
+    from agents.continuation import continue_stream
 
-    import torch
-
-    from agents.kv import check_context, check_prefix_cache, forward_tokens
-    from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
-
-    if not new_ids:
-        raise ValueError("new_ids is empty: give at least one token to continue from")
-    if cache is not None:
-        check_prefix_cache(cache, prefix_len)
-    check_context(model, prefix_len, len(new_ids), stream.max_new_tokens)
-    device = model_device(model)
-    t0 = time.perf_counter()
-    if cancel.is_set():
-        return stream.result(len(new_ids), 0.0, 0.0, cancelled=True)
-    with torch.no_grad():
-        own = copy_cache(cache, model) if cache is not None else new_cache(model)
-        with lock:
-            logits = forward_tokens(model, new_ids, own, prefix_len)
-            sync_device(device)
-        t1 = time.perf_counter()
-        position = prefix_len + len(new_ids)
-        while True:
-            token = stream.push(logits)
-            if stream.finish is not None:
-                break
-            if cancel.is_set():
-                stream.finish = "cancelled"
-                break
-            with lock:  # per step: other work on this model interleaves token by token
-                logits = forward_tokens(model, [token], own, position)
-            position += 1
-        sync_device(device)
-    return stream.result(len(new_ids), t1 - t0, time.perf_counter() - t1)
+    return continue_stream(model, stream, cache, prefix_len, new_ids, cancel=cancel, lock=lock)
 
 
 def json_constraint(tokenizer: Tokenizer, vocab_size: int, fmt: ResponseFormat | None) -> JsonConstraint | None:
