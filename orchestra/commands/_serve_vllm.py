@@ -9,7 +9,7 @@ from pathlib import Path
 
 def serve_vllm(*, home: Path | None, host: str, port: int, dtype: str, api_key_env: str | None,
                members: list[str] | None, max_model_len: int | None, vllm_args: list[str], graceful_s: float,
-               adapters: list[str] | None = None) -> None:
+               adapters: dict[str, str] | None = None) -> None:
     """Run until SIGINT/SIGTERM; the vLLM engines stop with the server."""
     import os
 
@@ -21,12 +21,6 @@ def serve_vllm(*, home: Path | None, host: str, port: int, dtype: str, api_key_e
     from orchestra.serve._vllm import create_vllm_app
     from orchestra.vllm.engines import VllmEngines
 
-    loras: dict[str, str] = {}
-    for item in adapters or []:
-        name, sep, folder = item.partition("=")
-        if not sep or not name or not folder:
-            raise OrchestraError(f"--vllm-adapter {item!r}: write NAME=FOLDER (a peft adapter's folder)")
-        loras[name] = folder
     try:
         import vllm  # noqa: F401  (the engines run in child processes; a missing vLLM is said here, once)
     except ImportError as exc:
@@ -40,7 +34,7 @@ def serve_vllm(*, home: Path | None, host: str, port: int, dtype: str, api_key_e
     run_dir = Path(tempfile.mkdtemp(prefix="orchestra-vllm-"))
     engines = VllmEngines(resolve_home(home), run_dir, members=members or None,
                           dtype="float32" if dtype == "auto" else dtype, max_model_len=max_model_len,
-                          extra_args=tuple(vllm_args), adapters=loras)
+                          extra_args=tuple(vllm_args), adapters=dict(adapters or {}))
     log = structlog.get_logger("orchestra.serve")
     log.info("vllm_engines_starting", run_dir=str(run_dir))
     engines.start()

@@ -98,7 +98,7 @@ def serve(
         _configure_logging(log_format)
         serve_vllm(home=home, host=host, port=port, dtype=dtype, api_key_env=api_key_env, members=vllm_member,
                    max_model_len=vllm_max_model_len, vllm_args=list(vllm_arg or []), graceful_s=graceful_s,
-                   adapters=list(vllm_adapter or []))
+                   adapters=_pairs("--vllm-adapter", vllm_adapter))
         return
     import signal
 

@@ -29,5 +29,5 @@ def test_the_vllm_engine_without_vllm_says_what_to_install() -> None:
 def test_a_malformed_vllm_adapter_is_one_line_naming_the_form() -> None:
     result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--vllm-adapter", "legal"])
     assert result.exit_code == 2
-    assert "--vllm-adapter 'legal': write NAME=FOLDER" in result.output
+    assert "--vllm-adapter 'legal': write NAME=VALUE" in result.output
     assert "Traceback" not in result.output
