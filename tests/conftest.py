@@ -62,18 +62,7 @@ def _ensure_mapping(family, role: str, tokens: int = 4096) -> None:
 @pytest.fixture(scope="session")
 def tiny_family_home(tiny_root) -> Path:
     """A family home built by `build_family` whose four members derive from the tiny llama model (not the GGUF)."""
-    from orchestra.family import build_family
-    from tests.fault_driver import tiny_build_patches
+    from tests.tiny_family import build_home_from
 
     fam = build_tiny_family(tiny_root, "llama")
-    home = tiny_root / "family-home"
-    patches = tiny_build_patches(fam.parent)
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    try:
-        for obj, name, value in patches:
-            setattr(obj, name, value)
-        build_family(home, calibrate=False)  # an empty mapping store: each test calibrates what it needs
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-    return home
+    return build_home_from(fam.parent, tiny_root / "family-home")  # each test calibrates what it needs

@@ -120,21 +120,26 @@ def build_tiny_home(scratch: Path, context: int = 4096) -> Path:
     by the test that runs the docs' examples."""
     import json
 
-    from orchestra.family import build_family
-    from tests.fault_driver import tiny_build_patches
-
     fam = build_tiny_family(scratch / "tiny", "llama")
     config_file = Path(fam.parent) / "config.json"
     config = json.loads(config_file.read_text())
     config["max_position_embeddings"] = context
     config_file.write_text(json.dumps(config, indent=2))
-    home = scratch / "home"
-    patches = tiny_build_patches(fam.parent)
+    return build_home_from(fam.parent, scratch / "home")  # a first mapped request calibrates it; later ones reuse it
+
+
+def build_home_from(parent: Path, home: Path) -> Path:
+    """`build_family` into `home` with every member derived from the tiny model at `parent` (not the GGUF), and
+    an empty mapping store (what needs a map calibrates it)."""
+    from orchestra.family import build_family
+    from tests.fault_driver import tiny_build_patches
+
+    patches = tiny_build_patches(parent)
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
-        build_family(home, calibrate=False)  # a first mapped request calibrates on demand; later ones reuse it
+        build_family(home, calibrate=False)
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)
