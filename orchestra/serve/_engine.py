@@ -303,6 +303,7 @@ class ServeEngine:
             family = load_family(self.config.home)
         self.family = family
         self._owns_cache = cache is None
+        views = self._views(family)
         if cache is None:
             from pathlib import Path
 
@@ -311,7 +312,7 @@ class ServeEngine:
 
             aliases: dict[str, str | AdapterSpec | QuantizeSpec] = {
                 alias: name for name, alias in member_aliases(family).items()}
-            aliases.update(self._views(family))
+            aliases.update(views)
             registry = ModelRegistry(aliases, family=family, default_device=self.config.device, dtype=self.config.dtype)
             registry.check_family(self.config.source)
             store = MappingStore(Path(family.home) / "mappings", on_missing=self.config.on_missing_mapping)
@@ -334,8 +335,7 @@ class ServeEngine:
         self.metrics = metrics or ServeMetrics()
         self._names = member_aliases(family)
         """Member name -> the id it is served under (its role; its name where members share a role)."""
-        self._views_served = {name: spec for name, spec in self._views(family).items()
-                              if name in set(cache.executor.members)}
+        self._views_served = {name: spec for name, spec in views.items() if name in set(cache.executor.members)}
         """Served adapters and quantized views, by model id (members of their own over a family member)."""
         self._names.update({name: name for name in self._views_served})
         self._roles = set(self._names.values())
