@@ -20,6 +20,10 @@ group per pipeline:
 - **generation** runs in the agent's actor; tokens stream back to the driver as they are made
   (a Ray streaming generator) and a cancelled agent stops at its next token. Other streamed work
   (`orchestra serve`'s replies, batched per actor) goes the same way through `stream()`;
+- **adapters and quantized views** are members with actors of their own: an actor is given its member's
+  registry entry and those of the bases it reads (`_actor_aliases`) and loads its member only, so an
+  adapter's actor holds a copy of its base's weights of its own (a local run shares one); at start each
+  actor's fingerprint is checked against the driver's;
 - **faults**: a dead actor fails the work it was running with `ActorLostError` naming the actor and
   node (a mapped cache then falls back to a re-prefill, an agent fails), Ray restarts it
   (`max_restarts`), and the next call uses the new one; `close()` kills the actors and removes the
@@ -92,6 +96,7 @@ if TYPE_CHECKING:
     from orchestra.familycache._handles import CacheRef, HiddenRef, OnToken
     from orchestra.familycache._settings import ExecutorSpec, MemberResources
     from orchestra.familycache.mapping_store import MappingStoreConfig, ProbeReference, ReferenceWindows
+    from orchestra.models.modelref import AdapterSpec, QuantizeSpec
     from orchestra.models.registry import FamilyIndex, LoadedModel, ModelInfo, ModelRegistry
 
 __all__ = ["RayExecutor", "RemoteKV", "RemoteHidden", "RemoteMapping", "NAMESPACE"]
@@ -277,22 +282,26 @@ class _WhoAmI(TypedDict):
     pid: int
     device: str
     threads: int
+    fingerprint: str
+    """The fingerprint of the model the actor loaded (the driver checks it against its own resolution)."""
 
 
 @ray.remote
 class MemberActor:
     """One family member's model in its own process; runs ops and agents on it."""
 
-    def __init__(self, name: str, alias: str, target: str, family: FamilyIndex | None, device: str, dtype: str,
-                 threads: int | None, agents_at_once: int) -> None:
+    def __init__(self, name: str, alias: str, aliases: Mapping[str, str | AdapterSpec | QuantizeSpec],
+                 family: FamilyIndex | None, device: str, dtype: str, threads: int | None,
+                 agents_at_once: int) -> None:
         import torch
 
         from orchestra.models.registry import ModelRegistry
 
         torch.set_num_threads(threads or _node_cores())
         self.name, self.alias = name, alias
-        registry = ModelRegistry({alias: target}, family=family, devices={alias: device}, default_device=device,
-                                 dtype=dtype)
+        # `aliases`: this member's entry and those of the bases it reads (`_actor_aliases`); only it is loaded
+        # (an adapter loads its base's weights here first, a view reads its base's files)
+        registry = ModelRegistry(aliases, family=family, devices={alias: device}, default_device=device, dtype=dtype)
         self.model = registry.load(alias)
         context = ray.get_runtime_context()
         self.node = f"{ray.util.get_node_ip_address()}/{context.get_node_id()[:8]}"  # type: ignore[no-untyped-call]
@@ -306,7 +315,7 @@ class MemberActor:
         import torch
 
         return {"actor": self.name, "node": self.node, "pid": os.getpid(), "device": self.model.device,
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "fingerprint": self.model.info.fingerprint}
 
     # resolving what the driver sent
     def _cache(self, obj: RemoteKV) -> KVCache:
@@ -352,10 +361,15 @@ class MemberActor:
                 except MappingUnavailableError as exc:
                     if store.on_missing != "calibrate":
                         raise
+                    how = ("`orchestra family calibrate` or `orchestra calibrate`"
+                           if source.quantized is None and self.model.info.quantized is None else
+                           # `orchestra calibrate` loads folders as stored: it would fit the base, not the view
+                           "a run of the pipeline on the local executor (mapping.on_missing: calibrate), which "
+                           "stores it where this run looks")
                     raise MappingUnavailableError(
                         f"{exc}. The ray executor does not calibrate mappings on demand (calibration runs both "
                         f"models over the calibration corpus in one process): calibrate offline first with "
-                        f"`orchestra family calibrate` or `orchestra calibrate`") from None
+                        f"{how}") from None
             return self.mappings[key]
 
     @ray.method(num_returns=3)
@@ -577,7 +591,7 @@ class RayExecutor(Executor):
         return self.registry.dtype_of(member)
 
     def tokenizer(self, member: str) -> Tokenizer:
-        path = str(self.info(member).path)
+        path = str(self.info(member).tokenizer_path)  # an adapter without a tokenizer of its own: its base's
         if path not in self._tokenizers:
             from transformers import AutoTokenizer
 
@@ -629,10 +643,25 @@ class RayExecutor(Executor):
                 every = [a for group in actors.values() for a in group]
                 for actor, who in zip(every, ray.get([a.handle.whoami.remote() for a in every]), strict=True):
                     actor.node = who["node"]
+                    self._check_fingerprint(actor, who)
             except ray.exceptions.RayActorError as exc:
                 self._stop()
                 raise ExecutorUnavailableError(f"a member's actor could not start (its model did not load): "
                                                f"{_first_line(exc)}") from exc
+            except ExecutorUnavailableError:
+                self._stop()
+                raise
+
+    def _check_fingerprint(self, actor: _Actor, who: _WhoAmI) -> None:
+        """The actor's model is the one the driver resolved: cache keys and mappings are looked up by the
+        driver's fingerprint and applied to the actor's model, so they must agree (a node whose files differ,
+        or an adapter or view resolved over another base, would map caches with the wrong mapping)."""
+        expected = self.info(actor.member).fingerprint
+        if who["fingerprint"] != expected:
+            raise ExecutorUnavailableError(
+                f"actor {actor.name} on node {actor.node} loaded a model whose fingerprint ({who['fingerprint'][:12]}) "
+                f"is not the one this process resolved for {actor.member!r} ({expected[:12]}): give every node the "
+                f"same files at the same path")
 
     def close(self) -> None:
         """Kill the actors and remove the placement group (and stop Ray if this executor started it)."""
@@ -982,11 +1011,31 @@ def _spawn_actor(ex: RayExecutor, member: str, replica: int, res: MemberResource
     """`ex`'s `replica`-th actor of `member`, in bundle `index` of its placement group (its model loads there)."""
     ray_name = f"orchestra.{ex.name}.{ex.uid}.{member}.{replica}"
     device = "cpu" if ex.registry.devices.get(member) == "cpu" else ("auto" if res.num_gpus else "cpu")
+    aliases = _actor_aliases(ex.registry, member)
     # ray.remote's stubs type the decorated class as itself, not the ActorClass that has .options
     handle = MemberActor.options(  # type: ignore[attr-defined]
         name=ray_name, namespace=NAMESPACE, num_cpus=res.num_cpus, num_gpus=res.num_gpus or 0,
         max_restarts=ex.spec.max_restarts, max_task_retries=0, max_concurrency=32,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-    ).remote(f"{member}#{replica}", member, ex.registry.aliases[member], ex.registry.family, device,
-             ex.registry.dtype, res.threads, ex.max_concurrency_per_device)
+    ).remote(f"{member}#{replica}", member, aliases, ex.registry.family, device, ex.registry.dtype, res.threads,
+             ex.max_concurrency_per_device)
     return _Actor(member, replica, handle, ray_name)
+
+
+def _actor_aliases(registry: ModelRegistry, member: str) -> dict[str, str | AdapterSpec | QuantizeSpec]:
+    """The registry entries `member`'s actor needs: its own, then the chain of bases it reads, as the driver
+    resolved them (``{"tuned": AdapterSpec(..., base="root"), "root": "<root's target>"}``); a plain member's
+    alone.
+
+    The actor loads `member` only, but an adapter's weights go over its base's (loaded in the actor too: one
+    copy of the base per adapter actor, where a local run shares the base member's) and a view quantizes its
+    base's weights read from their files; both resolve their base (config, tokenizer, fingerprint) by alias.
+    """
+    chain: dict[str, str | AdapterSpec | QuantizeSpec] = {}
+    alias: str | None = member
+    while alias is not None and alias not in chain:
+        chain[alias] = registry.aliases[alias]
+        info = registry.info(alias)
+        lineage = info.adapter or info.quantized
+        alias = lineage.base_alias if lineage is not None else None
+    return chain

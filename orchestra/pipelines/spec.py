@@ -411,15 +411,6 @@ class PipelineSettings(_Validated):
     def _aliases_declared(self) -> PipelineSettings:
         _check_adapter_bases(self.models)
         _check_view_bases(self.models)
-        adapters = [alias for alias, target in self.models.items() if isinstance(target, AdapterSpec)]
-        if adapters and self.executor.kind == "ray":
-            raise _pipeline_error("executor", f"LoRA adapter members ({', '.join(adapters)}) run on the local "
-                                  "executor only, where they share their base's weights: use executor: local")
-        views = [alias for alias, target in self.models.items() if isinstance(target, QuantizeSpec)]
-        if views and self.executor.kind == "ray":
-            raise _pipeline_error("executor", f"quantized views ({', '.join(views)}) run on the local executor only "
-                                  "(a Ray actor resolves its one member alone, without the base a view reads): "
-                                  "use executor: local")
         if self.source is not None and self.source not in self.models:
             raise _pipeline_error("source", _unknown("source", self.source, self.models))
         for alias in self.devices:

@@ -359,10 +359,6 @@ class ServeEngine:
         served = member_aliases(family)
         ids = set(served.values())
         views = {}
-        if self.config.views() and self.config.executor.kind == "ray":
-            raise ModelReferenceError("adapters and quantized views are served by the local executor only (a Ray "
-                                      "actor holds one family member, without the base a view reads): drop "
-                                      "--adapter/--quantized or --executor ray")
         for name, spec in self.config.views().items():
             if name in ids or name in served:
                 raise ModelReferenceError(f"{name!r} is already a member's id or name: serve the adapter or view "

@@ -2,12 +2,14 @@
 
 Same token ids, cache paths and gate decisions as the local executor; FamilyCache entries hold
 ObjectRefs; an actor killed mid-run fails its agent with a typed error naming actor and node while
-its sibling succeeds, and the next run works; cancelled runs, `close()` and Ctrl-C on a driver leave
+its sibling succeeds, and the next run works; a LoRA adapter and an int8 view run in actors of their own as
+they run locally; cancelled runs, `close()` and Ctrl-C on a driver leave
 no actors or placement groups behind.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -234,6 +236,70 @@ async def test_missing_mapping_is_refused_and_cancelled_runs_leave_nothing(ray_c
     finally:
         orch.close()
     assert not _ours() and not _live_groups()
+
+
+async def test_adapter_and_quantized_view_members_run_in_actors_of_their_own(ray_cluster, fam, tmp_path_factory):
+    """A LoRA adapter and an int8 view over the source under Ray: each actor is given its alias and its base's,
+    loads only its own model (the base's weights again, in that actor), reports the fingerprint the driver
+    resolved, and maps the source's document cache as a local run does: same cache paths, same outputs."""
+    from orchestra.familycache._ray import _actor_aliases
+    from orchestra.models.modelref import AdapterSpec, QuantizeSpec
+    from tests.fixtures.adapters import make_lora_adapter
+
+    folder = tmp_path_factory.mktemp("ray_views")
+    lora = str(make_lora_adapter(fam.parent, folder / "lora", scale=0.02, seed=1))
+    models = {"base": str(fam.parent), "tuned": {"adapter": lora, "base": "base"}}
+    agents = [_spec("a", "base"), _spec("b", "tuned")]
+    if importlib.util.find_spec("torchao") is not None:  # the quant extra; int8 runs on the CPU
+        models["q8"] = {"base": "base", "quantize": "int8"}
+        agents.append(_spec("c", "q8"))
+
+    def pipeline(**extra) -> PipelineSpec:
+        return PipelineSpec.model_validate({
+            "name": "views", "models": models, "source": "base", "default_device": "cpu", "agents": agents,
+            "gate": {"offline": None, "probe": {"tokens": 16, "max_excess_nll": 100.0}}, **extra})
+
+    # the local run calibrates base -> each view on demand (a view's mapping is only made by a run that loads
+    # it); the ray run, which never calibrates, finds them there
+    store = MappingStore(folder / "maps", tokens=1024, corpus=CORPUS)
+    expected = await Orchestra(pipeline(), mappings=store).run(SHORT)
+    remote = Orchestra(pipeline(executor={"kind": "ray", "num_cpus": 0.5}), mappings=store)
+    try:
+        got = await remote.run(SHORT)
+        paths = {a.name: a.cache_path for a in got.agents}
+        assert paths == {a.name: a.cache_path for a in expected.agents} == {
+            "a": "exact", "b": "mapped", **({"c": "mapped"} if "q8" in models else {})}
+        assert [a.status for a in got.agents] == [a.status for a in expected.agents]
+        assert all(a.status in RAN for a in got.agents)
+        assert [a.output for a in got.agents] == [a.output for a in expected.agents]
+        assert {a.name: a.actor for a in got.agents} == {"a": "base#0", "b": "tuned#0",
+                                                         **({"c": "q8#0"} if "q8" in models else {})}
+
+        executor = remote.cache.executor
+        assert _actor_aliases(executor.registry, "tuned") == {"tuned": AdapterSpec(lora, "base"),
+                                                              "base": str(fam.parent)}
+        assert _actor_aliases(executor.registry, "base") == {"base": str(fam.parent)}
+        if "q8" in models:
+            assert _actor_aliases(executor.registry, "q8") == {"q8": QuantizeSpec("base", "int8"),
+                                                               "base": str(fam.parent)}
+        # each actor's model is the member the driver resolved: the fingerprints the caches and maps are keyed by
+        for member in models:
+            who = ray.get(executor.actors(member)[0].handle.whoami.remote())
+            assert who["fingerprint"] == executor.info(member).fingerprint == expected_fp(fam, lora, member)
+        mapped = {e.member: e.cache.producer for e in remote.cache.pool.entries() if e.namespace.kind == "mapped"}
+        assert mapped == {m: f"{m}#0" for m in models if m != "base"}  # mapped in the view's own actor
+    finally:
+        remote.close()
+    assert not _ours() and not _live_groups()
+
+
+def expected_fp(fam, lora: str, member: str) -> str:
+    """`member`'s fingerprint as a local registry resolves it."""
+    from orchestra.models.modelref import AdapterSpec, QuantizeSpec
+    from orchestra.models.registry import ModelRegistry
+
+    return ModelRegistry({"base": str(fam.parent), "tuned": AdapterSpec(lora, "base"),
+                          "q8": QuantizeSpec("base", "int8")}, default_device="cpu").info(member).fingerprint
 
 
 # The CLI, with one hook: the first token event writes the marker file and holds the run there (the event

@@ -285,9 +285,10 @@ def test_the_python_builder_takes_adapters_and_keeps_their_base(fam, lora):
     assert p.spec.models["tuned"] == AdapterSpec(str(lora.all), "base")
     assert set(p.spec.models) == {"base", "tuned", "mine"}
     assert f"tuned: {lora.all} (LoRA over base)" in p.graph()
-    ray = {"kind": "ray"}
-    with pytest.raises(PipelineValidationError, match="local executor only"):
-        Pipeline("p", models={"base": fam.parent, "tuned": AdapterSpec(str(lora.all), "base")}, executor=ray)
+    # under Ray too: the adapter's actor is given its base's entry and loads the base's weights itself
+    ray = Pipeline("p", models={"base": fam.parent, "tuned": AdapterSpec(str(lora.all), "base")},
+                   executor="ray").agent("summarizer", model="tuned", max_words=20)
+    assert ray.spec.executor.kind == "ray" and ray.spec.models["tuned"] == AdapterSpec(str(lora.all), "base")
 
 
 def _agent(name: str, model: str) -> dict[str, object]:

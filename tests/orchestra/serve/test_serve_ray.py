@@ -279,6 +279,59 @@ def test_a_killed_actor_fails_its_request_and_the_next_one_is_served(remote):
     assert executor.actors("finetuned")[0].suspect is False
 
 
+async def test_an_adapter_and_a_quantized_view_are_served_from_actors_of_their_own(ray_cluster, tiny_serve_family,
+                                                                                  tmp_path_factory):
+    """`orchestra serve --adapter legal=... --quantized root-int8=root:int8 --executor ray`: each is a member with an
+    actor of its own (the root's weights loaded again in it); /v1/models lists them, and the adapter reaches the
+    document the root computed through the map calibrated offline, with the local server's reply."""
+    import importlib.util
+
+    from orchestra.models.modelref import AdapterSpec
+    from orchestra.models.registry import ModelRegistry
+    from tests.fixtures.adapters import make_lora_adapter
+    from tests.orchestra.serve.conftest import asgi_client
+
+    home = tmp_path_factory.mktemp("serve_ray_views")
+    legal = make_lora_adapter(tiny_serve_family.registry.info("root").path, home / "legal", scale=0.02, seed=1)
+    # the family's records with their files' fingerprints, so the map calibrated here is the one the server finds
+    members = {name: record.model_copy(update={"fingerprint": tiny_serve_family.registry.info(record.role)
+                                               .fingerprint_parts})
+               for name, record in tiny_serve_family.manifest.members.items()}
+    family = tiny_serve_family.manifest.model_copy(update={"home": str(home), "members": members})
+    offline = ModelRegistry({"root": "tiny-parent", "legal": AdapterSpec(str(legal), "root")}, family=family,
+                            default_device="cpu")
+    MappingStore(home / "mappings", tokens=TOKENS, corpus=CORPUS).get(offline.load("root"), offline.load("legal"))
+    quantized = {"root-int8": "root:int8"} if importlib.util.find_spec("torchao") is not None else {}
+    settings = {"device": "cpu", "dtype": "float32", "gate": GATE, "adapters": {"legal": str(legal)}}
+
+    replies = {}
+    for kind, views in (("local", {}), ("ray", quantized)):
+        executor = {"kind": kind, "address": ray_cluster, "num_cpus": 0.25}  # beside `remote`'s actors: 2 CPUs
+        engine = ServeEngine(ServeConfig(**settings, quantized=views, executor=executor), family=family)
+        try:
+            async with asgi_client(engine) as client:
+                cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+                assert (cards["legal"]["role"], cards["legal"]["parent"]) == ("adapter", "root")
+                for name in views:
+                    assert (cards[name]["role"], cards[name]["parent"]) == ("quantized", "root")
+                got = []
+                for model in ("root", "legal", *views):
+                    body = {"model": model, "messages": conversation("Who may copy it?"), "max_tokens": 12,
+                            "temperature": 0}
+                    reply = await client.post("/v1/chat/completions", json=body)
+                    assert reply.status_code == 200, reply.text
+                    got.append((reply.headers["x-orchestra-cache"], reply.json()["choices"][0]["message"]["content"]))
+                replies[kind] = got
+            if kind == "ray":
+                actors = engine.cache.executor.placement()
+                assert sorted(actors) == sorted(["root", "finetuned", "legal", *views])
+        finally:
+            engine.close()
+    # the adapter's reply was decoded in its actor from the root's cache, mapped there: as the local server's
+    assert replies["ray"][:2] == replies["local"] and replies["ray"][1][0] == "mapped"
+    assert all(text for _, text in replies["ray"])
+
+
 def test_closing_the_engine_leaves_no_actors_or_groups(ray_cluster, tiny_serve_family):
     """An engine built from its config (as `orchestra serve` builds it) starts its actors before it serves,
     and closing it (what the command does after uvicorn's shutdown on SIGTERM) removes them and their group."""

@@ -57,7 +57,6 @@ async def test_an_adapter_and_an_int8_view_are_served_and_map_the_document_the_r
 @pytest.mark.parametrize(("settings", "says"), [
     ({"adapters": {"tuned": "x"}}, "already a member's id or name"),
     ({"quantized": {"q8": "nobody:int8"}}, "which is no member of the family"),
-    ({"adapters": {"legal": "x"}, "executor": {"kind": "ray"}}, "served by the local executor only"),
 ])
 def test_a_view_that_clashes_or_has_no_base_is_refused_at_start(served_home, settings, says):
     from orchestra.errors import ModelReferenceError
