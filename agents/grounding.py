@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from agents.prompt import Tokenizer
 
 __all__ = ["Grounding", "normalize", "is_grounded", "ground_value", "document_sentences", "grounded_schema"]
 
@@ -141,3 +145,24 @@ def grounded_schema(schema: Mapping[str, object], document: str | None = None, *
             rewritten[name] = new
             changed = True
     return {**schema, "properties": rewritten} if changed else None
+
+
+def grounded_reply_tokens(tokenizer: Tokenizer, schema: Mapping[str, object], document: str, max_items: int) -> int:
+    """Tokens the longest reply a grounded grammar allows can take: each list property holding its
+    ``max_items`` longest sentences, laid out as the agents' fixed layout writes it (2-space indent).
+
+    A JSON agent's reply budget is at least this, so a grounded reply always finishes its JSON: one
+    that stops at ``max_new_tokens`` mid-item loses the item it was writing and every item after it.
+    """
+    import json
+
+    props = schema.get("properties")
+    sentences = document_sentences(document)
+    if not isinstance(props, dict) or not sentences:
+        return 0
+    lengths = sorted((len(tokenizer.encode(json.dumps(s, ensure_ascii=False), add_special_tokens=False))
+                      for s in sentences), reverse=True)
+    longest = sum(lengths[:max_items])
+    lists = [name for name, prop in props.items() if isinstance(prop, dict) and prop.get("type") == "array"]
+    skeleton = json.dumps({name: ["" for _ in range(min(max_items, len(lengths)))] for name in lists}, indent=2)
+    return longest * len(lists) + len(tokenizer.encode(skeleton, add_special_tokens=False))

@@ -38,7 +38,7 @@ from mappings.cache_io import copy_cache, model_device, new_cache, sync_device
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from agents.constrained import JsonConstraint
+    from agents.constrained import TokenConstraint
     from mappings.types import CacheLike, Model, Tokenizer
 
 __all__ = ["TokenEvent", "AgentTimings", "AgentResult", "FinishReason", "generate", "eos_token_ids"]
@@ -122,7 +122,29 @@ class AgentResult(BaseModel):
             import json
 
             return json.dumps(self.parsed, ensure_ascii=False)
-        return self.text
+        return self._whole_text()
+
+    def _whole_text(self) -> str:
+        """Free text; cut at max_new_tokens, up to its last complete sentence (`agents.finish`)."""
+        if self.finish_reason != "length" or self.tool_calls:
+            return self.text
+        from agents.finish import complete_text
+
+        return complete_text(self.text)
+
+    def output_text(self) -> str:
+        """What the agent's report and events show: a JSON agent's accepted value in the layout it was written in
+        (2-space indent), so the items dropped from the reply (repeats, ungrounded or unfinished ones) are not
+        shown as its answer; free text cut at max_new_tokens up to its last complete sentence; a degenerate
+        reply as it was decoded."""
+        if self.degenerate is not None:
+            return self.text
+        if self.parsed is None:
+            return self._whole_text()
+        import json
+
+        value = self.parsed.model_dump(mode="json") if isinstance(self.parsed, BaseModel) else self.parsed
+        return json.dumps(value, ensure_ascii=False, indent=2)
 
 
 CancelCheck = Callable[[], bool]
@@ -168,7 +190,7 @@ class _Generation:
 
 
 def _json_constraint(model: Model, tokenizer: Tokenizer, spec: AgentSpec,
-                     document: str | None = None) -> JsonConstraint | None:
+                     document: str | None = None) -> TokenConstraint | None:
     """A fresh grammar constraint for a JSON agent's reply, or None (free text, or a tokenizer xgrammar cannot read).
 
     For grounded agents with the ``document`` given, list items are limited to its sentences first.
@@ -189,9 +211,16 @@ def _json_constraint(model: Model, tokenizer: Tokenizer, spec: AgentSpec,
         limited = grounded_schema(schema, document if output.grounded else None, max_items=output.max_items)
         if limited is not None:
             try:
-                return JsonConstraint.for_tokenizer(tokenizer, limited, vocab_size=vocab, fixed_layout=True)
+                grammar = JsonConstraint.for_tokenizer(tokenizer, limited, vocab_size=vocab, fixed_layout=True)
             except Exception:  # noqa: BLE001 - too large for the grammar: the schema alone, checked after decoding
                 pass
+            else:
+                if output.grounded and document is not None:
+                    from agents.distinct import DistinctItems
+                    from agents.grounding import document_sentences
+
+                    return DistinctItems(grammar, tokenizer, document_sentences(document))
+                return grammar
     try:
         return JsonConstraint.for_tokenizer(tokenizer, schema, vocab_size=vocab, fixed_layout=True)
     except Exception:  # noqa: BLE001 - a schema feature xgrammar cannot compile: any JSON object, then the tracker
@@ -228,7 +257,8 @@ def _decode_once(
     # a free-text reply also ends where it starts writing the document markers (JSON and calls have their grammar);
     # repair attempts of a seeded agent draw with seed + attempt: a retry must not replay the rejected reply
     frame = FRAME_ECHOES if constraint is None and tracker is None else ()
-    stream = TokenStream(tokenizer, eos, max_new_tokens=settings.max_new_tokens, stop=(*settings.stop, *frame),
+    budget = _reply_budget(model, tokenizer, spec, n_prefix + len(suffix.ids), document)
+    stream = TokenStream(tokenizer, eos, max_new_tokens=budget, stop=(*settings.stop, *frame),
                          on_token=_emitter(spec.name, attempt, on_token, clock), constraint=constraint,
                          sampler=Sampler.from_settings(settings, seed_offset=attempt),
                          ends=tracker.feed if tracker is not None else None)
@@ -238,6 +268,23 @@ def _decode_once(
     cache, logits, prefilled = _prefill(passes, prefix_ids, prefix_cache, suffix, device)
     _decode_tokens(passes, stream, cache, logits, n_prefix + len(suffix.ids), since=prefilled)
     return _finished(stream, frame, suffix, constrained=constraint is not None)
+
+
+def _reply_budget(model: Model, tokenizer: Tokenizer, spec: AgentSpec, prompt_tokens: int,
+                  document: str | None) -> int:
+    """``max_new_tokens``, raised for a grounded JSON agent to what its longest allowed reply needs (within the
+    context), so that its JSON finishes: a reply cut mid-list loses the rest of its items."""
+    settings, output = spec.generation, spec.output
+    schema = output.schema_dict() if output.kind == "json" else None
+    if schema is None or not output.grounded or document is None or output.max_items is None:
+        return settings.max_new_tokens
+    from agents.grounding import grounded_reply_tokens
+    from agents.kv import max_positions
+
+    needed = grounded_reply_tokens(tokenizer, schema, document, output.max_items)
+    limit = max_positions(model)
+    room = limit - prompt_tokens if limit is not None else needed
+    return max(settings.max_new_tokens, min(needed, room))
 
 
 def _check_attempt(model: Model, spec: AgentSpec, n_prefix: int, suffix: Suffix, cancelled: CancelCheck) -> None:

@@ -22,7 +22,7 @@ from agents.bridge import in_thread
 from orchestra.errors import ChunkCallError, DocumentError
 from orchestra.observability import events as ev
 from orchestra.observability.report import AgentReport, ChunkCall
-from orchestra.runs._mapreduce import Combined, Part, combine, notes_document, pointer, round_label
+from orchestra.runs._mapreduce import Combined, Part, combine, notes_document, pointer, readable, round_label
 from orchestra.runs._state import MemberPrompt, RunState, TokenSink, unavailable
 
 if TYPE_CHECKING:
@@ -202,8 +202,7 @@ class ChunkedRuns:
 
         agent = self.o.pipeline.agent(name)
         upstream = {**inputs, **{up: pointer(up) for up in agent.upstream}}
-        notes = notes_document({up: run.outputs.get(up) or unavailable(up, report.missing_upstreams)
-                                for up in agent.upstream})
+        notes = notes_document({up: self._notes(run, up, report) for up in agent.upstream})
         tokenizer = await in_thread(self.o.cache.executor.tokenizer, agent.model)
         json_output = self.o.specs[name].output.kind == "json"
         for round_ in range(1, _MAX_ROUNDS + 1):
@@ -221,6 +220,15 @@ class ChunkedRuns:
             notes = combined.downstream
         raise DocumentError(f"agent {name!r}: its notes still span several windows after {_MAX_ROUNDS} reduce "
                             "rounds: lower its upstreams' max_new_tokens or raise chunking.window_tokens")
+
+    @staticmethod
+    def _notes(run: RunState, upstream: str, report: AgentReport) -> str:
+        """What a reduce agent reads of an upstream: a JSON agent's parsed items as lines, else its output."""
+        output = run.outputs.get(upstream)
+        if not output:
+            return unavailable(upstream, report.missing_upstreams)
+        done = run.reports.get(upstream)
+        return readable(done.parsed) if done is not None and done.parsed is not None else output
 
     async def _map(self, run: RunState, name: str, report: AgentReport, parts: list[Part], upstream: dict[str, str],
                    on_token: TokenSink) -> list[tuple[Part, AgentResult]]:

@@ -4,7 +4,8 @@ A per-chunk (map) agent's outputs are joined in chunk order, each headed by its 
 ("[chunk 2/5, page 3]"), so what it says can be traced to a page or section; a JSON agent's parsed
 values merge into one valid JSON value (lists concatenated, exact duplicates dropped, list items that
 are objects given the chunk they came from). A reduce agent reads its upstreams' outputs as its
-document (`notes_document`), each under a ``### name`` heading, and its task's references to them
+document (`notes_document`), each under a ``### name`` heading (a JSON agent's parsed items as lines,
+`readable`), and its task's references to them
 read as pointers into that document (`pointer`), so a long set of notes never overflows its suffix.
 """
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from agents.runner import AgentResult
     from orchestra.documents.chunking import Chunk
 
-__all__ = ["Part", "Combined", "combine", "merge_json", "notes_document", "pointer", "round_label"]
+__all__ = ["Part", "Combined", "combine", "merge_json", "notes_document", "pointer", "readable", "round_label"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,38 @@ class Combined:
 
 def pointer(upstream: str) -> str:
     """What a reduce agent's task reads for an upstream: where its output is in the (notes) document."""
-    return f"(the output of {upstream} is in the document above, under ### {upstream})"
+    return f"(under ### {upstream} in the notes above)"
 
 
 def notes_document(outputs: Mapping[str, str]) -> str:
     """A reduce agent's document: each upstream's output under its name."""
     return "\n\n".join(f"### {name}\n{text.strip()}" for name, text in outputs.items()) + "\n"
+
+
+def readable(value: object) -> str:
+    """A JSON agent's parsed value as notes a reduce agent reads: list items as ``- item`` lines (an object item's
+    fields on its line, its chunk in brackets), an object's keys as labels; no JSON syntax to copy or cut."""
+    if isinstance(value, dict):
+        blocks = []
+        for key, item in value.items():
+            if isinstance(item, list):
+                blocks.append(f"{key}:\n{readable(item)}" if item else f"{key}: (none)")
+            else:
+                blocks.append(f"{key}: {_inline(item)}")
+        return "\n".join(blocks)
+    if isinstance(value, list):
+        return "\n".join(f"- {_inline(item)}" for item in value)
+    return _inline(value)
+
+
+def _inline(value: object) -> str:
+    if isinstance(value, dict):
+        chunk = value.get("chunk")
+        fields = "; ".join(f"{k}: {_inline(v)}" for k, v in value.items() if k != "chunk")
+        return f"{fields} {chunk}" if isinstance(chunk, str) else fields
+    if isinstance(value, list):
+        return ", ".join(_inline(v) for v in value)
+    return str(value).strip() if value is not None else "(none)"
 
 
 def round_label(chunk: Chunk, total: int, round_: int) -> str:
@@ -69,8 +96,8 @@ def combine(json_output: bool, results: Sequence[tuple[Part, AgentResult]]) -> C
         return Combined(text=text, downstream="", degenerate=reasons, calls=len(results))
     if len(results) == 1:
         result = kept[0][1]
-        return Combined(text=result.text, downstream=result.downstream_text(), parsed=_plain(result.parsed))
-    text = "\n\n".join(f"{part.label}\n{result.text.strip()}" for part, result in kept)
+        return Combined(text=result.output_text(), downstream=result.downstream_text(), parsed=_plain(result.parsed))
+    text = "\n\n".join(f"{part.label}\n{result.output_text().strip()}" for part, result in kept)
     if not json_output:
         downstream = "\n\n".join(f"{part.label}\n{result.downstream_text().strip()}" for part, result in kept)
         return Combined(text=text, downstream=downstream, calls=len(results))

@@ -117,7 +117,7 @@ class DagWalk:
     async def _record_result(self, run: RunState, report: AgentReport, result: AgentResult, prompt_tokens: int,
                              first_token: list[float]) -> None:
         """Put what the agent produced and what it cost on its report; its tool calls are announced on the way."""
-        report.output = result.text
+        report.output = result.output_text()
         report.parsed = jsonable(result.parsed)
         report.attempts = result.attempts
         report.constrained = result.constrained
@@ -146,7 +146,7 @@ class DagWalk:
         run.outputs[name] = result.downstream_text()
         report.status = "succeeded"
         await self.checkpoint(run, report)
-        await run.emit(ev.AgentFinished(run_id=run.run_id, agent=name, output=result.text, parsed=report.parsed))
+        await run.emit(ev.AgentFinished(run_id=run.run_id, agent=name, output=report.output, parsed=report.parsed))
 
     async def _failed(self, run: RunState, report: AgentReport, exc: Exception, timeout_s: float | None) -> None:
         """Record the node as failed with its error (a timeout named as one), checkpoint it and announce it."""
