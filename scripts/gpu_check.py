@@ -15,22 +15,32 @@ log kept under --out:
    reserving 1 GPU (or an equal share when there are fewer GPUs than members): demo_ray.json;
 4. unless --no-own-family, a family of one's own on cuda:0 with ``dtype: auto`` (bfloat16): the root, the
    shipped fine-tune delta and an upper-half LoRA adapter as adapter members, and torchao ``int8`` and
-   ``int4`` views of the root; one agent per member: own_family.json (each agent's cache path).
+   ``int4`` views of the root; one agent per member: own_family.json (each agent's cache path);
+5. unless --no-vllm, with ``vllm`` importable in --vllm-python (default: this interpreter; else both steps
+   are recorded as skipped, with the reason, not failed), under a budget of their own (--vllm-budget-s):
+   ``vllm_connector``, the connector's tests against real CUDA engines
+   (``ORCHESTRA_VLLM_TESTS=1 python -m pytest -q tests/vllm -p no:cacheprovider -x``), and
+   ``vllm_family_bench``, ``benchmarks/vllm_family.py --out <out>/vllm`` (the same agents three ways:
+   orchestra, orchestra on vLLM, LangGraph on plain vLLM): vllm/vllm_family.json and .md.
 
 Writes gpu_check.json and gpu_check.md: devices, seconds per step, the evaluate summary (KL, top-1
 per member and method), each agent's cache path and output, and whether the ray run's outputs and
-cache paths equal the local run's. Exit 0 when every step ran and the two runs agree, 1 otherwise,
-2 without a CUDA device.
+cache paths equal the local run's, and the vLLM steps' pass / fail / skip with the benchmark's wall time,
+document tokens computed and decode rate per way. Exit 0 when every step that was not skipped passed and
+the two runs agree, 1 otherwise, 2 without a CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-ray", action="store_true", help="skip the ray executor run")
     parser.add_argument("--no-own-family", action="store_true", help="skip the adapters / quantized views run")
     parser.add_argument("--prefix-tokens", type=int, default=3584)
-    parser.add_argument("--budget-s", type=float, default=300.0, help="time limit of the checks (steps 1-3)")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="time limit of the checks (steps 1-4)")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM steps (step 5)")
+    parser.add_argument("--vllm-python", default=sys.executable,
+                        help="the interpreter with vllm and orchestra installed (docs/vllm.md: a venv of its own)")
+    parser.add_argument("--vllm-budget-s", type=float, default=1800.0, help="time limit of the vLLM steps together")
     args = parser.parse_args(argv)
 
     import torch
@@ -60,16 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     steps: list[dict[str, Any]] = []
     deadline = [0.0]
 
-    def step(name: str, cmd: list[str], budgeted: bool = True) -> bool:
+    def step(name: str, cmd: list[str], budgeted: bool = True, env: dict[str, str] | None = None) -> bool:
         left = max(1.0, deadline[0] - time.monotonic()) if budgeted else None
         log = args.out / f"{name}.log"
         print("+", shlex.join(cmd), flush=True)
         t0 = time.monotonic()
-        try:
-            with log.open("w") as fh:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
+        rc = run_logged(cmd, log, left, env)
         steps.append({"step": name, "command": shlex.join(cmd), "rc": rc, "seconds": round(time.monotonic() - t0, 2),
                       "log": log.name})
         if rc != 0:
@@ -139,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                                "--report", str(args.out / "own_family.json")]):
             runs["own_family"] = json.loads((args.out / "own_family.json").read_text())
 
+    vllm = None if args.no_vllm else _vllm_steps(step, steps, args.out, args.vllm_python, args.vllm_budget_s, deadline)
+
     agree = None
     if "local" in runs and "ray" in runs:
         agree = ([(a["output"], a["cache_path"]) for a in runs["local"]["agents"]]
@@ -150,12 +162,90 @@ def main(argv: list[str] | None = None) -> int:
                             "agents": [{k2: a.get(k2) for k2 in ("name", "model", "status", "cache_path", "actor",
                                                                   "node", "ttft_s", "output")} for a in r["agents"]]}
                         for k, r in runs.items()},
-               "member_devices": spec["devices"]}
+               "member_devices": spec["devices"], "vllm": vllm}
     (args.out / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     (args.out / "gpu_check.md").write_text(_markdown(summary))
     print(f"wrote {args.out / 'gpu_check.md'}")
-    ok = all(s["rc"] == 0 for s in steps) and agree is not False
+    ok = all(s["rc"] == 0 or s.get("skipped") for s in steps) and agree is not False
     return 0 if ok else 1
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float | None, env: dict[str, str] | None = None) -> int:
+    """`cmd`'s exit status, its output in `log`; 124 when it ran past `timeout` s. It runs in a session of its
+    own, so that one out of time is stopped together with the processes it started (vLLM's workers)."""
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc)
+            return 124
+        except BaseException:  # Ctrl-C reaches this process only: stop the step's session too
+            _kill_session(proc)
+            raise
+
+
+def _kill_session(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+VLLM_STEPS = ("vllm_connector", "vllm_family_bench")
+VLLM_WAYS = ("orchestra", "orchestra_vllm", "langgraph_vllm")
+"""The vLLM steps, and the benchmark's ways in its order (orchestra's own engine, orchestra on vLLM, LangGraph on
+plain vLLM)."""
+
+
+def vllm_skip_reason(python: str) -> tuple[str | None, str | None]:
+    """``(reason to skip the vLLM steps, vLLM's version)``: a reason when ``import vllm`` fails in `python`."""
+    try:
+        done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                              timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run `{python} -c 'import vllm'`: {exc}", None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return (f"`import vllm` fails in {python} ({last}): pip install -e '.[vllm]' there, or name that "
+                "interpreter with --vllm-python"), None
+    return None, (done.stdout.strip().splitlines() or ["?"])[-1]
+
+
+def vllm_headline(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per way of a benchmarks/vllm_family.py report: wall s, document tokens computed and decode tokens/s."""
+    runs = report.get("runs", {})
+    return {way: {key: runs[way].get(key) for key in ("wall_s", "document_tokens_computed", "decode_tokens_per_s")}
+            for way in [*[w for w in VLLM_WAYS if w in runs], *[w for w in runs if w not in VLLM_WAYS]]}
+
+
+def _vllm_steps(step: Callable[..., bool], steps: list[dict[str, Any]], out: Path, python: str, budget_s: float,
+                deadline: list[float]) -> dict[str, Any]:
+    """Step 5 (`step` runs one step, `steps` records them); the summary's ``vllm`` entry."""
+    if os.sep in python:  # a path: the same interpreter from the steps' folder (not resolved: a venv's is a link)
+        python = str(Path(python).absolute())
+    reason, version = vllm_skip_reason(python)
+    result: dict[str, Any] = {"python": python, "version": version, "skipped": reason, "steps": {}, "bench": None}
+    if reason is not None:
+        print(f"gpu_check: vLLM steps skipped: {reason}", file=sys.stderr)
+        for name in VLLM_STEPS:
+            steps.append({"step": name, "rc": None, "skipped": reason})
+            result["steps"][name] = "skip"
+        return result
+    deadline[0] = time.monotonic() + budget_s
+    passed = step("vllm_connector", [python, "-m", "pytest", "-q", "tests/vllm", "-p", "no:cacheprovider", "-x"],
+                  env={"ORCHESTRA_VLLM_TESTS": "1"})
+    result["steps"]["vllm_connector"] = "pass" if passed else "fail"
+    bench_out = out / "vllm"
+    passed = step("vllm_family_bench", [python, "benchmarks/vllm_family.py", "--out", str(bench_out),
+                                        "--name", "vllm_family"])
+    result["steps"]["vllm_family_bench"] = "pass" if passed else "fail"
+    report = bench_out / "vllm_family.json"
+    if passed and report.exists():
+        result["bench"] = {"report": str(report), "ways": vllm_headline(json.loads(report.read_text()))}
+    return result
 
 
 def _own_family_pipeline(out: Path, root: Path) -> Path:
@@ -179,7 +269,8 @@ def _own_family_pipeline(out: Path, root: Path) -> Path:
 def _markdown(s: dict[str, Any]) -> str:
     lines = ["# GPU check", "", f"Devices: {', '.join(s['devices'])}; torch {s['torch']}. "
              f"Members on devices: {s['member_devices']}.", "", "| step | rc | seconds |", "|---|---|---|"]
-    lines += [f"| {st['step']} | {st['rc']} | {st.get('seconds', '-')} |" for st in s["steps"]]
+    lines += [f"| {st['step']} | {'skipped' if st.get('skipped') else st['rc']} | {st.get('seconds', '-')} |"
+              for st in s["steps"]]
     lines += ["", "## evaluate (held-out GPL-3)", "", "| member | device | method | KL | top-1 |", "|---|---|---|---|---|"]
     for role, ev in s["evaluate"].items():
         for method, m in ev["methods"].items():
@@ -193,7 +284,23 @@ def _markdown(s: dict[str, Any]) -> str:
             lines.append(f"| {a['name']} | {a['model']} | {a['status']} | {a['cache_path']} | {a['actor'] or '-'} | {ttft} |")
     if s["ray_matches_local"] is not None:
         lines += ["", f"Ray outputs and cache paths equal the local run's: **{s['ray_matches_local']}**."]
+    if s.get("vllm") is not None:
+        lines += vllm_markdown(s["vllm"])
     return "\n".join(lines) + "\n"
+
+
+def vllm_markdown(v: dict[str, Any]) -> list[str]:
+    """The summary's vLLM section (the ``vllm`` entry of gpu_check.json), as Markdown lines."""
+    lines = ["", f"## vLLM ({v['python']}, vllm {v['version'] or '-'})", ""]
+    if v["skipped"]:
+        lines += [f"Skipped: {v['skipped']}.", ""]
+    lines += [f"- {name}: **{status}**" for name, status in v["steps"].items()]
+    if v.get("bench"):
+        lines += ["", f"benchmarks/vllm_family.py ({v['bench']['report']}):", "",
+                  "| way | wall s | document tokens computed | decode tokens/s |", "|---|---|---|---|"]
+        lines += [f"| {way} | {h['wall_s']} | {h['document_tokens_computed']} | {h['decode_tokens_per_s']} |"
+                  for way, h in v["bench"]["ways"].items()]
+    return lines
 
 
 if __name__ == "__main__":
