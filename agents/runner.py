@@ -27,7 +27,7 @@ from agents.continuation import TokenStream, eos_token_ids
 from agents.degenerate import Degeneracy, check_text
 from agents.errors import GenerationCancelledError
 from agents.grounding import Grounding
-from agents.kv import check_context, check_prefix_cache, forward_tokens
+from agents.kv import check_context, check_prefix_cache, forward_tokens, max_positions
 from agents.prompt import FRAME_ECHOES, RepairTurn, Suffix, build_suffix, document_span
 from agents.sampling import Sampler
 from agents.spec import AgentSpec, OutputSpec
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from agents.constrained import TokenConstraint
+    from agents.decoding import ReplyDecoder
     from mappings.types import CacheLike, Model, Tokenizer
 
 __all__ = ["TokenEvent", "AgentTimings", "AgentResult", "FinishReason", "generate", "eos_token_ids"]
@@ -113,6 +114,8 @@ class AgentResult(BaseModel):
     """Agents with tools: each call it made, its result and seconds, in order."""
     duplicates_removed: int = 0
     """JSON agents: list items dropped from the reply as repeats of an earlier item."""
+    not_applied: list[str] = Field(default_factory=list)
+    """Settings the engine that decoded the reply could not apply (vLLM has no n-gram ban, say), each with why."""
 
     def downstream_text(self) -> str:
         """What downstream agents see: canonical JSON for JSON agents, the text otherwise."""
@@ -189,6 +192,23 @@ class _Generation:
     constrained: bool = False
 
 
+def bounded_schema(spec: AgentSpec, document: str | None = None) -> dict[str, object] | None:
+    """The schema a JSON agent's grammar holds its reply to: its output's, with every list bounded by
+    ``max_items`` and, for a grounded agent with the ``document`` given, list items limited to its sentences.
+
+    The output's own schema object when nothing changes; None for free text or an unconstrained reply."""
+    output = spec.output
+    if output.kind != "json" or not output.constrained:
+        return None
+    schema = output.schema_dict()
+    if schema is None or not (output.grounded and document is not None or output.max_items is not None):
+        return schema
+    from agents.grounding import grounded_schema
+
+    limited = grounded_schema(schema, document if output.grounded else None, max_items=output.max_items)
+    return limited if limited is not None else schema
+
+
 def _json_constraint(model: Model, tokenizer: Tokenizer, spec: AgentSpec,
                      document: str | None = None) -> TokenConstraint | None:
     """A fresh grammar constraint for a JSON agent's reply, or None (free text, or a tokenizer xgrammar cannot read).
@@ -205,11 +225,9 @@ def _json_constraint(model: Model, tokenizer: Tokenizer, spec: AgentSpec,
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None) or None
     schema = output.schema_dict()
-    if schema is not None and (output.grounded and document is not None or output.max_items is not None):
-        from agents.grounding import grounded_schema
-
-        limited = grounded_schema(schema, document if output.grounded else None, max_items=output.max_items)
-        if limited is not None:
+    if schema is not None:
+        limited = bounded_schema(spec, document)
+        if limited is not schema:
             try:
                 grammar = JsonConstraint.for_tokenizer(tokenizer, limited, vocab_size=vocab, fixed_layout=True)
             except Exception:  # noqa: BLE001 - too large for the grammar: the schema alone, checked after decoding
@@ -257,7 +275,7 @@ def _decode_once(
     # a free-text reply also ends where it starts writing the document markers (JSON and calls have their grammar);
     # repair attempts of a seeded agent draw with seed + attempt: a retry must not replay the rejected reply
     frame = FRAME_ECHOES if constraint is None and tracker is None else ()
-    budget = _reply_budget(model, tokenizer, spec, n_prefix + len(suffix.ids), document)
+    budget = reply_budget(max_positions(model), tokenizer, spec, n_prefix + len(suffix.ids), document)
     stream = TokenStream(tokenizer, eos, max_new_tokens=budget, stop=(*settings.stop, *frame),
                          on_token=_emitter(spec.name, attempt, on_token, clock), constraint=constraint,
                          sampler=Sampler.from_settings(settings, seed_offset=attempt),
@@ -270,19 +288,17 @@ def _decode_once(
     return _finished(stream, frame, suffix, constrained=constraint is not None)
 
 
-def _reply_budget(model: Model, tokenizer: Tokenizer, spec: AgentSpec, prompt_tokens: int,
-                  document: str | None) -> int:
+def reply_budget(limit: int | None, tokenizer: Tokenizer, spec: AgentSpec, prompt_tokens: int,
+                 document: str | None) -> int:
     """``max_new_tokens``, raised for a grounded JSON agent to what its longest allowed reply needs (within the
-    context), so that its JSON finishes: a reply cut mid-list loses the rest of its items."""
+    model's ``limit`` of positions), so that its JSON finishes: a reply cut mid-list loses the rest of its items."""
     settings, output = spec.generation, spec.output
     schema = output.schema_dict() if output.kind == "json" else None
     if schema is None or not output.grounded or document is None or output.max_items is None:
         return settings.max_new_tokens
     from agents.grounding import grounded_reply_tokens
-    from agents.kv import max_positions
 
     needed = grounded_reply_tokens(tokenizer, schema, document, output.max_items)
-    limit = max_positions(model)
     room = limit - prompt_tokens if limit is not None else needed
     return max(settings.max_new_tokens, min(needed, room))
 
@@ -426,7 +442,7 @@ def generate(
 class _Attempts:
     """The decoding attempts of one `generate` call: what every attempt shares; call it to decode one."""
 
-    model: Model
+    model: Model | None
     tokenizer: Tokenizer
     spec: AgentSpec
     prefix_ids: list[int]
@@ -440,6 +456,12 @@ class _Attempts:
     lock: AbstractContextManager[object] | None
     document: str | None
     """The document grounded JSON agents are checked against (None for others)."""
+    decoder: ReplyDecoder | None = None
+    """Where replies are decoded when not on `model` in this process (an engine such as vLLM)."""
+    not_applied: set[str] = field(default_factory=set)
+    """Settings the decoder could not apply, gathered over the attempts."""
+    limit: int | None = None
+    """The model's positions, where no `model` says them (a decoder's engine)."""
 
     def __call__(self, index: int, repairs: Sequence[RepairTurn], turn_spec: AgentSpec | None = None) -> _Generation:
         """Decode attempt ``index`` after the ``repairs`` turns, under ``turn_spec`` (the agent's own by default)."""
@@ -448,10 +470,45 @@ class _Attempts:
         # a tool round decodes under its own spec (the call grammar) and streams nothing: its reply is a call
         suffix = build_suffix(self.tokenizer, turn_spec, self.upstream, repairs=repairs,
                               use_chat_template=self.use_chat_template)
+        if self.decoder is not None:
+            return _decode_remote(self, turn_spec, suffix, index, own)
+        assert self.model is not None  # an attempt without a decoder decodes on its model
         return _decode_once(self.model, self.tokenizer, turn_spec, self.prefix_ids, self.prefix_cache, suffix,
                             attempt=index, eos=self.eos, on_token=self.on_token if own else None,
                             cancelled=self.cancelled, clock=self.clock, lock=self.lock,
                             document=self.document if own else None)
+
+
+def _decode_remote(attempts: _Attempts, spec: AgentSpec, suffix: Suffix, index: int, own: bool) -> _Generation:
+    """One attempt of `attempts` decoded by its decoder (an engine elsewhere: `agents.remote.generate_with`)."""
+    from agents.decoding import DecodeRequest
+
+    decoder = attempts.decoder
+    assert decoder is not None
+    if attempts.cancelled():
+        raise GenerationCancelledError(spec.name, 0)
+    document = attempts.document if own else None
+    prompt = [*attempts.prefix_ids, *suffix.ids]
+    schema = bounded_schema(spec, document)
+    # a free-text reply also ends where it starts writing the document markers, as in process
+    frame = FRAME_ECHOES if schema is None and spec.output.kind != "json" else ()
+    request = DecodeRequest(
+        agent=spec.name, prompt_ids=prompt, prefix_tokens=len(attempts.prefix_ids),
+        max_new_tokens=reply_budget(attempts.limit, attempts.tokenizer, spec, len(prompt), document),
+        settings=spec.generation, schema=schema, stop=(*spec.generation.stop, *frame),
+        grounded=spec.output.grounded and document is not None, attempt=index, cancelled=attempts.cancelled)
+    emit = _emitter(spec.name, index, attempts.on_token if own else None, attempts.clock)
+    started = time.perf_counter()
+    try:
+        reply = decoder.decode(request, emit)
+    finally:
+        attempts.clock.generation_s += time.perf_counter() - started
+    attempts.not_applied.update(reply.not_applied)
+    if attempts.cancelled():
+        raise GenerationCancelledError(spec.name, len(reply.token_ids))
+    text = reply.text.rstrip(" \t\n#=*-") if frame and reply.stopped_by in frame else reply.text
+    return _Generation(text=text, finish_reason=reply.finish_reason, token_ids=list(reply.token_ids),
+                       suffix=suffix, constrained=request.schema is not None)
 
 
 @dataclass(frozen=True)
@@ -492,7 +549,7 @@ def _run_with_tools(attempt: _Attempts) -> _Outcome:
 
 
 def _agent_result(spec: AgentSpec, outcome: _Outcome, clock: _Clock, prefix_tokens: int, *,
-                  reprefilled: bool) -> AgentResult:
+                  reprefilled: bool, not_applied: set[str] | frozenset[str] = frozenset()) -> AgentResult:
     """The `AgentResult` of a finished run, timed up to now."""
     result = outcome.generation
     assert result.suffix is not None
@@ -513,6 +570,7 @@ def _agent_result(spec: AgentSpec, outcome: _Outcome, clock: _Clock, prefix_toke
         grounding=outcome.grounding,
         duplicates_removed=outcome.duplicates_removed,
         tool_calls=outcome.tool_calls,
+        not_applied=sorted(not_applied),
     )
 
 

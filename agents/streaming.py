@@ -23,9 +23,10 @@ from agents.runner import AgentResult, TokenEvent, generate
 from agents.spec import AgentSpec
 
 if TYPE_CHECKING:
+    from agents.remote import ReplyDecoder
     from mappings.types import CacheLike, Model, Tokenizer
 
-__all__ = ["AgentStream", "stream_agent", "run_agent"]
+__all__ = ["AgentStream", "stream_agent", "run_agent", "run_decoded"]
 
 
 class AgentStream:
@@ -84,10 +85,41 @@ async def stream_agent(
         return generate(model, tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=prefix_cache, upstream=upstream,
                         on_token=emit, cancel=cancel, use_chat_template=use_chat_template, lock=lock)
 
+    async with _worker_stream(spec.name, work, limiter) as stream:
+        yield stream
+
+
+@asynccontextmanager
+async def _worker_stream(agent: str, work: Callable[[Callable[[TokenEvent], None], threading.Event], AgentResult],
+                         limiter: anyio.CapacityLimiter | None) -> AsyncIterator[AgentStream]:
     # Leaving the block early or being cancelled stops decoding at the next token and joins the thread
     # (one still queued on the limiter never starts); the caller's own errors leave the block unwrapped.
     async with ThreadStream(work, limiter=limiter) as stream:
-        yield AgentStream(spec.name, stream)
+        yield AgentStream(agent, stream)
+
+
+async def run_decoded(decoder: ReplyDecoder, tokenizer: Tokenizer, spec: AgentSpec, *, prefix_ids: Sequence[int],
+                      upstream: Mapping[str, object] | None = None,
+                      on_token: Callable[[TokenEvent], Awaitable[None] | None] | None = None,
+                      limiter: anyio.CapacityLimiter | None = None, limit: int | None = None) -> AgentResult:
+    """`run_agent` with the replies decoded by ``decoder`` (an engine, `agents.remote.generate_with`)."""
+    from agents.remote import generate_with
+
+    def work(emit: Callable[[TokenEvent], None], cancel: threading.Event) -> AgentResult:  # the worker thread
+        return generate_with(decoder, tokenizer, spec, prefix_ids=prefix_ids, upstream=upstream, on_token=emit,
+                             cancel=cancel, limit=limit)
+
+    async with _worker_stream(spec.name, work, limiter) as stream:
+        return await _drain(stream, on_token)
+
+
+async def _drain(stream: AgentStream, on_token: Callable[[TokenEvent], Awaitable[None] | None] | None) -> AgentResult:
+    async for event in stream:
+        if on_token is not None:
+            maybe = on_token(event)
+            if inspect.isawaitable(maybe):
+                await maybe
+    return stream.result
 
 
 async def run_agent(
@@ -107,10 +139,5 @@ async def run_agent(
     async with stream_agent(model, tokenizer, spec, prefix_ids=prefix_ids, prefix_cache=prefix_cache,
                             upstream=upstream, limiter=limiter, use_chat_template=use_chat_template,
                             lock=lock) as stream:
-        async for event in stream:
-            if on_token is not None:
-                maybe = on_token(event)
-                if inspect.isawaitable(maybe):
-                    await maybe
-        return stream.result
+        return await _drain(stream, on_token)
 

@@ -263,7 +263,7 @@ def run(
         str | None, typer.Option("--encoding", help="The document's text encoding (default: UTF-8, or as its BOM says).")
     ] = None,
     executor: Annotated[
-        str | None, typer.Option("--executor", help="Where model work runs: local or ray (default: the pipeline's).")
+        str | None, typer.Option("--executor", help="Where model work runs: local, ray or vllm (default: the pipeline's).")
     ] = None,
     ray_address: Annotated[
         str | None, typer.Option("--ray-address", help="ray: local, auto, ray://host:port or host:port (docs/scale-out.md).")

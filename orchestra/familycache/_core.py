@@ -211,6 +211,12 @@ class FamilyCache:
         ref, rate = known[0]
         return rate * tokens * self.info(member).weight_bytes / max(1, self.info(ref).weight_bytes)
 
+    def measured_prefill(self, member: str, seconds: float, tokens: int) -> None:
+        """A prefill of `tokens` tokens on `member` took `seconds` elsewhere (an engine that keeps its own caches):
+        `prefill_estimate` scales from it, as from the prefills this cache runs."""
+        if tokens > 0 and seconds > 0:
+            self._rates[member] = seconds / tokens
+
     def clear(self) -> None:
         """Drop every unpinned entry (the disk tier keeps its copies)."""
         self.pool.clear()

@@ -44,7 +44,9 @@ if TYPE_CHECKING:
     from mappings.types import KVCache, Tensor, Tokenizer
     from orchestra.familycache._handles import CacheRef, HiddenRef, OnToken
     from orchestra.familycache._ops import Computed
+    from orchestra.familycache._requests import EngineCache
     from orchestra.familycache._settings import ExecutorSpec
+    from orchestra.familycache.gates import GatePolicy
     from orchestra.familycache.mapping_store import ProbeReference
     from orchestra.models.registry import LoadedModel, ModelInfo, ModelRegistry
 
@@ -111,6 +113,25 @@ class Executor(ABC):
         """How many calls on `member` can make progress at once: 1 in process (they take turns on its lock);
         a remote executor with several replicas of the member says how many."""
         return 1
+
+    @property
+    def holds_caches(self) -> bool:
+        """Whether the document caches are this side's (leases hold them, agents decode over copies of them).
+
+        False for an executor whose engines keep their own caches (vLLM, where the family connector loads a
+        document exact or mapped inside the engine): FamilyCache is not asked for them; `engine_cache` warms
+        the engine's cache and says which it was."""
+        return True
+
+    def engine_cache(self, member: str, ids: Sequence[int], *, mapped: bool = True) -> EngineCache:
+        """Have `member`'s engine hold the prefix `ids` (computed, loaded exact, or mapped from another member
+        unless `mapped` is False) and say how it got it; only executors whose `holds_caches` is False."""
+        raise ExecutorError(f"{type(self).__name__} holds its caches itself: ask the FamilyCache")
+
+    def use_gate(self, gate: GatePolicy) -> None:
+        """Take a pipeline's gate policy where this executor's engines gate mapped caches themselves (vLLM's
+        connector); FamilyCache gates everything else, so by default there is nothing to do."""
+        return None
 
     @property
     def in_process(self) -> bool:

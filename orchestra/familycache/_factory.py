@@ -23,10 +23,11 @@ __all__ = ["EXECUTORS", "UnknownExecutorError", "executor_class", "make_executor
 EXECUTORS: dict[str, type[Executor] | str] = {
     "local": LocalExecutor,
     "ray": "orchestra.familycache._ray:RayExecutor",
+    "vllm": "orchestra.vllm.executor:VllmExecutor",
 }
 """Executor kind -> its class, or ``"module:Class"`` imported on first use (an optional dependency)."""
 
-_NEEDS = {"ray": "Ray"}
+_NEEDS = {"ray": "Ray", "vllm": "vLLM"}
 """Kind -> what it needs (its pip extra is named after the kind), for the error when it is missing."""
 
 

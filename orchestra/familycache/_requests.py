@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from orchestra.familycache.mapping_store import MappingStore
 
 __all__ = ["ComputeRequest", "TailLogitsRequest", "MapRequest", "MapResult", "MappingRequest", "MappingResult",
-           "ProbeReferenceRequest", "ImportanceRequest", "Importance", "PassCostsRequest"]
+           "ProbeReferenceRequest", "ImportanceRequest", "Importance", "PassCostsRequest", "EngineCache"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,23 @@ class PassCostsRequest:
 
     member: str
     directory: str | None
+
+
+@dataclass(frozen=True)
+class EngineCache:
+    """How an engine that keeps its own caches (vLLM with the family connector) holds a prefix: `Executor.engine_cache`."""
+
+    path: str
+    """``exact`` (its own prefill, or its own stored entry), ``mapped`` (another member's, through the map), or
+    ``reprefilled`` (a map was refused, `reason` says why, and the engine computed the prefix itself)."""
+    tokens: int
+    """Prefix positions the engine did not compute for this request (loaded from its cache or the store)."""
+    computed: int
+    """Prefix positions the engine computed."""
+    seconds: float
+    """Wall seconds the engine took to hold the prefix."""
+    source: str | None = None
+    """The member whose cache was mapped."""
+    gates: tuple[str, ...] = ()
+    """The gates' verdicts on a map, ``"offline=pass"``."""
+    reason: str | None = None

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["ExecutorSpec", "MemberResources"]
+__all__ = ["ExecutorSpec", "MemberResources", "VllmOptions"]
 
 
 class MemberResources(BaseModel):
@@ -24,15 +24,30 @@ class MemberResources(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch threads in each actor (default: the executor's).")
 
 
+class VllmOptions(BaseModel):
+    """How the vllm executor starts its engines (one vLLM server per member, each with the family connector)."""
+
+    model_config = ConfigDict(extra="forbid")
+    args: list[str] = Field(default_factory=list, description="More arguments for every engine's server "
+                            "(`--max-model-len 4096`, `--gpu-memory-utilization 0.4`, ...).")
+    dtype: str = Field("auto", description="The engines' dtype: auto is float32 on a CPU and bfloat16 on a GPU.")
+    store: str | None = Field(None, description="The KV store the engines share (default: <home>/kv).")
+    start_timeout_s: float = Field(900.0, gt=0, description="Seconds each engine may take to answer /health.")
+
+
 class ExecutorSpec(BaseModel):
-    """Where model work runs: ``local`` (this process, the default) or ``ray`` (one Ray actor per member and replica).
+    """Where model work runs: ``local`` (this process, the default), ``ray`` (one Ray actor per member and
+    replica) or ``vllm`` (one vLLM engine per member, the document's cache loaded through the family connector).
 
     In YAML: ``executor: ray`` or ``executor: {kind: ray, address: auto, members: {tuned: {num_gpus: 1,
-    replicas: 2}}}``. The driver keeps the DAG, gates, events and report either way; see docs/scale-out.md.
+    replicas: 2}}}``, ``executor: {kind: vllm, vllm: {args: [--max-model-len, "4096"]}}``. The driver keeps
+    the DAG, gates, events and report every way; see docs/scale-out.md and docs/vllm.md.
     """
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["local", "ray"] = Field("local", description="local: in-process threads; ray: Ray actors.")
+    kind: Literal["local", "ray", "vllm"] = Field(
+        "local", description="local: in-process threads; ray: Ray actors; vllm: one vLLM engine per member.")
+    vllm: VllmOptions = Field(default_factory=VllmOptions, description="vllm: how the engines start.")
     address: str | None = Field(
         None, description="ray: 'local' or unset: a private Ray started for this process (unless RAY_ADDRESS is set); "
         "'auto': the cluster `ray start` runs on this machine; 'ray://host:port' (Ray Client) or 'host:port'.",

@@ -76,6 +76,8 @@ class AgentReport(BaseModel):
         default_factory=dict, description="on_upstream_failure: run_with_available: the upstreams it ran without, "
         "and why each gave nothing (its prompt said so).")
     duplicates_removed: int = Field(0, description="JSON agents: repeated list items dropped from the reply.")
+    not_applied: list[str] = Field(default_factory=list, description="Settings of the agent the engine that decoded "
+                                   "it could not apply (vLLM has no n-gram ban, ...), each with why.")
     tool_calls: list[dict[str, object]] = Field(
         default_factory=list, description="Agents with tools: each call (name, arguments, result, ok, seconds, round).")
     degenerate_reason: str | None = Field(

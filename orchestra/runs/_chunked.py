@@ -298,6 +298,7 @@ class ChunkedRuns:
         report.suffix_tokens = max(report.suffix_tokens, result.suffix_tokens)
         report.attempts, report.constrained = max(report.attempts, result.attempts), report.constrained or result.constrained
         report.duplicates_removed += result.duplicates_removed
+        report.not_applied = sorted({*report.not_applied, *result.not_applied})
         return result
 
     async def finish(self, run: RunState, report: AgentReport, combined: Combined,

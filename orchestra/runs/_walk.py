@@ -123,6 +123,7 @@ class DagWalk:
         report.constrained = result.constrained
         report.grounding = jsonable(result.grounding)
         report.duplicates_removed = result.duplicates_removed
+        report.not_applied = list(result.not_applied)
         report.tool_calls = [call.as_dict() for call in result.tool_calls]
         await self._emit_tool_calls(run, report.name, result)
         report.tokens = result.generated_tokens

@@ -132,6 +132,7 @@ class Orchestra:
         used = list(dict.fromkeys([pipeline.source_alias, *(a.model for a in pipeline.agents)]))
         executor = make_executor(pipeline.executor.kind, registry, pipeline.executor, members=used, name=pipeline.name,
                                  max_concurrency_per_device=pipeline.max_concurrency_per_device)
+        executor.use_gate(pipeline.gate)
         disk = None
         settings = pipeline.kv_store
         env = os.environ.get(KV_STORE_ENV, "")
@@ -407,6 +408,15 @@ class Orchestra:
             call_in_loop(run.emit, step_event(run.run_id, agent, step, chunk))
 
         prompt = prompt or MemberPrompt(run.prefix_ids)
+        if not self.cache.executor.holds_caches:  # the engines keep the caches (vLLM): held there, recorded here
+            from orchestra.runs._engine import engine_lease
+
+            lease = await engine_lease(self.cache.executor, run, agent, member, prompt.ids, chunk=chunk,
+                                       mapped=self.share_prefill and prompt.own_reason is None and mapped)
+            if lease.path != "mapped" and lease.computed_tokens:
+                self.cache.measured_prefill(member, lease.prefill_seconds, lease.computed_tokens)
+            run.leases.append((agent, lease))
+            return lease
         repair = self._repair_for(agent) if agent is not None else None
         # a member whose prefix has other ids prefills it itself: the source's cache (or a map of the
         # source's prefill of these ids, which costs the same prefill again) cannot serve it better

@@ -167,8 +167,9 @@ class FamilyLookup:
             if source not in self._caches:
                 from orchestra.familycache import CachePolicy, FamilyCache
 
+                gate = {"gate": self.settings.gate} if self.settings.gate is not None else {}
                 policy = CachePolicy(tail_tokens=self.settings.tail_tokens,
-                                     min_mapped_tokens=self.settings.min_mapped_tokens)
+                                     min_mapped_tokens=self.settings.min_mapped_tokens, **gate)
                 self._caches[source] = FamilyCache(executor, mappings, source=source, policy=policy,
                                                    disk=self.store)
             return self._caches[source]

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestra.familycache.gates import GatePolicy
+
 __all__ = ["ConnectorSettings"]
 
 
@@ -41,6 +43,8 @@ class ConnectorSettings(BaseModel):
     needs it, in the background (that request waits for it); else such a request computes its prefix."""
     calibrate_tokens: int = Field(4096, ge=256)
     """Tokens of calibration text per map calibrated on demand."""
+    gate: GatePolicy | None = None
+    """The gates a mapped load must pass (default: orchestra's, `GatePolicy()`): a pipeline's ``gate:``."""
     events: str | None = None
     """A JSON-lines file the connector appends one line to per load, save and refusal (tests, dashboards)."""
 

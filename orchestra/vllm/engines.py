@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestra.errors import OrchestraError
+from orchestra.familycache.gates import GatePolicy
 from orchestra.vllm.config import connector_json
 
 __all__ = ["EngineSpec", "VllmEngines", "EngineStartError", "CacheReport"]
@@ -45,6 +46,8 @@ class CacheReport:
     tokens: int = 0
     source: str | None = None
     gates: tuple[str, ...] = ()
+    reason: str | None = None
+    """Why a map was refused (its gates failed, no map): the engine computed the prompt itself."""
 
 
 @dataclass
@@ -73,6 +76,8 @@ class VllmEngines:
     adapters: dict[str, str] = field(default_factory=dict)
     """LoRA adapters (``name -> peft folder``) served by the family root's engine, each sharing the documents of
     the root and of its sibling adapters through the connector (maps calibrated on first need)."""
+    gate: GatePolicy | None = None
+    """The gates a mapped load must pass in every engine (default: the connector's, `GatePolicy()`)."""
     kv_cache_gib: float = 2.0
     """Each engine's KV space on a CPU (vLLM's CPU default reserves a share of the whole machine per engine,
     so the second engine of a family finds too little left and stops). Unused where `extra_args` sizes it."""
@@ -169,7 +174,9 @@ class VllmEngines:
         if self.connector:
             store = str(self.store) if self.store is not None else None
             adapters = {n: str(Path(self.adapters[n]).resolve()) for n, on in self._lora_on.items() if on == spec.member}
-            extra = {"adapters": adapters, "calibrate": True} if adapters else {}
+            extra: dict[str, object] = {"adapters": adapters, "calibrate": True} if adapters else {}
+            if self.gate is not None:
+                extra["gate"] = self.gate.model_dump(mode="json")
             cmd += ["--kv-transfer-config", connector_json(str(self.home), spec.member, events=str(self.events),
                                                            store=store, **extra)]
         cmd += lora
@@ -243,6 +250,9 @@ class VllmEngines:
                             tuple(event.get("gates") or ()))
                     elif event.get("event") == "load_failed":
                         self._reports[event["request"]] = CacheReport("none")
+                    elif event.get("event") == "refused":
+                        self._reports[event["request"]] = CacheReport(
+                            "none", gates=tuple(event.get("gates") or ()), reason=str(event.get("reason") or "refused"))
         found = next((key for key in self._reports if request_id in key), None)
         return self._reports.pop(found) if found is not None else CacheReport("none")
 
