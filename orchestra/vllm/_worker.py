@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from typing import TYPE_CHECKING, Any
 
 from orchestra.vllm._layout import BlockLayout, slots_for
@@ -138,8 +139,19 @@ class WorkerSide:
             if not read:
                 continue
             layers = [read[i] for i in sorted(read)]
-            self.store.put(spec.namespace, spec.member, spec.tokens, layers)
+            written = self.store.put(spec.namespace, spec.member, spec.tokens, layers)
             self.event("saved", spec.request_id, tokens=len(spec.tokens))
+            if written is not None:  # the store writes behind the engine: say when other engines can read it
+                self._announce(written, spec.request_id, len(spec.tokens))
+
+    def _announce(self, written: threading.Event, rid: str, tokens: int) -> None:
+        from agents.bridge import start_thread
+
+        def wait() -> None:
+            if written.wait(timeout=600):
+                self.event("stored", rid, tokens=tokens)
+
+        start_thread(wait, name="orchestra-kv-stored")
 
     def event(self, name: str, rid: str, **detail: Any) -> None:
         write_event(self.settings.events, {"event": name, "request": rid, "side": "worker", "pid": os.getpid(),

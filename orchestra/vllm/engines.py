@@ -85,6 +85,9 @@ class VllmEngines:
     _aliases: dict[str, str] = field(default_factory=dict)
     _lora_on: dict[str, str] = field(default_factory=dict)
     _reports: dict[str, CacheReport] = field(default_factory=dict)
+    _saving: dict[str, float] = field(default_factory=dict)
+    """Requests whose prompt the connector is saving -> when it planned the save (wall clock)."""
+    _stored: dict[str, float] = field(default_factory=dict)
     _events_read: int = 0
 
     @property
@@ -236,6 +239,32 @@ class VllmEngines:
         """What the connector loaded for the request whose id contains `request_id` (from the events file).
 
         Each call reads only the lines added since the last one; a request's report is handed out once."""
+        self._scan()
+        found = next((key for key in self._reports if request_id in key), None)
+        return self._reports.pop(found) if found is not None else CacheReport("none")
+
+    def wait_stored(self, request_id: str | None = None, *, since: float = 0.0, timeout_s: float = 120.0) -> bool:
+        """Wait until the prompt the request (whose id contains `request_id`; None: any request planned at or after
+        the wall-clock time `since`) had saved is in the store, where the other engines find it (the store writes
+        behind the engine). False when it saved nothing (shorter than the connector's `min_tokens`, already
+        stored) or `timeout_s` ran out."""
+        def wanted(key: str, at: float) -> bool:
+            return (request_id is None or request_id in key) and at >= since
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._scan()
+            stored = next((key for key, at in self._stored.items() if wanted(key, at)), None)
+            if stored is not None:
+                del self._stored[stored]
+                return True
+            planned = any(wanted(key, at) for key, at in self._saving.items())
+            if not planned or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    def _scan(self) -> None:
+        """Read the events added to the connector's file since the last scan."""
         if self.events.exists():
             with open(self.events, "rb") as fh:
                 fh.seek(self._events_read)
@@ -253,8 +282,10 @@ class VllmEngines:
                     elif event.get("event") == "refused":
                         self._reports[event["request"]] = CacheReport(
                             "none", gates=tuple(event.get("gates") or ()), reason=str(event.get("reason") or "refused"))
-        found = next((key for key in self._reports if request_id in key), None)
-        return self._reports.pop(found) if found is not None else CacheReport("none")
+                    elif event.get("event") == "save":
+                        self._saving[event["request"]] = float(event.get("time", 0.0))
+                    elif event.get("event") == "stored" and event["request"] in self._saving:
+                        self._stored[event["request"]] = self._saving.pop(event["request"])
 
     def stop(self) -> None:
         for running in self._running.values():

@@ -319,6 +319,8 @@ class VllmExecutor(Executor):
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         assert self._engines is not None
         report = self._engines.cache_report(rid)
+        # the other members' engines look for this prefix in the store next: wait until its write has landed
+        self._engines.wait_stored(rid)
         if report.path == "mapped":
             return EngineCache("mapped", report.tokens, len(ids) - report.tokens, seconds, report.source, report.gates)
         loaded = max(cached, report.tokens if report.path == "exact" else 0)
