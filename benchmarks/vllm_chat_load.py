@@ -27,7 +27,6 @@ import json
 import platform
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serve_load import QUESTIONS, Answer, ask, summary, truncate  # noqa: E402  (its sibling: the same workload)
+from vllm_family import vllm_engines  # noqa: E402
 
 
 async def conversations(urls: dict[str, str], document: str, clients: int, models: list[str],
@@ -82,41 +82,15 @@ async def conversations(urls: dict[str, str], document: str, clients: int, model
 def way(home: Path, members: list[str], documents: dict[str, str], args: argparse.Namespace, tmp: Path, *,
         connector: bool) -> dict[str, Any]:
     """Both scenarios on one pair of engines, each over its own document (so neither finds the other's cached)."""
-    import uvicorn
-
-    from orchestra.serve import create_vllm_app, free_port
-    from orchestra.vllm.engines import VllmEngines
-
-    run_dir = tmp / ("connector" if connector else "plain")
-    engines = VllmEngines(home, run_dir, members=members, max_model_len=args.max_model_len,
-                          extra_args=("--enforce-eager",), store=run_dir / "kv", connector=connector)
-    t0 = time.perf_counter()
-    engines.start()
-    started = time.perf_counter() - t0
-    server = None
-    try:
-        if connector:
-            port = free_port()
-            server = uvicorn.Server(uvicorn.Config(create_vllm_app(engines), host="127.0.0.1", port=port,
-                                                   log_level="warning"))
-            threading.Thread(target=server.run, daemon=True).start()
-            while not server.started:
-                time.sleep(0.05)
-            urls = dict.fromkeys(members, f"http://127.0.0.1:{port}")
-        else:
-            urls = {m: engines.url(m) for m in members}
+    with vllm_engines(home, members, args.max_model_len, tmp, connector=connector) as (engines, urls, started):
         # the root's save of the document has landed in the store (it writes behind the engine)
         seen = (lambda asked: engines.wait_stored(since=asked)) if connector else None
-        result = {scenario: asyncio.run(conversations(urls, text, args.clients, members, args.max_tokens,
-                                                      seen_on=members[0] if scenario == "seen" else None,
-                                                      after_seen=seen))
-                  for scenario, text in documents.items()}
-        result["startup_s"] = round(started, 1)  # type: ignore[assignment]
+        result: dict[str, Any] = {
+            scenario: asyncio.run(conversations(urls, text, args.clients, members, args.max_tokens,
+                                                seen_on=members[0] if scenario == "seen" else None, after_seen=seen))
+            for scenario, text in documents.items()}
+        result["startup_s"] = round(started, 1)
         return result
-    finally:
-        if server is not None:
-            server.should_exit = True
-        engines.stop()
 
 
 _SCENARIOS = {"cold": "cold: every conversation starts at once on a document no engine holds",

@@ -29,6 +29,8 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
@@ -137,10 +139,12 @@ def orchestra_way(home: Path, members: dict[str, str], document: str, args: argp
         server.stop()
 
 
-def vllm_way(home: Path, members: dict[str, str], document: str, args: argparse.Namespace, tmp: Path, *,
-             connector: bool) -> dict:
-    """``orchestra_vllm`` (`connector`: the engines behind orchestra's front) or ``langgraph_vllm`` (plain
-    engines, each called directly by the graph)."""
+@contextmanager
+def vllm_engines(home: Path, members: list[str], max_model_len: int, tmp: Path, *,
+                 connector: bool) -> Iterator[tuple[Any, dict[str, str], float]]:
+    """One vLLM engine per member (a store of their own under `tmp`), and where a client asks each member:
+    with the `connector`, orchestra's front (`orchestra serve --engine vllm`'s app); without, each plain
+    engine directly. Yields (engines, urls, seconds the engines took to start); stops them all after."""
     import threading
 
     import uvicorn
@@ -149,34 +153,40 @@ def vllm_way(home: Path, members: dict[str, str], document: str, args: argparse.
     from orchestra.vllm.engines import VllmEngines
 
     run_dir = tmp / ("vllm-connector" if connector else "vllm-plain")
-    engines = VllmEngines(home, run_dir, members=list(members), max_model_len=args.max_model_len,
+    engines = VllmEngines(home, run_dir, members=list(members), max_model_len=max_model_len,
                           extra_args=("--enforce-eager",), store=run_dir / "kv", connector=connector)
     t0 = time.perf_counter()
     engines.start()
     started = time.perf_counter() - t0
     server = None
     try:
-        served = list(members)  # the engines serve each member under its name
         if connector:
             port = free_port()
             server = uvicorn.Server(uvicorn.Config(create_vllm_app(engines), host="127.0.0.1", port=port,
                                                    log_level="warning"))
-            thread = threading.Thread(target=server.run, daemon=True)
-            thread.start()
+            threading.Thread(target=server.run, daemon=True).start()
             while not server.started:
                 time.sleep(0.05)
-            urls = dict.fromkeys(served, f"http://127.0.0.1:{port}")
+            urls = dict.fromkeys(members, f"http://127.0.0.1:{port}")
         else:
-            urls = {m: engines.url(m) for m in served}
+            urls = {m: engines.url(m) for m in members}  # the engines serve each member under its name
+        yield engines, urls, started
+    finally:
+        if server is not None:
+            server.should_exit = True
+        engines.stop()
+
+
+def vllm_way(home: Path, members: dict[str, str], document: str, args: argparse.Namespace, tmp: Path, *,
+             connector: bool) -> dict:
+    """``orchestra_vllm`` (`connector`: the engines behind orchestra's front) or ``langgraph_vllm`` (plain
+    engines, each called directly by the graph)."""
+    with vllm_engines(home, list(members), args.max_model_len, tmp, connector=connector) as (engines, urls, started):
         result = run_way(urls, members, document, args.max_tokens)
         result["startup_s"] = round(started, 1)
         if connector:
             result["connector_events"] = engines.events.read_text().splitlines() if engines.events.exists() else []
         return result
-    finally:
-        if server is not None:
-            server.should_exit = True
-        engines.stop()
 
 
 def markdown(report: dict[str, Any]) -> str:
