@@ -178,6 +178,8 @@ def _executor_spec(executor: str, address: str | None) -> dict:
     spec = yaml.safe_load(text) if text.startswith("{") else {"kind": text}
     if not isinstance(spec, dict):
         raise OrchestraError(f"--executor: expected local, ray or a mapping, not {executor!r}")
+    if spec.get("kind") == "vllm":  # the vllm executor is for pipelines; the server has an engine option for it
+        raise OrchestraError("--executor vllm: to serve on vLLM use --engine vllm (one vLLM engine per member)")
     if address is not None:
         if spec.get("kind", "local") != "ray":
             raise OrchestraError("--ray-address needs --executor ray")

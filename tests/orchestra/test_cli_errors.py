@@ -115,6 +115,8 @@ CASES = [
      "orchestra family build"),
     ("serve: a repair ladder that is not numbers", lambda f: ["serve", "--repair-ladder", "low,high", "--home",
                                                               f["dir"] / "nohome"], "comma-separated list of numbers"),
+    ("serve: the pipelines' vllm executor", lambda f: ["serve", "--executor", "vllm", "--home", f["dir"] / "nohome"],
+     "use --engine vllm"),
     ("serve: a repair budget above a whole prefill", lambda f: ["serve", "--repair-ladder", "0.1,2", "--home",
                                                                 f["dir"] / "nohome"], "--repair"),
     ("family build: home is a file", lambda f: ["family", "build", "--home", f["home_file"]], "not a directory"),
