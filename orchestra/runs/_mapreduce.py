@@ -97,7 +97,12 @@ def combine(json_output: bool, results: Sequence[tuple[Part, AgentResult]]) -> C
     if len(results) == 1:
         result = kept[0][1]
         return Combined(text=result.output_text(), downstream=result.downstream_text(), parsed=_plain(result.parsed))
-    text = "\n\n".join(f"{part.label}\n{result.output_text().strip()}" for part, result in kept)
+    if json_output:  # each chunk shows what no earlier chunk did: overlapping chunks yield the same items
+        shown: set[str] = set()
+        text = "\n\n".join(f"{part.label}\n{json.dumps(_unseen(_plain(result.parsed), shown), ensure_ascii=False, indent=2)}"
+                           for part, result in kept)
+    else:
+        text = "\n\n".join(f"{part.label}\n{result.output_text().strip()}" for part, result in kept)
     if not json_output:
         downstream = "\n\n".join(f"{part.label}\n{result.downstream_text().strip()}" for part, result in kept)
         return Combined(text=text, downstream=downstream, calls=len(results))
@@ -109,8 +114,9 @@ def combine(json_output: bool, results: Sequence[tuple[Part, AgentResult]]) -> C
 def merge_json(values: Sequence[tuple[str, object]]) -> tuple[object, int]:
     """One JSON value from each chunk's (label, value), and how many exact duplicates were dropped.
 
-    Lists concatenate (objects in them gain ``"chunk": label`` unless they have one); objects merge key by
-    key (list values concatenate, the first non-empty other value wins); anything else becomes a list.
+    Lists concatenate (objects in them gain ``"chunk": label`` unless they have one; an item the same as an earlier
+    one, `_sameness`, is dropped); objects merge key by key (list values concatenate, the first non-empty other
+    value wins); anything else becomes a list.
     """
     if all(isinstance(v, list) for _, v in values):
         return _concat([(label, v) for label, v in values if isinstance(v, list)])
@@ -135,13 +141,36 @@ def _concat(lists: Sequence[tuple[str, list[object]]]) -> tuple[list[object], in
     dropped = 0
     for label, items in lists:
         for item in items:
-            key = json.dumps(item, sort_keys=True, ensure_ascii=False)  # the chunk label is no part of sameness
+            key = _sameness(item)  # the chunk label is no part of sameness
             if key in seen:
                 dropped += 1
                 continue
             seen.add(key)
             out.append({**item, "chunk": label} if isinstance(item, dict) and "chunk" not in item else item)
     return out, dropped
+
+
+def _unseen(value: object, shown: set[str]) -> object:
+    """`value` with every list item already in `shown` left out (`_sameness`), and its items added to `shown`."""
+    if isinstance(value, dict):
+        return {key: _unseen(item, shown) if isinstance(item, list) else item for key, item in value.items()}
+    if not isinstance(value, list):
+        return value
+    kept = []
+    for item in value:
+        key = _sameness(item)
+        if key not in shown:
+            shown.add(key)
+            kept.append(item)
+    return kept
+
+
+def _sameness(item: object) -> str:
+    """What makes two list items the same: strings without case, spacing and trailing punctuation (as a reply's
+    own repeats are compared, `agents.structured.drop_repeated_items`), anything else its canonical JSON."""
+    if isinstance(item, str):
+        return " ".join(item.lower().split()).rstrip(" .;,")
+    return json.dumps(item, sort_keys=True, ensure_ascii=False)
 
 
 def _plain(value: object) -> object:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,6 +98,23 @@ def test_json_outputs_merge_into_one_value():
     assert merged == {"facts": ["a", "b", "c"]} and dropped == 1
     items, _ = merge_json([("[chunk 1/2]", [{"x": 1}]), ("[chunk 2/2]", [{"x": 2}])])
     assert items == [{"x": 1, "chunk": "[chunk 1/2]"}, {"x": 2, "chunk": "[chunk 2/2]"}]
+
+
+def test_a_json_agents_chunks_show_only_items_no_earlier_chunk_showed():
+    """Overlapping chunks give the same sentence twice; the output shows it once, and what reads it gets lines."""
+    from orchestra.runs._mapreduce import Part, combine, readable
+
+    def result(value):
+        return SimpleNamespace(degenerate=None, parsed=value, output_text=lambda: json.dumps(value),
+                               downstream_text=lambda: json.dumps(value))
+
+    parts = [Part(SimpleNamespace(index=i), f"[chunk {i + 1}/2]", [], "root") for i in range(2)]
+    combined = combine(True, [(parts[0], result({"facts": ["Copies may be sold.", "No warranty."]})),
+                              (parts[1], result({"facts": ["copies may be sold", "Changes are marked."]}))])
+    assert combined.text.count("Copies may be sold") == 1 and "copies may be sold" not in combined.text
+    assert json.loads(combined.text.split("[chunk 2/2]\n", 1)[1]) == {"facts": ["Changes are marked."]}
+    assert readable(combined.parsed) == "facts:\n- Copies may be sold.\n- No warranty.\n- Changes are marked."
+    assert combined.duplicates_removed == 1
 
 
 # -- chunked runs on the tiny family -----------------------------------------------------------------------------
