@@ -208,9 +208,10 @@ async def test_a_joining_row_holds_its_tail_pass_memory_until_it_is_in_the_batch
         return join(self, job)
 
     def merged(self, job):
-        held = pool.reserved_bytes
+        # the row's own share, not the pool's total: other rows are admitted and reserve meanwhile
+        held, share = job.reserved, job.joining
         joined(self, job)
-        after.append((job.reserved, job.joining, held - pool.reserved_bytes))
+        after.append((job.reserved, job.joining, held - job.reserved if held - job.reserved == share else -1))
 
     monkeypatch.setattr(BatchDecoder, "_join", joining)
     monkeypatch.setattr(BatchDecoder, "_joined", merged)
