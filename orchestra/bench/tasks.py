@@ -102,6 +102,7 @@ class QAScore(_Model):
     accuracy: float
     retention: float | None = Field(None, description="accuracy / the member's own-prefill accuracy (None if that is 0)")
     agreement: float | None = Field(None, description="share of answers equal (normalised) to the own-prefill answer")
+    agreement_f1: float | None = Field(None, description="mean token F1 of the answers against the own-prefill answers")
     rouge_l: float | None = Field(None, description="mean ROUGE-L of the answers against the own-prefill answers")
     paths: dict[str, int] = Field(default_factory=dict, description="lease paths the answers ran on")
 
@@ -115,6 +116,11 @@ class GateSummary(_Model):
     fell_back: int = Field(description="windows that would have been re-prefilled instead of mapped")
     failed_gates: dict[str, int] = Field(default_factory=dict, description="first failing gate -> windows")
     reasons: list[str] = Field(default_factory=list, description="distinct fallback reasons (first few)")
+    harmed: int = Field(0, description="windows where the pure map turned an answer the own prefill got right wrong")
+    changed: int = Field(0, description="windows where some answer on the pure map differs from the own-prefill one")
+    catch_rate: float | None = Field(None, description="harmed windows the gates refused / harmed windows")
+    false_alarm_rate: float | None = Field(None, description="unharmed windows the gates refused / unharmed windows")
+    changed_catch_rate: float | None = Field(None, description="changed windows the gates refused / changed windows")
 
 
 class LengthRow(_Model):
@@ -182,6 +188,20 @@ def rouge_l(reference: str, candidate: str) -> float:
     if lcs == 0:
         return 0.0
     p, r = lcs / len(cand), lcs / len(ref)
+    return 2 * p * r / (p + r)
+
+
+def token_f1(reference: str, candidate: str) -> float:
+    """SQuAD's token F1 of two answers (normalised words, counted with multiplicity; 1.0 for two empty texts)."""
+    from orchestra.bench.qa import normalize
+
+    ref, cand = normalize(reference).split(), normalize(candidate).split()
+    if not ref and not cand:
+        return 1.0
+    common = sum((Counter(ref) & Counter(cand)).values())
+    if common == 0:
+        return 0.0
+    p, r = common / len(cand), common / len(ref)
     return 2 * p * r / (p + r)
 
 
@@ -286,6 +306,7 @@ def _score(member: str, condition: Condition, answers: list[QAAnswer], own: dict
         if pairs:
             score.agreement = sum(normalize(o.prediction) == normalize(a.prediction) for o, a in pairs) / len(pairs)
             score.rouge_l = sum(rouge_l(o.prediction, a.prediction) for o, a in pairs) / len(pairs)
+            score.agreement_f1 = sum(token_f1(o.prediction, a.prediction) for o, a in pairs) / len(pairs)
         own_correct = sum(o.correct for o, _ in pairs)
         score.retention = (sum(a.correct for _, a in pairs) / own_correct) if own_correct else None
     return score
@@ -317,14 +338,41 @@ def _mappable_members(fam: BenchFamily, source: str, wanted: list[str], skipped:
     return members
 
 
-def _gate_summary(member: str, leases: list[CacheLease]) -> GateSummary:
-    """How often the gates passed the member's map, and which gate refused it when they did not."""
+@dataclass(frozen=True)
+class _GateWindow:
+    """The member's gates on one window's pure map, and the questions asked over that window."""
+
+    lease: CacheLease
+    questions: tuple[str, ...]
+
+
+def _gate_summary(member: str, windows: list[_GateWindow], answers: list[QAAnswer]) -> GateSummary:
+    """How often the gates passed the member's map, which gate refused it when they did not, and how well their
+    refusals match the windows where the pure map changed (or harmed) an answer of the member's own prefill."""
+    from orchestra.bench.qa import normalize
+
+    leases = [w.lease for w in windows]
     failed = [next(d.gate for d in lease.gates if not d.passed) if any(not d.passed for d in lease.gates)
               else "other" for lease in leases if lease.path != "mapped"]
+    own = {a.question: a for a in answers if a.member == member and a.condition == "own"}
+    mapped = {a.question: a for a in answers if a.member == member and a.condition == "mapped"}
+    harmed, changed = [], []
+    for w in windows:
+        pairs = [(own[q], mapped[q]) for q in w.questions if q in own and q in mapped]
+        harmed.append(any(o.correct and not m.correct for o, m in pairs))
+        changed.append(any(normalize(o.prediction) != normalize(m.prediction) for o, m in pairs))
+    refused = [lease.path != "mapped" for lease in leases]
+
+    def share(numerator: list[bool], among: list[bool]) -> float | None:
+        n = sum(among)
+        return sum(x and y for x, y in zip(numerator, among, strict=True)) / n if n else None
+
     return GateSummary(
         member=member, windows=len(leases), passed=sum(lease.path == "mapped" for lease in leases),
-        fell_back=sum(lease.path != "mapped" for lease in leases), failed_gates=dict(Counter(failed)),
-        reasons=list(dict.fromkeys(lease.fallback_reason or "" for lease in leases if lease.path != "mapped"))[:3])
+        fell_back=sum(refused), failed_gates=dict(Counter(failed)),
+        reasons=list(dict.fromkeys(lease.fallback_reason or "" for lease in leases if lease.path != "mapped"))[:3],
+        harmed=sum(harmed), changed=sum(changed), catch_rate=share(refused, harmed),
+        false_alarm_rate=share(refused, [not h for h in harmed]), changed_catch_rate=share(refused, changed))
 
 
 @dataclass(frozen=True)
@@ -395,7 +443,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
     section = TaskSection(config=config, dataset=f"{qa.name} v{qa.version}", questions=len(chosen),
                           passages=len(groups), repair=repair.model_dump(mode="json"))
     run = _task_run(config, fam, qa, repair, section.skipped)
-    gate_log: dict[str, list[CacheLease]] = {m: [] for m in run.members}
+    gate_log: dict[str, list[_GateWindow]] = {m: [] for m in run.members}
     answers: list[QAAnswer] = []
     prefix_lengths: list[int] = []
     bar = tqdm(list(groups.items()), desc="tasks", disable=not progress)
@@ -429,7 +477,7 @@ def _task_run(config: TaskConfig, fam: BenchFamily, qa: QASet, repair: RepairPol
 
 
 def _answer_passage(run: _TaskRun, pid: str, qs: list[QAQuestion], section: TaskSection,
-                    gate_log: dict[str, list[CacheLease]]) -> tuple[list[QAAnswer], int] | None:
+                    gate_log: dict[str, list[_GateWindow]]) -> tuple[list[QAAnswer], int] | None:
     """A passage's answers under every condition and its prefix length; None (noted) if a prompt won't fit."""
     config, source = run.config, run.config.source
     prefix, n = run.window(pid, config.window_tokens)
@@ -449,7 +497,7 @@ def _answer_passage(run: _TaskRun, pid: str, qs: list[QAQuestion], section: Task
 
 
 def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[float],
-                    gate_log: list[CacheLease]) -> list[QAAnswer]:
+                    gate_log: list[_GateWindow]) -> list[QAAnswer]:
     """The member's mapped, mapped+repair and own answers on a window; its gates' lease goes to `gate_log`."""
     tail, prefix, n, qs = run.config.tail_tokens, w.prefix, w.tokens, w.questions
     # Order matters: the exact (own) entry is built last, or the mapped requests would find it and hit it.
@@ -461,13 +509,13 @@ def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[f
         repair_costs += [float(str(lease.repair["cost"]))] if lease.repair else []
     # The gates on the same map (a re-prefill when they refuse it: that is then the own prefill, reused).
     with run.cache.acquire_sync(member, prefix, gate=run.config.gate, tail_tokens=tail) as lease:
-        gate_log.append(lease)
+        gate_log.append(_GateWindow(lease, tuple(q.id for q in qs)))
     with run.cache.acquire_sync(member, prefix, allow_mapped=False) as lease:
         answers += run.answer(member, "own", lease, prefix, n, qs)
     return answers
 
 
-def _fill_scores(section: TaskSection, members: list[str], gate_log: dict[str, list[CacheLease]]) -> None:
+def _fill_scores(section: TaskSection, members: list[str], gate_log: dict[str, list[_GateWindow]]) -> None:
     """Each member's and the source's scores per condition, and the gates' summary, from `section.answers`."""
     answers, source, plain = section.answers, section.config.source, section.config.plain
     for m in members:
@@ -475,7 +523,7 @@ def _fill_scores(section: TaskSection, members: list[str], gate_log: dict[str, l
         for condition in ("own", "mapped", "mapped+repair", *(("plain",) if plain else ())):
             rows = [a for a in answers if a.member == m and a.condition == condition]
             section.scores.append(_score(m, condition, rows, own))
-        section.gates.append(_gate_summary(m, gate_log[m]))
+        section.gates.append(_gate_summary(m, gate_log[m], answers))
     section.scores.append(_score(source, "source", [a for a in answers if a.condition == "source"], None))
     if plain:
         section.scores.append(_score(source, "plain", [a for a in answers if a.member == source
@@ -551,19 +599,21 @@ def tasks_markdown(k: TaskSection) -> list[str]:
         "reference answer occurs in the reply (normalised). Every cache is a FamilyCache lease: own = the member's "
         f"own prefill, mapped = {c.source}'s cache mapped (gates open, {c.tail_tokens}-token tail recomputed), "
         f"mapped+repair = the same repaired ({_repair_words(k)}), source = {c.source} answering on its own "
-        "prefill. Retention = accuracy / own-prefill accuracy; agreement = answers identical to the own-prefill ones. "
+        "prefill. Retention = accuracy / own-prefill accuracy; agreement = answers identical to the own-prefill ones "
+        "(normalised), and their mean token F1; catch = windows where the pure map turned a right own-prefill answer "
+        "wrong that the gates refused; false alarm = the other windows the gates refused. "
         "plain = the baseline without orchestra's prompt: the member's chat template over one user turn, the window "
         "then the question, on its own prefill, same budget and stops (no shared prefix).",
         "",
         "| member | n | own | mapped | mapped+repair | plain | source | retention mapped | retention repaired | "
-        "agreement mapped | would fall back (gates) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "agreement mapped (exact / token F1) | would fall back (gates) | gates' catch / false alarm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     plain = {s.member: s for s in k.scores if s.condition == "plain"}
     if source is not None:
         base = plain.get(source.member)
         lines.append(f"| {source.member} (source) | {source.n} | {_pct(source.accuracy)} | - | - | "
-                     f"{_pct(base.accuracy if base else None)} | {_pct(source.accuracy)} | - | - | - | - |")
+                     f"{_pct(base.accuracy if base else None)} | {_pct(source.accuracy)} | - | - | - | - | - |")
     for g in k.gates:
         m = g.member
         try:
@@ -574,7 +624,8 @@ def tasks_markdown(k: TaskSection) -> list[str]:
         lines.append(
             f"| {m} | {own.n} | {_pct(own.accuracy)} | {_pct(mapped.accuracy)} | {_pct(rep.accuracy)} | "
             f"{_pct(plain[m].accuracy if m in plain else None)} | {_pct(source.accuracy if source else None)} | {_pct(mapped.retention)} | {_pct(rep.retention)} | "
-            f"{_pct(mapped.agreement)} | {g.fell_back}/{g.windows}{f' ({fails})' if fails else ''} |")
+            f"{_pct(mapped.agreement)} / {_pct(mapped.agreement_f1)} | {g.fell_back}/{g.windows}"
+            f"{f' ({fails})' if fails else ''} | {_pct(g.catch_rate)} of {g.harmed} / {_pct(g.false_alarm_rate)} |")
     by_condition: dict[str, Counter[str]] = {}
     for s in k.scores:
         by_condition.setdefault(s.condition, Counter()).update(s.paths)

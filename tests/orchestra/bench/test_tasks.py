@@ -232,6 +232,46 @@ def test_gate_decisions_are_reported_per_window(tiny_qa):
         assert g.windows == k.passages and g.passed + g.fell_back == g.windows
         assert sum(g.failed_gates.values()) == g.fell_back
         assert set(g.failed_gates) <= {"offline", "probe", "mapping", "other"}
+        assert 0 <= g.harmed <= g.changed <= g.windows
+        assert (g.catch_rate is None) == (g.harmed == 0)
+        assert (g.false_alarm_rate is None) == (g.harmed == g.windows)
+        mapped = k.score(g.member, "mapped")
+        assert mapped.agreement is not None and mapped.agreement_f1 is not None
+        assert mapped.agreement <= mapped.agreement_f1 <= 1.0  # an identical answer scores F1 1
+
+
+def test_token_f1_counts_shared_words_of_two_answers():
+    from orchestra.bench.tasks import token_f1
+
+    assert token_f1("version 2.0", "version 2.0.") == 1.0
+    assert 0.5 < token_f1("version 2.0", "It is version 2.0") < 1.0  # every reference word, and more
+    assert token_f1("30 days", "3 years") == 0.0
+    assert token_f1("", "") == 1.0
+
+
+def test_the_gates_catch_rate_counts_harmed_windows_they_refused():
+    from types import SimpleNamespace
+
+    from orchestra.bench.tasks import QAAnswer, _gate_summary, _GateWindow
+
+    def answer(q: str, condition: str, prediction: str, correct: bool) -> QAAnswer:
+        return QAAnswer(question=q, member="tuned", condition=condition, window_tokens=512, prefix_tokens=530,
+                        prediction=prediction,
+                        correct=correct, path="mapped" if condition == "mapped" else "exact")
+
+    def window(questions: tuple[str, ...], refused: bool) -> _GateWindow:
+        lease = SimpleNamespace(path="reprefilled" if refused else "mapped", gates=[], fallback_reason=None)
+        return _GateWindow(lease, questions)  # type: ignore[arg-type]
+
+    answers = [answer("a", "own", "2.0", True), answer("a", "mapped", "1.0", False),  # harmed, refused: caught
+               answer("b", "own", "3 years", True), answer("b", "mapped", "30 days", False),  # harmed, passed: missed
+               answer("c", "own", "GPL", True), answer("c", "mapped", "GPL", True),  # same, refused: false alarm
+               answer("d", "own", "x", False), answer("d", "mapped", "y", False)]  # changed, not harmed, passed
+    g = _gate_summary("tuned", [window(("a",), True), window(("b",), False), window(("c",), True),
+                                window(("d",), False)], answers)
+    assert (g.harmed, g.changed, g.fell_back) == (2, 3, 2)
+    assert (g.catch_rate, g.false_alarm_rate) == (0.5, 0.5)
+    assert g.changed_catch_rate == pytest.approx(1 / 3)
 
 
 def test_window_length_sweep(tiny_qa):
