@@ -25,6 +25,9 @@ from orchestra.vllm.config import connector_json
 
 __all__ = ["EngineSpec", "VllmEngines", "EngineStartError", "CacheReport"]
 
+_SAVES_KEPT_S = 600.0
+"""Seconds a planned or landed save is remembered for `VllmEngines.wait_stored`."""
+
 
 class EngineStartError(OrchestraError):
     """A member's vLLM server did not start (vLLM missing, a model it cannot run, a port taken)."""
@@ -264,7 +267,12 @@ class VllmEngines:
             time.sleep(0.05)
 
     def _scan(self) -> None:
-        """Read the events added to the connector's file since the last scan."""
+        """Read the events added to the connector's file since the last scan; saves nobody waited for within
+        `_SAVES_KEPT_S` are forgotten (a long-running server scans on every request and waits for none)."""
+        cutoff = time.time() - _SAVES_KEPT_S
+        for table in (self._saving, self._stored):
+            for key in [k for k, at in table.items() if at < cutoff]:
+                del table[key]
         if self.events.exists():
             with open(self.events, "rb") as fh:
                 fh.seek(self._events_read)

@@ -132,16 +132,22 @@ def test_a_pipeline_on_vllm_without_vllm_says_how_to_install_it(family) -> None:
 
 
 def test_waiting_for_a_save_ends_when_the_store_has_it_and_at_once_when_nothing_was_saved(tmp_path: Path) -> None:
+    import time
+
     from orchestra.vllm.engines import VllmEngines
 
     engines = VllmEngines(home=tmp_path, run_dir=tmp_path)
-    lines = [{"time": 10.0, "event": "save", "request": "cmpl-old-0", "tokens": 900},
-             {"time": 10.5, "event": "stored", "request": "cmpl-old-0", "tokens": 900},
-             {"time": 20.0, "event": "save", "request": "cmpl-hold-1", "tokens": 900}]
+    now = time.time()
+    lines = [{"time": now - 3600, "event": "save", "request": "cmpl-forgotten-0", "tokens": 900},
+             {"time": now - 3599, "event": "stored", "request": "cmpl-forgotten-0", "tokens": 900},
+             {"time": now + 10.0, "event": "save", "request": "cmpl-old-0", "tokens": 900},
+             {"time": now + 10.5, "event": "stored", "request": "cmpl-old-0", "tokens": 900},
+             {"time": now + 20.0, "event": "save", "request": "cmpl-hold-1", "tokens": 900}]
     engines.events.write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert not engines.wait_stored("cmpl-none", timeout_s=5)  # planned no save: no wait
     assert not engines.wait_stored("hold-1", timeout_s=0.2)  # planned, not yet written
     with engines.events.open("a") as fh:
-        fh.write(json.dumps({"time": 21.0, "event": "stored", "request": "cmpl-hold-1"}) + "\n")
-    assert engines.wait_stored(since=15.0, timeout_s=5)  # the save planned after 15 s, not the older one
+        fh.write(json.dumps({"time": now + 21.0, "event": "stored", "request": "cmpl-hold-1"}) + "\n")
+    assert engines.wait_stored(since=now + 15.0, timeout_s=5)  # the save planned after 15 s, not the older one
     assert engines.wait_stored("old", timeout_s=5)
+    assert not engines.wait_stored("forgotten", timeout_s=5)  # an hour old: a server does not keep every save
