@@ -6,7 +6,8 @@ imports the Python it names, so the client's data is read first, as plain JSON, 
 - every place it names Python (a step's ``call``, an agent's ``tools`` and ``output.model``, a ``when`` given
   as a reference rather than as a condition written as data);
 - every setting that would point the server at a folder, a file or an address of the client's choosing
-  (``mapping.directory``, ``kv_store.directory``, ``executor.address``): a served run uses the server's own
+  (``mapping.directory``, ``kv_store.directory``, ``executor.address``, ``executor.vllm``'s engine arguments
+  and store): a served run uses the server's own
   mapping store, disk tier and executor, so these are never the client's to set.
 
 `check_client_spec` refuses the spec with `CodeNotAllowedError` (a server answers 403) when a reference is
@@ -29,6 +30,8 @@ SERVER_SETTINGS = {
     ("mapping", "directory"): "the server's mapping store",
     ("kv_store", "directory"): "the server's disk tier (--kv-store)",
     ("executor", "address"): "the server's executor (--executor, --ray-address)",
+    # engine arguments (a connector's module path among them) and a store folder: never a client's
+    ("executor", "vllm"): "the server's executor (`orchestra serve --engine vllm` starts its own engines)",
 }
 """Settings of a pipeline that name a place on (or reachable from) the server -> what a served run uses instead."""
 

@@ -173,10 +173,12 @@ async def test_a_client_cannot_reach_code_through_an_allowed_module_or_its_priva
 async def test_folders_and_addresses_in_a_client_pipeline_are_refused(runs_client, tmp_path):
     for section, key, value in [("mapping", "directory", str(tmp_path / "maps")),
                                 ("kv_store", "directory", str(tmp_path / "kv")),
-                                ("executor", "address", "ray://10.0.0.1:10001")]:
+                                ("executor", "address", "ray://10.0.0.1:10001"),
+                                ("executor", "vllm", {"store": str(tmp_path / "vllm-kv"), "args": [
+                                    "--kv-transfer-config", '{"kv_connector_module_path": "attacker"}']})]:
         spec = {"models": {"root": "root"}, "agents": [AGENT], section: {key: value}}
         if section == "executor":
-            spec[section]["kind"] = "ray"
+            spec[section]["kind"] = "ray" if key == "address" else "vllm"
         error = assert_openai_error(await runs_client.post("/v1/runs", json={"spec": spec, "document": DOC}), 403)
         assert f"{section}.{key}" in error["message"]
     assert list(tmp_path.iterdir()) == []  # no folder was made
