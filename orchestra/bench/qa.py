@@ -2,6 +2,8 @@
 
 ``data/qa.json`` (shipped with the package) holds *passages* (a character span of one bundled
 document) and *questions* on them, each with short reference answers that occur in the passage.
+``data/qa_heldout.json`` (:data:`HELDOUT_QA_FILE`) is a second set of that format over license texts
+that neither the calibration corpus nor the first set uses; :func:`load_qa` takes either bare name.
 A question is answered from a window of the document around its passage (:func:`passage_window`),
 so the context a model reads can be sized without changing the questions; questions on one passage
 share its window, so a window is prefilled once per member and condition.
@@ -15,6 +17,7 @@ turns every other punctuation mark into a space, writes ``%`` as ``percent``, nu
 
 from __future__ import annotations
 
+import os
 import re
 import unicodedata
 from collections.abc import Iterable, Sequence
@@ -28,9 +31,12 @@ if TYPE_CHECKING:
     from mappings.types import Tokenizer
 
 __all__ = ["AnswerType", "QAPassage", "QAQuestion", "QASet", "load_qa", "normalize", "is_correct", "passage_window",
-           "QA_FILE"]
+           "QA_FILE", "HELDOUT_QA_FILE"]
 
 QA_FILE = "qa.json"
+HELDOUT_QA_FILE = "qa_heldout.json"
+"""A second QA set over texts that neither the calibration corpus nor :data:`QA_FILE` uses."""
+_BUNDLED = (QA_FILE, HELDOUT_QA_FILE)
 AnswerType = Literal["date", "number", "duration", "name", "term", "title"]
 
 
@@ -106,11 +112,16 @@ class QASet(_Model):
 
 @lru_cache(maxsize=4)
 def load_qa(path: str | None = None) -> QASet:
-    """The QA set shipped with the package (or the one at ``path``)."""
-    if path is not None:
+    """The QA set shipped with the package (or the one at ``path``).
+
+    A bundled set's bare name (:data:`QA_FILE`, :data:`HELDOUT_QA_FILE`) loads the shipped file, unless a
+    file of that name exists on disk: a path that exists always wins.
+    """
+    if path is not None and (path not in _BUNDLED or os.path.isfile(path)):
         with open(path, encoding="utf-8") as f:
             return QASet.model_validate_json(f.read())
-    return QASet.model_validate_json(resources.files("orchestra.bench").joinpath("data").joinpath(QA_FILE).read_text("utf-8"))
+    name = QA_FILE if path is None else path
+    return QASet.model_validate_json(resources.files("orchestra.bench").joinpath("data").joinpath(name).read_text("utf-8"))
 
 
 # -- scoring -------------------------------------------------------------------------------------
