@@ -36,15 +36,26 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {
-    "before": {"exact_sinks": 0, "value_weights": "uniform"},
-    "judged with sinks": {"exact_sinks": 4, "value_weights": "uniform"},
-    "+ attention values": {"exact_sinks": 4, "value_weights": "attention"},
+# Each variant: (changes to the member's method spec, changes to the calibration settings).
+VARIANT_SETS: dict[str, dict[str, tuple[dict[str, Any], dict[str, Any]]]] = {
+    "served": {
+        "before": ({"exact_sinks": 0, "value_weights": "uniform"}, {}),
+        "judged with sinks": ({"exact_sinks": 4, "value_weights": "uniform"}, {}),
+        "+ attention values": ({"exact_sinks": 4, "value_weights": "attention"}, {}),
+    },
+    # What a map served at 3.5k tokens gains from fitting on windows that long, per KV head, at full rank.
+    "length": {
+        "shipped (512-token windows)": ({}, {}),
+        "2048-token windows": ({}, {"window": 2048}),
+        "per KV head": ({"granularity": "head"}, {}),
+        "full rank": ({"rank": None, "rank_fraction": None}, {}),
+        "2048-token windows, full rank": ({"rank": None, "rank_fraction": None}, {"window": 2048}),
+    },
 }
 PREFIX, SUFFIX, DEV_OFFSET, SINKS = 3584, 128, 1800, 4
 
 
-def measure(role: str, tokens: int, home: str | None) -> dict[str, Any]:
+def measure(role: str, tokens: int, home: str | None, variants: str = "served") -> dict[str, Any]:
     from mappings.calibrate import CalibrationSettings, calibrate
     from mappings.compat import check_pair
     from mappings.evaluate import EvaluationSettings, evaluate
@@ -64,14 +75,14 @@ def measure(role: str, tokens: int, home: str | None) -> dict[str, Any]:
     corpus = [(name, data_text(name)) for name in CALIBRATION_TEXTS]
     ids = tgt.tokenizer(data_text(HELDOUT_TEXT), add_special_tokens=False)["input_ids"]
     rows = []
-    for label, change in VARIANTS.items():
+    for label, (change, calibration) in VARIANT_SETS[variants].items():
         spec = base.model_copy(update=change)
+        settings_used = {"tokens": tokens, "window": 512, **calibration}
         t0 = time.perf_counter()
-        mapping = calibrate(src, tgt, corpus, CalibrationSettings(method=spec, tokens=tokens, window=512),
-                            progress=False)
+        mapping = calibrate(src, tgt, corpus, CalibrationSettings(method=spec, **settings_used), progress=False)
         seconds = time.perf_counter() - t0
-        row: dict[str, Any] = {"variant": label, "method": spec.name, **change, "calibration_seconds": seconds,
-                               "heldout_kl": mapping.manifest.heldout["kl"]}
+        row: dict[str, Any] = {"variant": label, "method": spec.name, **change, **settings_used,
+                               "calibration_seconds": seconds, "heldout_kl": mapping.manifest.heldout["kl"]}
         for split, doc, windows in (("test", ids, 2), ("dev", ids[DEV_OFFSET:], 1)):
             settings = EvaluationSettings(prefix_tokens=PREFIX, suffix_tokens=SUFFIX, windows=windows, tail_tokens=0,
                                           greedy_tokens=0, baselines=(), layer_curves=False, sink_tokens=SINKS,
@@ -85,12 +96,13 @@ def measure(role: str, tokens: int, home: str | None) -> dict[str, Any]:
     return {"member": role, "name": member.name, "method": base.name, "rows": rows}
 
 
-def markdown(results: list[dict[str, Any]], command: str, tokens: int = 8192) -> str:
+def markdown(results: list[dict[str, Any]], command: str, tokens: int = 8192, variants: str = "served") -> str:
     lines = [
         "# What each calibration change buys a served map", "",
         f"Command: `{command}`", "",
-        f"Root -> member mappings calibrated three times on the same data ({tokens:,} tokens of MPL-2.0, Apache-2.0 "
-        "and GFDL-1.3 in windows of 512), one change at a time; scored on the held-out GPL-3 text as served "
+        f"Root -> member mappings calibrated {len(VARIANT_SETS[variants])} times on the same data ({tokens:,} tokens "
+        "of MPL-2.0, Apache-2.0 and GFDL-1.3 in windows of 512 unless the variant says otherwise), one change at a "
+        "time; scored on the held-out GPL-3 text as served "
         f"(first {SINKS} positions exact) and as a pure map. test = 2 windows of {PREFIX} + {SUFFIX} scored tokens "
         f"from token 0 (`evaluate_family.py`'s); dev = 1 window from token {DEV_OFFSET} (other scored tokens). "
         "KL in nats per token against the member's own prefill; lower is better.", "",
@@ -103,7 +115,8 @@ def markdown(results: list[dict[str, Any]], command: str, tokens: int = 8192) ->
             lines.append(f"| {res['member']} ({res['method']}) | {r['variant']} | {r['test']['kl']:.4f} | "
                          f"{r['test']['top1']:.3f} | {r['dev']['kl']:.4f} | {r['dev']['top1']:.3f} | "
                          f"{r['test']['pure_kl']:.4f} | {r['heldout_kl']:.4f} | {r['calibration_seconds']:.0f} |")
-    lines += ["", "Change from `before` to the default (`+ attention values`), served KL:", ""]
+    first_label, last_label = list(VARIANT_SETS[variants])[0], list(VARIANT_SETS[variants])[-1]
+    lines += ["", f"Change from `{first_label}` to `{last_label}`, served KL:", ""]
     for res in results:
         first, last = res["rows"][0], res["rows"][-1]
         parts = [f"{split} {first[split]['kl']:.4f} -> {last[split]['kl']:.4f} "
@@ -118,16 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--member", action="append", help="member role (repeat); default every non-root member")
     parser.add_argument("--tokens", type=int, default=8192, help="fitting tokens per calibration")
+    parser.add_argument("--variants", choices=sorted(VARIANT_SETS), default="served",
+                        help="served: the changes that made the shipped method; length: fits for long served maps")
     parser.add_argument("--home", default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    results = [measure(role, args.tokens, args.home)
+    results = [measure(role, args.tokens, args.home, args.variants)
                for role in args.member or ["finetuned", "int8", "quantized", "distilled"]]
     command = ("python benchmarks/fit_ablation.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
     args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "fit_ablation.json", json.dumps({"command": command, "results": results}, indent=2))
-    md = markdown(results, command, args.tokens)
-    write_atomic(args.out / "fit_ablation.md", md)
+    stem = "fit_ablation" if args.variants == "served" else f"fit_ablation_{args.variants}"
+    write_atomic(args.out / f"{stem}.json", json.dumps({"command": command, "results": results}, indent=2))
+    md = markdown(results, command, args.tokens, args.variants)
+    write_atomic(args.out / f"{stem}.md", md)
     print(md)
     return 0
 
