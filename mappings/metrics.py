@@ -19,6 +19,7 @@ __all__ = [
     "mean_cosine",
     "kl_divergence",
     "mean_kl",
+    "entropy",
     "tail_nll",
     "next_token_agreement",
 ]
@@ -107,6 +108,14 @@ def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     p = F.log_softmax(p_logits.float(), -1)
     q = F.log_softmax(q_logits.float().to(p.device), -1)
     return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def entropy(logits: torch.Tensor) -> float:
+    """Mean over positions of the next-token entropy of ``softmax(logits)`` (nats, fp32); ``[..., vocab]``."""
+    import torch.nn.functional as F
+
+    lp = F.log_softmax(logits.float(), -1)
+    return float(-(lp.exp() * lp).sum(-1).mean())
 
 
 def tail_nll(logits: torch.Tensor, ids: torch.Tensor) -> float:

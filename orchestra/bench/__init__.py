@@ -20,6 +20,7 @@ from orchestra.bench._machine import MachineInfo, machine_info
 from orchestra.bench._run import SECTIONS, BenchConfig, run_bench
 from orchestra.bench.calibration import CalibrationBenchConfig, CalibrationSection, run_calibration
 from orchestra.bench.crossfamily import CrossFamilyConfig, CrossFamilySection, run_crossfamily
+from orchestra.bench.gate_signals import SIGNALS, GateCandidate, Judged, score_candidates
 from orchestra.bench.pipeline import (
     PipelineComparison,
     PipelineConfig,
@@ -39,7 +40,15 @@ from orchestra.bench.qa import (
 )
 from orchestra.bench.quality import QualityConfig, QualitySection, run_quality
 from orchestra.bench.report import BenchResults, render_markdown, write_plots, write_results
-from orchestra.bench.tasks import QAAsker, TaskConfig, TaskSection, plain_prompt_ids, rouge_l, run_tasks
+from orchestra.bench.tasks import (
+    QAAsker,
+    TaskConfig,
+    TaskSection,
+    judged_answers,
+    plain_prompt_ids,
+    rouge_l,
+    run_tasks,
+)
 from orchestra.bench.timing import TimingConfig, TimingSection, run_timing
 
 __all__ = [
@@ -64,6 +73,11 @@ __all__ = [
     "rouge_l",
     "QAAsker",
     "plain_prompt_ids",
+    "judged_answers",
+    "SIGNALS",
+    "GateCandidate",
+    "Judged",
+    "score_candidates",
     "QAQuestion",
     "QASet",
     "load_qa",

@@ -31,17 +31,18 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestra.bench._context import BenchFamily, Pair
+from orchestra.bench.gate_signals import GateCandidate, Judged, score_candidates
 from orchestra.familycache.gates import GatePolicy
 
 if TYPE_CHECKING:
     from agents.spec import AgentSpec
     from mappings.repair import RepairPolicy
-    from mappings.types import Tokenizer
+    from mappings.types import Tensor, Tokenizer
     from orchestra.bench.qa import QAQuestion, QASet
     from orchestra.familycache import CacheLease, FamilyCache
 
 __all__ = ["TaskConfig", "QAAnswer", "QAScore", "GateSummary", "LengthRow", "TaskSection", "run_tasks",
-           "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS", "plain_prompt_ids"]
+           "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS", "plain_prompt_ids", "judged_answers"]
 
 Condition = Literal["source", "own", "mapped", "mapped+repair", "plain"]
 CONDITIONS: tuple[Condition, ...] = ("own", "mapped", "mapped+repair", "source", "plain")
@@ -92,6 +93,8 @@ class QAAnswer(_Model):
     prediction: str
     correct: bool
     error: str | None = None
+    signals: dict[str, float] = Field(default_factory=dict, description="on the pure map: what each candidate gate "
+                                      "read (`orchestra.bench.gate_signals`; larger is worse)")
 
 
 class QAScore(_Model):
@@ -121,6 +124,8 @@ class GateSummary(_Model):
     catch_rate: float | None = Field(None, description="harmed windows the gates refused / harmed windows")
     false_alarm_rate: float | None = Field(None, description="unharmed windows the gates refused / unharmed windows")
     changed_catch_rate: float | None = Field(None, description="changed windows the gates refused / changed windows")
+    candidates: list[GateCandidate] = Field(default_factory=list, description="each candidate reading scored as a "
+                                            "gate over the member's questions")
 
 
 class LengthRow(_Model):
@@ -416,6 +421,16 @@ class _TaskRun:
                                 correct=err is None and is_correct(text, q.answers), error=err))
         return out
 
+    def starts(self, member: str, lease: CacheLease, prefix: list[int], qs: list[QAQuestion]) -> dict[str, Tensor]:
+        """Each question's first-answer-token logits on the lease's cache (what the candidate gates read)."""
+        from agents import suffix_ids
+        from orchestra.bench.gate_signals import answer_start_logits
+
+        lm = self.asker.fam.loaded(member)
+        with self.cache.lock(member):
+            return {q.id: answer_start_logits(lm.model, lease.local_cache(), len(prefix),
+                                              suffix_ids(lm.tokenizer, self.asker.spec(q))) for q in qs}
+
     def plain(self, member: str, pid: str, tokens: int, n: int, qs: list[QAQuestion]) -> list[QAAnswer]:
         """`qs` asked the plain way over the text `window` cut for (`pid`, `tokens`)."""
         return self.asker.answer_plain(member, self.texts[(pid, tokens)], n, qs)
@@ -428,6 +443,8 @@ class _Window:
     prefix: list[int]
     tokens: int
     questions: list[QAQuestion]
+    source_starts: dict[str, Tensor]
+    """The source's first-answer-token logits per question, on its own cache."""
 
 
 def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) -> TaskSection:
@@ -485,9 +502,9 @@ def _answer_passage(run: _TaskRun, pid: str, qs: list[QAQuestion], section: Task
     if why:
         section.skipped.append(f"{pid}: {why}")
         return None
-    window = _Window(prefix=prefix, tokens=n, questions=qs)
     with run.cache.acquire_sync(source, prefix) as lease:
         answers = run.answer(source, "source", lease, prefix, n, qs)
+        window = _Window(prefix=prefix, tokens=n, questions=qs, source_starts=run.starts(source, lease, prefix, qs))
     for m in run.members:
         answers += _member_answers(run, m, window, section.repair_costs, gate_log[m])
     for m in [source, *run.members] if config.plain else []:
@@ -502,7 +519,9 @@ def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[f
     tail, prefix, n, qs = run.config.tail_tokens, w.prefix, w.tokens, w.questions
     # Order matters: the exact (own) entry is built last, or the mapped requests would find it and hit it.
     with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail) as lease:
-        answers = run.answer(member, "mapped", lease, prefix, n, qs)
+        mapped = run.answer(member, "mapped", lease, prefix, n, qs)
+        mapped_starts = run.starts(member, lease, prefix, qs)
+    answers = list(mapped)
     with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail,
                                 repair=run.repair) as lease:
         answers += run.answer(member, "mapped+repair", lease, prefix, n, qs)
@@ -510,9 +529,44 @@ def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[f
     # The gates on the same map (a re-prefill when they refuse it: that is then the own prefill, reused).
     with run.cache.acquire_sync(member, prefix, gate=run.config.gate, tail_tokens=tail) as lease:
         gate_log.append(_GateWindow(lease, tuple(q.id for q in qs)))
+        probe = next((d.metrics for d in lease.gates if d.gate == "probe"), {})
     with run.cache.acquire_sync(member, prefix, allow_mapped=False) as lease:
         answers += run.answer(member, "own", lease, prefix, n, qs)
+        own_starts = run.starts(member, lease, prefix, qs)
+    _record_signals(mapped, probe, mapped_starts, w.source_starts, own_starts)
     return answers
+
+
+def _record_signals(mapped: list[QAAnswer], probe: dict[str, float], mapped_starts: dict[str, Tensor],
+                    source_starts: dict[str, Tensor], own_starts: dict[str, Tensor]) -> None:
+    """The candidate gates' readings on each mapped answer: the window's probe and the question's answer start."""
+    from orchestra.bench.gate_signals import probe_readings, start_readings
+
+    window = probe_readings(probe)
+    for a in mapped:
+        a.signals = {**window, **start_readings(mapped_starts[a.question], source_starts[a.question],
+                                                own_starts.get(a.question))}
+
+
+def judged_answers(member: str, answers: list[QAAnswer]) -> list[Judged]:
+    """The member's mapped answers as candidate-gate rows: their readings (``answer_differs_source`` read here,
+    from the source's own answers), and whether the map harmed or changed the own-prefill answer."""
+    from orchestra.bench.gate_signals import Judged
+    from orchestra.bench.qa import normalize
+
+    own = {a.question: a for a in answers if a.member == member and a.condition == "own"}
+    source = {a.question: a for a in answers if a.condition == "source"}
+    judged = []
+    for a in answers:
+        if a.member != member or a.condition != "mapped" or a.question not in own:
+            continue
+        signals = dict(a.signals)
+        if a.question in source:
+            signals["answer_differs_source"] = 1.0 - token_f1(source[a.question].prediction, a.prediction)
+        o = own[a.question]
+        judged.append(Judged(signals, harmed=o.correct and not a.correct,
+                             changed=normalize(o.prediction) != normalize(a.prediction)))
+    return judged
 
 
 def _fill_scores(section: TaskSection, members: list[str], gate_log: dict[str, list[_GateWindow]]) -> None:
@@ -523,7 +577,9 @@ def _fill_scores(section: TaskSection, members: list[str], gate_log: dict[str, l
         for condition in ("own", "mapped", "mapped+repair", *(("plain",) if plain else ())):
             rows = [a for a in answers if a.member == m and a.condition == condition]
             section.scores.append(_score(m, condition, rows, own))
-        section.gates.append(_gate_summary(m, gate_log[m], answers))
+        summary = _gate_summary(m, gate_log[m], answers)
+        summary.candidates = score_candidates(judged_answers(m, answers))
+        section.gates.append(summary)
     section.scores.append(_score(source, "source", [a for a in answers if a.condition == "source"], None))
     if plain:
         section.scores.append(_score(source, "plain", [a for a in answers if a.member == source
@@ -588,6 +644,29 @@ def _repair_words(k: TaskSection) -> str:
     return f"{whose}: a {float(str(policy['budget'])):.0%} budget{where}{spent}"
 
 
+def _candidates_markdown(k: TaskSection) -> list[str]:
+    from orchestra.bench.gate_signals import SIGNALS, TARGET_CATCH
+
+    rows = [(g.member, c) for g in k.gates for c in g.candidates]
+    if not rows:
+        return []
+    what = {s.name: s.what for s in SIGNALS}
+    lines = ["", "### Which reading notices that the map harmed an answer", "",
+             "Per question on the pure map: harmed = the own prefill answers right and the map wrong. Each reading "
+             f"refuses the questions it reads at or above the threshold that refuses {TARGET_CATCH:.0%} of the harmed "
+             "ones (tuned on this set: a second set tests it); false alarm = the other questions it refuses; AUC = "
+             "the chance a harmed question reads worse than an unharmed one (0.5: blind). (oracle): needs the "
+             "member's own prefill, which no gate has.", "",
+             "| member | reading | harmed / questions | threshold | catch | false alarm | changed caught | AUC |",
+             "|---|---|---|---|---|---|---|---|"]
+    for member, c in rows:
+        t = "-" if c.threshold is None else f"{c.threshold:.4g}"
+        lines.append(f"| {member} | {c.signal}: {what.get(c.signal, '')}{'' if c.runtime else ' (oracle)'} | "
+                     f"{c.harmed}/{c.questions} | {t} | {_pct(c.catch_rate)} | {_pct(c.false_alarm_rate)} | "
+                     f"{_pct(c.changed_catch_rate)} | {'-' if c.auc is None else f'{c.auc:.2f}'} |")
+    return lines
+
+
 def tasks_markdown(k: TaskSection) -> list[str]:
     c = k.config
     source = next((s for s in k.scores if s.condition == "source"), None)
@@ -626,6 +705,7 @@ def tasks_markdown(k: TaskSection) -> list[str]:
             f"{_pct(plain[m].accuracy if m in plain else None)} | {_pct(source.accuracy if source else None)} | {_pct(mapped.retention)} | {_pct(rep.retention)} | "
             f"{_pct(mapped.agreement)} / {_pct(mapped.agreement_f1)} | {g.fell_back}/{g.windows}"
             f"{f' ({fails})' if fails else ''} | {_pct(g.catch_rate)} of {g.harmed} / {_pct(g.false_alarm_rate)} |")
+    lines += _candidates_markdown(k)
     by_condition: dict[str, Counter[str]] = {}
     for s in k.scores:
         by_condition.setdefault(s.condition, Counter()).update(s.paths)

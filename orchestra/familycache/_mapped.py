@@ -111,7 +111,8 @@ class MappedPath:
         computed, summary = self._map(job, mapping, repair, check, sinks)
         measured = check.metrics(computed.logits)
         probe = ProbeReading(measured["probe_nll"], measured["reference_nll"], measured["probe_source_kl"],
-                             reference.source_kl, reference.mapped_excess_nll)
+                             reference.source_kl, reference.mapped_excess_nll, measured["probe_source_top1"],
+                             measured["probe_entropy_shift"])
         return MappedPrefix(computed, summary, probe, sinks, tail, warnings)
 
     def _map(self, job: MapJob, mapping: MappingRef, repair: RepairPolicy | None, check: ProbeCheck,

@@ -25,9 +25,16 @@ class ProbeReading:
     probe_source_kl: float
     reference_source_kl: float | None
     calibrated_mapped_excess: float | None = None
+    probe_source_top1: float | None = None
+    """Share of probe positions whose most likely token is the source's."""
+    probe_entropy_shift: float | None = None
+    """Mean next-token entropy on the probe, target minus source (nats): a map that blurs the target raises it."""
 
     def decide(self, gate: ProbeGate) -> GateDecision:
-        return decide_probe(gate, self.probe_nll, self.reference_nll, self.probe_source_kl, self.reference_source_kl)
+        readings = {k: v for k, v in (("probe_source_top1", self.probe_source_top1),
+                                      ("probe_entropy_shift", self.probe_entropy_shift)) if v is not None}
+        return decide_probe(gate, self.probe_nll, self.reference_nll, self.probe_source_kl, self.reference_source_kl,
+                            readings)
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,14 @@ def decide_offline(policy: OfflineGate, heldout_kl: float | None, heldout_top1: 
 
 
 def decide_probe(policy: ProbeGate, probe_nll: float, reference_nll: float,
-                 probe_kl: float | None = None, reference_kl: float | None = None) -> GateDecision:
-    """Fails on too much loss over the reference, or (when measured) too much divergence from the source."""
+                 probe_kl: float | None = None, reference_kl: float | None = None,
+                 readings: dict[str, float] | None = None) -> GateDecision:
+    """Fails on too much loss over the reference, or (when measured) too much divergence from the source.
+
+    ``readings``: further probe measurements reported with the decision (not thresholded).
+    """
     excess = probe_nll - reference_nll
-    metrics = {"probe_nll": probe_nll, "reference_nll": reference_nll, "excess_nll": excess}
+    metrics = {**(readings or {}), "probe_nll": probe_nll, "reference_nll": reference_nll, "excess_nll": excess}
     if excess != excess or excess > policy.max_excess_nll:  # NaN fails too
         return GateDecision(False, "probe", f"probe NLL excess {excess:.3f} > {policy.max_excess_nll} nats/token", metrics)
     if probe_kl is not None and reference_kl is not None:
@@ -126,15 +130,21 @@ class ProbeCheck:
     """Thresholds applied by `__call__` (None: measure only)."""
 
     def metrics(self, logits: Tensor) -> dict[str, float]:
-        """Probe NLL, KL to the source and the references, for `logits` ``[tail, vocab]`` (or ``[1, tail, vocab]``)."""
+        """Probe NLL, KL to the source and the references, for `logits` ``[tail, vocab]`` (or ``[1, tail, vocab]``);
+        also the share of probe positions whose most likely token is the source's (``probe_source_top1``) and how
+        much more uncertain the target is than the source there (``probe_entropy_shift``, nats)."""
         import torch
 
-        from mappings.metrics import mean_kl, tail_nll
+        from mappings.metrics import entropy, mean_kl, tail_nll
 
         logits = logits[0] if logits.dim() == 3 else logits
         ids = torch.tensor(self.tail_ids, dtype=torch.long)
+        source = self.source_logits.float()
+        mine = logits.float().to(source.device)
         out = {"probe_nll": tail_nll(logits.float(), ids), "reference_nll": self.reference_nll,
-               "probe_source_kl": mean_kl(self.source_logits, logits.float())}
+               "probe_source_kl": mean_kl(source, mine),
+               "probe_source_top1": float((mine.argmax(-1) == source.argmax(-1)).float().mean()),
+               "probe_entropy_shift": entropy(mine) - entropy(source)}
         if self.reference_source_kl is not None:
             out["reference_source_kl"] = self.reference_source_kl
         return out
@@ -145,12 +155,17 @@ class ProbeCheck:
             raise ValueError("this probe check has no gate to decide with")
         m = self.metrics(logits)
         return decide_probe(self.gate, m["probe_nll"], m["reference_nll"], m["probe_source_kl"],
-                            m.get("reference_source_kl"))
+                            m.get("reference_source_kl"), _readings(m))
 
     def __call__(self, logits: Tensor) -> tuple[bool, dict[str, float]]:
         """(passed, metrics): the form `mappings.repair.climb_repair` climbs against."""
         decision = self.decide(logits)
         return decision.passed, dict(decision.metrics)
+
+
+def _readings(metrics: dict[str, float]) -> dict[str, float]:
+    """The probe's measurements that no threshold reads, reported beside the decision."""
+    return {k: metrics[k] for k in ("probe_source_top1", "probe_entropy_shift") if k in metrics}
 
 
 class CircuitBreaker:

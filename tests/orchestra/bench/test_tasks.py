@@ -298,3 +298,25 @@ def test_cli_exposes_the_qa_options():
     assert result.exit_code == 0
     for option in ("--qa-window", "--qa-lengths", "--qa-limit", "--qa-questions", "--qa-repair-budget"):
         assert option in result.output, option
+
+
+def test_every_mapped_answer_carries_the_candidate_gates_readings(tiny_qa):
+    from orchestra.bench.gate_signals import SIGNALS
+
+    k = tiny_qa[0].tasks
+    assert k is not None
+    for a in k.answers:
+        if a.condition != "mapped":
+            assert a.signals == {}
+            continue
+        assert {"start_kl_source", "start_top1_miss_source", "oracle_start_kl_own"} <= set(a.signals)
+        assert all(v == v for v in a.signals.values())  # no NaN
+    for g in k.gates:
+        names = [c.signal for c in g.candidates]
+        assert set(names) <= {s.name for s in SIGNALS} and "answer_differs_source" in names
+        for c in g.candidates:
+            assert c.questions == k.score(g.member, "mapped").n and c.harmed <= c.changed <= c.questions
+            assert (c.threshold is None) == (c.harmed == 0)
+    md = tiny_qa[1].with_suffix(".md").read_text()
+    assert "### Which reading notices that the map harmed an answer" in md
+

@@ -1,0 +1,113 @@
+"""Which gate reading notices a harmed answer on a set it was not tuned on.
+
+    python benchmarks/gate_candidates.py --tune benchmarks/results/qa_faithful.json \
+        --test benchmarks/results/qa_faithful_heldout.json [--out benchmarks/results]
+
+Both inputs are `orchestra bench --sections tasks` results, whose mapped answers carry every candidate
+reading (`orchestra.bench.gate_signals`). For each member and reading, the threshold that refuses
+80 % of the harmed questions of the tuning set is applied unchanged to the test set; the table shows
+catch and false-alarm rates on both, and on the two sets pooled. Writes gate_candidates.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def judged(path: Path, member: str) -> list[Any]:
+    """The member's mapped answers of a tasks result as `Judged` rows (readings, harmed, changed)."""
+    from orchestra.bench import BenchResults, judged_answers
+
+    section = BenchResults.model_validate_json(path.read_text()).tasks
+    if section is None:
+        raise SystemExit(f"{path} has no tasks section: run `orchestra bench --sections tasks --out {path}`")
+    return judged_answers(member, section.answers)
+
+
+def members_of(path: Path) -> list[str]:
+    from orchestra.bench import BenchResults
+
+    section = BenchResults.model_validate_json(path.read_text()).tasks
+    return [g.member for g in section.gates] if section is not None else []
+
+
+def compare(tune: Path, test: Path) -> list[dict[str, Any]]:
+    from orchestra.bench import score_candidates
+
+    rows = []
+    for member in members_of(tune):
+        a, b = judged(tune, member), judged(test, member)
+        tuned = {c.signal: c for c in score_candidates(a)}
+        thresholds = {s: c.threshold for s, c in tuned.items() if c.threshold is not None}
+        tested = {c.signal: c for c in score_candidates(b, thresholds)}
+        pooled = {c.signal: c for c in score_candidates([*a, *b])}
+        for signal, c in tuned.items():
+            t, p = tested.get(signal), pooled.get(signal)
+            rows.append({"member": member, "signal": signal, "runtime": c.runtime, "tune": c.model_dump(),
+                         "test": t.model_dump() if t else None, "pooled": p.model_dump() if p else None})
+    return rows
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def markdown(rows: list[dict[str, Any]], command: str, tune: Path, test: Path) -> str:
+    from orchestra.bench import SIGNALS
+
+    what = {s.name: s.what for s in SIGNALS}
+    lines = ["# Which gate reading notices a harmed answer, on a set it was not tuned on", "",
+             f"Command: `{command}`", "",
+             f"Tuned on `{tune.name}`, tested on `{test.name}`. Harmed = the member's own prefill answers right and "
+             "the pure map wrong. Each reading's threshold refuses 80 % of the tuning set's harmed questions and is "
+             "applied unchanged to the test set; pooled = both sets, threshold tuned on both. Goal: catch >= 80 %, "
+             "false alarm <= 20 % on the test set. (oracle) readings need the member's own prefill.", "",
+             "| member | reading | threshold | tune catch / false alarm (harmed) | test catch / false alarm (harmed) "
+             "| pooled catch / false alarm | pooled AUC |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tu, te, po = r["tune"], r["test"] or {}, r["pooled"] or {}
+        t = "-" if tu["threshold"] is None else f"{tu['threshold']:.4g}"
+        auc = po.get("auc")
+        lines.append(
+            f"| {r['member']} | {r['signal']}: {what.get(r['signal'], '')}{'' if r['runtime'] else ' (oracle)'} | "
+            f"{t} | {_pct(tu['catch_rate'])} / {_pct(tu['false_alarm_rate'])} ({tu['harmed']}/{tu['questions']}) | "
+            f"{_pct(te.get('catch_rate'))} / {_pct(te.get('false_alarm_rate'))} ({te.get('harmed', 0)}/"
+            f"{te.get('questions', 0)}) | {_pct(po.get('catch_rate'))} / {_pct(po.get('false_alarm_rate'))} | "
+            f"{'-' if auc is None else f'{auc:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mappings.atomic import write_atomic
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tune", type=Path, required=True, help="tasks result the thresholds are tuned on")
+    parser.add_argument("--test", type=Path, required=True, help="tasks result they are tested on")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    for path in (args.tune, args.test):
+        if not path.is_file():
+            print(f"error: {path} does not exist: run `orchestra bench --sections tasks --out {path}` first",
+                  file=sys.stderr)
+            return 2
+    rows = compare(args.tune, args.test)
+    command = ("python benchmarks/gate_candidates.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "gate_candidates.json", json.dumps({"command": command, "rows": rows}, indent=2))
+    md = markdown(rows, command, args.tune, args.test)
+    write_atomic(args.out / "gate_candidates.md", md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
