@@ -41,7 +41,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -99,6 +99,11 @@ class RepairPolicy(BaseModel):
     """Share of the token budget spent on interior tokens the source's last tokens attend to most."""
     probe_tokens: int = Field(default=16, ge=1)
     """Source tokens whose attention ranks the interior tokens (only with ``scattered_share``)."""
+    focus: tuple[int, ...] | Literal["question"] | None = None
+    """What ranks the interior tokens (``scattered_share``) instead of the document's last ``probe_tokens``:
+    token ids read after the document (an agent's instructions and question), whose attention on the source
+    picks what the question reads; ``"question"`` in an agent's or pipeline's policy: the agent's own
+    suffix, filled in by the pipeline when the agent runs. None: the document's tail ranks them."""
     blocks: tuple[tuple[int, int], ...] | None = None
     """Explicit layer blocks ``[start, stop)``; None: chosen from the mapping's calibration metrics."""
     ladder: tuple[float, ...] = ()
@@ -120,6 +125,12 @@ class RepairPolicy(BaseModel):
         if self.ladder and (self.layer_share or self.blocks is not None):
             raise ValueError("an adaptive ladder repairs tokens only: leave layer_share at 0 and blocks unset")
         return self
+
+    @property
+    def focus_ids(self) -> tuple[int, ...] | None:
+        """The token ids that rank the interior tokens (None: the document's tail, also for an unfilled
+        ``"question"``)."""
+        return self.focus if isinstance(self.focus, tuple) and self.focus else None
 
     @property
     def adaptive(self) -> bool:
@@ -160,6 +171,8 @@ class RepairPolicy(BaseModel):
             parts.append(f"L{self.layer_share:g}")
         if self.scattered_share:
             parts.append(f"S{self.scattered_share:g}")
+        if self.focus:
+            parts.append("Q")
         return ",".join(parts)
 
 
@@ -420,13 +433,18 @@ def compute_share(config: ModelConfig | None, n: int, tokens: Sequence[int], blo
     return model.share(n, tokens) + block_layers / model.layers
 
 
-def attention_importance(model: Model, layers: KVLayers, input_ids: torch.Tensor, probe_tokens: int = 16) -> torch.Tensor:
+def attention_importance(model: Model, layers: KVLayers, input_ids: torch.Tensor, probe_tokens: int = 16,
+                         focus: Sequence[int] | None = None) -> torch.Tensor:
     """How much ``model``'s last ``probe_tokens`` tokens attend to each position, ``[n]``.
 
     Re-runs the last tokens over ``layers`` (the model's own cache of ``input_ids``, cut before
     them) capturing their queries, then averages the softmax attention over probes, heads and
-    layers. Cost: ``probe_tokens`` tokens of a forward pass.
+    layers. Cost: ``probe_tokens`` tokens of a forward pass. With ``focus`` (token ids that follow
+    the document: an agent's question), those tokens are run after the whole cache instead and
+    their attention on the document's positions ranks them (cost: ``len(focus)`` tokens).
     """
+    if focus:
+        return _focus_importance(model, layers, input_ids, focus)
     import torch
 
     from mappings.cache_io import build_cache, forward_with_cache, slice_layers
@@ -453,15 +471,42 @@ def attention_importance(model: Model, layers: KVLayers, input_ids: torch.Tensor
     return total / len(layers)
 
 
+def _focus_importance(model: Model, layers: KVLayers, input_ids: torch.Tensor, focus: Sequence[int]) -> torch.Tensor:
+    """How much the ``focus`` tokens, read after the ``n`` cached positions, attend to each of them, ``[n]``."""
+    import torch
+
+    from mappings.cache_io import build_cache, forward_with_cache, slice_layers
+    from mappings.capture import capture_queries
+    from mappings.metrics import attention_received
+    from mappings.rope import RopeSpec
+
+    n, f = input_ids.shape[-1], len(focus)
+    device = layers[0][0].device
+    ids = torch.tensor([list(focus)], dtype=torch.long, device=device)
+    positions = torch.arange(n, n + f)
+    with capture_queries(model) as queries:
+        forward_with_cache(model, ids, build_cache(slice_layers(layers, 0, n), model.config),
+                           position_ids=positions[None].to(device), logits_to_keep=1)
+    rope = RopeSpec.from_config(model.config)
+    total = torch.zeros(n)
+    for i, (k, _v) in enumerate(layers):
+        d = k.shape[-1]
+        q = queries[i].float()
+        q = q.reshape(q.shape[0], f, -1, d).transpose(1, 2)  # [B, H, f, d]
+        q = rope.apply(q, positions.to(q.device))
+        # the focus's attention over the document's keys only: which of them the question reads
+        total += attention_received(q[:1], k[:1, :, :n], positions).mean(dim=(0, 1)).cpu()
+    return total / len(layers)
+
 
 def _rank(source: Model | None, source_layers: KVLayers | None, input_ids: torch.Tensor, probe_tokens: int,
-          seconds: dict[str, float]) -> torch.Tensor:
+          seconds: dict[str, float], focus: Sequence[int] | None = None) -> torch.Tensor:
     """The source's attention ranking for scattered tokens (its seconds under ``rank``); both repair paths use it."""
     if source is None or source_layers is None:
         raise RepairUnavailableError("scattered token repair ranks tokens by the source's attention: pass "
                                      "source= and source_layers=, or importance=")
     t0 = time.perf_counter()
-    importance = attention_importance(source, source_layers, input_ids, probe_tokens)
+    importance = attention_importance(source, source_layers, input_ids, probe_tokens, focus)
     seconds["rank"] = time.perf_counter() - t0
     return importance
 
@@ -504,7 +549,7 @@ def repair_cache(
     n, num_layers = input_ids.shape[1], len(mapped)
     seconds: dict[str, float] = {}
     if policy.budget and policy.scattered_share and importance is None:
-        importance = _rank(source, source_layers, input_ids, policy.probe_tokens, seconds)
+        importance = _rank(source, source_layers, input_ids, policy.probe_tokens, seconds, policy.focus_ids)
     plan = plan_repair(policy, n, num_layers, layer_scores=layer_scores, importance=importance,
                        config=getattr(target, "config", None), costs=costs, exact=exact)
     layers = list(mapped)
@@ -595,7 +640,8 @@ def climb_repair(
     state = _ClimbState(list(mapped), set(climb.given))
     for i, budget in enumerate(policy.rungs):
         if budget and policy.scattered_share and importance is None:
-            importance = _rank(source, source_layers, input_ids, policy.probe_tokens, state.seconds)
+            importance = _rank(source, source_layers, input_ids, policy.probe_tokens, state.seconds,
+                               policy.focus_ids)
         if _climb_rung(climb, state, i, budget, importance):
             break
     else:

@@ -59,13 +59,17 @@ def bench(
                                                  "(default: all; 12 with --quick).")] = None,
     qa_questions: Annotated[str | None, typer.Option("--qa-questions", help="Tasks: comma-separated question ids "
                                                      "(orchestra/bench/data/qa.json) to ask.")] = None,
-    qa_file: Annotated[Path | None, typer.Option("--qa-file", help="Tasks: a QA set of your own (the format of "
-                                                 "orchestra/bench/data/qa.json) instead of the bundled one.")] = None,
+    qa_file: Annotated[Path | None, typer.Option("--qa-file", help="Tasks: another QA set: 'qa_heldout.json' (the "
+                                                 "bundled held-out set) or a file of your own (the format of "
+                                                 "orchestra/bench/data/qa.json).")] = None,
     qa_max_new_tokens: Annotated[int | None, typer.Option("--qa-max-new-tokens", min=1, help="Tasks: tokens per "
                                                           "answer (default 24).")] = None,
     qa_repair_budget: Annotated[float | None, typer.Option("--qa-repair-budget", min=0.0, max=1.0, help="Tasks: repair "
                                                            "budget of the mapped+repair condition (default: the "
                                                            "question answerer's own repair).")] = None,
+    qa_repair_focus: Annotated[Literal["tail", "question"], typer.Option(
+        "--qa-repair-focus", help="Tasks: what ranks the tokens the repair recomputes: 'tail' (the document's last "
+        "tokens) or 'question' (each question: a repaired cache per question).")] = "tail",
     repair_costs: Annotated[Literal["measured", "compute"], typer.Option("--repair-costs", help="How repair budgets are priced: 'measured' "
                                               "(the target's timed passes on this machine) or 'compute' "
                                               "(multiply-adds).")] = "measured",
@@ -86,7 +90,7 @@ def bench(
             repeats=repeats, windows=windows, pipeline_agents=_ints(agents, "--agents"), device=device,
             task_tokens=qa_window, task_max_new_tokens=qa_max_new_tokens, qa_lengths=_ints(qa_lengths, "--qa-lengths"),
             qa_limit=qa_limit, qa_questions=_split(qa_questions), qa_file=str(qa_file) if qa_file else None,
-            qa_repair_budget=qa_repair_budget, repair_costs=repair_costs,
+            qa_repair_budget=qa_repair_budget, qa_repair_focus=qa_repair_focus, repair_costs=repair_costs,
             **({"sections": _split(sections)} if sections else {}),
         )
         result = run_bench(config, out, home=home, command=_command(), progress=not quiet,

@@ -39,9 +39,13 @@ class BenchConfig(BaseModel):
     qa_lengths: list[int] | None = Field(None, description="window lengths of the source's QA accuracy sweep")
     qa_limit: int | None = Field(None, ge=1, description="ask only the first N questions of the QA set")
     qa_questions: list[str] | None = Field(None, description="ask only these question ids")
-    qa_file: str | None = Field(None, description="a QA set (JSON, the bundled one's format) instead of the bundled one")
+    qa_file: str | None = Field(None, description="a QA set (JSON, the bundled one's format) instead of the bundled one, "
+                                   "or a bundled set's bare name ('qa_heldout.json')")
     qa_repair_budget: float | None = Field(None, gt=0.0, le=1.0, description="repair budget of the mapped+repair "
                                            "condition (None: the question answerer's own `mapped_repair`)")
+    qa_repair_focus: Literal["tail", "question"] = Field(
+        "tail", description="what ranks the interior tokens the mapped+repair condition recomputes: the document's "
+        "last tokens, or each question (a repaired cache per question)")
     pipeline_agents: list[int] | None = None
     pipeline_tokens: int | None = Field(None, ge=16)
     pipeline_max_new_tokens: int | None = Field(None, ge=1)
@@ -168,7 +172,8 @@ def _run_section(name: str, cfg: BenchConfig, pairs: list[Pair], lengths: list[i
         return run_tasks(TaskConfig(
             source=source, members=targets, window_tokens=cfg.task_tokens or 512,
             max_new_tokens=cfg.task_max_new_tokens or 24, tail_tokens=max(2, cfg.tail_tokens),
-            repair_budget=cfg.qa_repair_budget, repair_costs=cfg.repair_costs, questions=cfg.qa_questions,
+            repair_budget=cfg.qa_repair_budget, repair_focus=cfg.qa_repair_focus, repair_costs=cfg.repair_costs,
+            questions=cfg.qa_questions,
             limit=cfg.qa_limit,
             qa_file=cfg.qa_file, lengths=cfg.qa_lengths or []),
             fam, progress=progress)

@@ -60,6 +60,10 @@ class TaskConfig(_Model):
     tail_tokens: int = Field(32, ge=2, description="prefix tokens the FamilyCache recomputes on the target after a map")
     repair_budget: float | None = Field(None, gt=0.0, le=1.0, description="repair budget of the mapped+repair "
                                         "condition (None: the built-in's own `mapped_repair`)")
+    repair_focus: Literal["tail", "question"] = Field(
+        "tail", description="what ranks the interior tokens the repair recomputes: the document's last tokens, or "
+        "each question (`RepairPolicy.focus`: a repaired cache per question, all of the budget after the sinks on "
+        "what the question reads when `repair_budget` is given)")
     repair_costs: Literal["measured", "compute"] = Field(
         "measured", description="how that budget is priced: the target's timed passes, or multiply-adds")
     stop: list[str] = Field(default_factory=lambda: ["\n\n", "Question:"],
@@ -78,7 +82,9 @@ class TaskConfig(_Model):
         from agents.builtin import QA_REPAIR
         from mappings.repair import RepairPolicy
 
-        return RepairPolicy(budget=self.repair_budget) if self.repair_budget is not None else QA_REPAIR
+        if self.repair_budget is None:
+            return QA_REPAIR
+        return RepairPolicy(budget=self.repair_budget, scattered_share=1.0 if self.repair_focus == "question" else 0.0)
 
 
 class QAAnswer(_Model):
@@ -522,10 +528,10 @@ def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[f
         mapped = run.answer(member, "mapped", lease, prefix, n, qs)
         mapped_starts = run.starts(member, lease, prefix, qs)
     answers = list(mapped)
-    with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail,
-                                repair=run.repair) as lease:
-        answers += run.answer(member, "mapped+repair", lease, prefix, n, qs)
-        repair_costs += [float(str(lease.repair["cost"]))] if lease.repair else []
+    for policy, asked in _repairs(run, member, qs):
+        with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail, repair=policy) as lease:
+            answers += run.answer(member, "mapped+repair", lease, prefix, n, asked)
+            repair_costs += [float(str(lease.repair["cost"]))] if lease.repair else []
     # The gates on the same map (a re-prefill when they refuse it: that is then the own prefill, reused).
     with run.cache.acquire_sync(member, prefix, gate=run.config.gate, tail_tokens=tail) as lease:
         gate_log.append(_GateWindow(lease, tuple(q.id for q in qs)))
@@ -535,6 +541,16 @@ def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[f
         own_starts = run.starts(member, lease, prefix, qs)
     _record_signals(mapped, probe, mapped_starts, w.source_starts, own_starts)
     return answers
+
+
+def _repairs(run: _TaskRun, member: str, qs: list[QAQuestion]) -> list[tuple[RepairPolicy, list[QAQuestion]]]:
+    """The mapped+repair condition's repairs: one for the window, or one per question focused on it."""
+    from agents import suffix_ids
+
+    if run.config.repair_focus != "question":
+        return [(run.repair, qs)]
+    tok = run.asker.fam.loaded(member).tokenizer
+    return [(run.repair.model_copy(update={"focus": tuple(suffix_ids(tok, run.asker.spec(q)))}), [q]) for q in qs]
 
 
 def _record_signals(mapped: list[QAAnswer], probe: dict[str, float], mapped_starts: dict[str, Tensor],
@@ -637,8 +653,9 @@ def _repair_words(k: TaskSection) -> str:
     policy = k.repair or {"budget": k.config.repair_budget or 0.1}
     whose = "the bench's" if k.config.repair_budget is not None else "the built-in's own `mapped_repair`"
     interior = float(str(policy.get("scattered_share") or 0))
-    where = (f", {interior:.0%} of it on the interior tokens the source's last tokens read" if interior
-             else ", on sink and tail tokens")
+    reader = ("each question reads on the source (a repaired cache per question)" if k.config.repair_focus == "question"
+              else "the source's last tokens read")
+    where = f", {interior:.0%} of it on the interior tokens {reader}" if interior else ", on sink and tail tokens"
     spent = (f"; spent {sum(k.repair_costs) / len(k.repair_costs):.0%} of a prefill on average" if k.repair_costs
              else "")
     return f"{whose}: a {float(str(policy['budget'])):.0%} budget{where}{spent}"

@@ -216,7 +216,8 @@ class Executor(ABC):
         """Per-position attention of the source's last tokens (a scattered-token repair ranks by it)."""
         from orchestra.familycache._ops import source_importance
 
-        scores, seconds = self.run([req.source], source_importance, req.cache, list(req.ids), req.probe_tokens)
+        scores, seconds = self.run([req.source], source_importance, req.cache, list(req.ids), req.probe_tokens,
+                                   req.focus)
         return Importance(scores, seconds)
 
     def pass_costs(self, req: PassCostsRequest) -> PassCosts:

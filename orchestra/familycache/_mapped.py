@@ -122,7 +122,7 @@ class MappedPath:
             importance, rank_s = None, 0.0
             if repair.scattered_share > 0 and repair.max_budget > 0:  # ranked where the source lives
                 ranked = self.executor.importance(ImportanceRequest(job.source, job.source_cache, job.prefix,
-                                                                    repair.probe_tokens))
+                                                                    repair.probe_tokens, repair.focus_ids))
                 importance, rank_s = ranked.scores, ranked.seconds
             result = self.executor.map_cache(MapRequest(job.member, mapping, job.source_cache, job.prefix, job.tail,
                                                         repair, job.source_hidden, importance=importance, probe=check,

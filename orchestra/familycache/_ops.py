@@ -213,7 +213,7 @@ def pass_costs(target: LoadedModel, directory: str | None) -> PassCosts:
 
 
 def source_importance(source: LoadedModel, source_cache: CacheLike, ids: list[int],
-                      probe_tokens: int) -> tuple[Tensor, float]:
+                      probe_tokens: int, focus: tuple[int, ...] | None = None) -> tuple[Tensor, float]:
     """How much the source's last tokens attend to each position (scattered-token repair ranks by it), and seconds.
 
     The part of a scattered repair that needs the source model: a remote executor runs it where the
@@ -226,7 +226,8 @@ def source_importance(source: LoadedModel, source_cache: CacheLike, ids: list[in
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        scores = attention_importance(source.model, list(cache_layers(source_cache)), _ids(source, ids), probe_tokens)
+        scores = attention_importance(source.model, list(cache_layers(source_cache)), _ids(source, ids), probe_tokens,
+                                      focus)
     return scores.cpu(), time.perf_counter() - t0
 
 

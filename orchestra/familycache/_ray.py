@@ -821,7 +821,8 @@ class RayExecutor(Executor):
         """In the target's actor; a repair that reads the source ranks positions in the source's actor first."""
         importance, seconds = req.importance, None
         if req.source is not None and importance is None and req.repair is not None:
-            ranked = self.importance(ImportanceRequest(req.source, req.source_cache, req.ids, req.repair.probe_tokens))
+            ranked = self.importance(ImportanceRequest(req.source, req.source_cache, req.ids, req.repair.probe_tokens,
+                                                       req.repair.focus_ids))
             importance, seconds = ranked.scores, ranked.seconds
         mapped, summary = self.call(req.target, map_on_target, req.mapping, req.source_cache, list(req.ids), req.tail,
                                     req.repair, req.source_hidden, importance, req.probe, sinks=req.sinks,

@@ -132,6 +132,8 @@ class ImportanceRequest:
     cache: CacheRef
     ids: tuple[int, ...]
     probe_tokens: int
+    focus: tuple[int, ...] | None = None
+    """Tokens read after `ids` whose attention ranks the positions instead (a question-directed repair)."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
@@ -46,7 +47,10 @@ class _Orchestra(Protocol):
     async def _prompt_for(self, run: RunState, agent: str, member: str) -> MemberPrompt: ...
 
     async def _acquire(self, run: RunState, agent: str | None, member: str, prompt: MemberPrompt | None = None, *,
-                       chunk: int | None = None, mapped: bool = True) -> CacheLease: ...
+                       chunk: int | None = None, mapped: bool = True,
+                       focus: Sequence[int] | None = None) -> CacheLease: ...
+
+    async def question_focus(self, agent: str, member: str, upstream: Mapping[str, object]) -> list[int] | None: ...
 
 
 class DagWalk:
@@ -77,8 +81,10 @@ class DagWalk:
                 return
             with scope:
                 prompt = await self.o._prompt_for(run, name, agent.model)
-                lease = await self._agent_cache(run, report, prompt)
-                result = await self._generate(run, agent, report, prompt, lease, on_token)
+                upstream = self._upstream(run, agent, report)
+                focus = await self.o.question_focus(name, agent.model, upstream)
+                lease = await self._agent_cache(run, report, prompt, focus)
+                result = await self._generate(run, agent, report, prompt, lease, on_token, upstream)
             await self._record_result(run, report, result, len(prompt.ids), first_token)
             await self._conclude(run, report, result)
         except Exception as exc:
@@ -86,10 +92,12 @@ class DagWalk:
         finally:
             done[name].set()
 
-    async def _agent_cache(self, run: RunState, report: AgentReport, prompt: MemberPrompt) -> CacheLease:
-        """Acquire the agent's document cache on its member, record it on the report and announce it."""
+    async def _agent_cache(self, run: RunState, report: AgentReport, prompt: MemberPrompt,
+                           focus: list[int] | None = None) -> CacheLease:
+        """Acquire the agent's document cache on its member (a question-focused repair ranks by `focus`), record it
+        on the report and announce it."""
         name, model = report.name, report.model
-        lease = await self.o._acquire(run, name, model, prompt)
+        lease = await self.o._acquire(run, name, model, prompt, focus=focus)
         self.record_cache(run, report, lease)
         if prompt.own_reason is not None and self.o.share_prefill and report.fallback_reason is None:
             report.cache_path, report.fallback_reason = "reprefilled", prompt.own_reason
@@ -98,18 +106,20 @@ class DagWalk:
                                      seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair))
         return lease
 
+    def _upstream(self, run: RunState, agent: AgentNode, report: AgentReport) -> dict[str, object]:
+        """What the agent's templates read: the run's inputs it names and its upstreams' outputs."""
+        return {**{n: run.inputs[n] for n in self.o.pipeline.input_reads(agent.name)},
+                **{up: run.outputs.get(up) or unavailable(up, report.missing_upstreams) for up in agent.upstream}}
+
     async def _generate(self, run: RunState, agent: AgentNode, report: AgentReport, prompt: MemberPrompt,
-                        lease: CacheLease, on_token: TokenSink) -> AgentResult:
+                        lease: CacheLease, on_token: TokenSink, upstream: dict[str, object]) -> AgentResult:
         """Run the agent over its cache with its upstreams' outputs; where it ran goes on the report, also on failure."""
         name = agent.name
         where: dict[str, str] = {}
         try:
             return await self.o.cache.executor.generate(
                 agent.model, self.o.specs[name], prefix_ids=prompt.ids, prefix_cache=lease.cache,
-                upstream={**{n: run.inputs[n] for n in self.o.pipeline.input_reads(name)},
-                          **{up: run.outputs.get(up) or unavailable(up, report.missing_upstreams)
-                             for up in agent.upstream}},
-                on_token=on_token, placement=where,
+                upstream=upstream, on_token=on_token, placement=where,
             )
         finally:
             report.actor, report.node = where.get("actor"), where.get("node")

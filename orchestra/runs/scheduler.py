@@ -398,9 +398,10 @@ class Orchestra:
 
     async def _acquire(self, run: RunState, agent: str | None, member: str,
                        prompt: MemberPrompt | None = None, *, chunk: int | None = None,
-                       mapped: bool = True) -> CacheLease:
+                       mapped: bool = True, focus: Sequence[int] | None = None) -> CacheLease:
         """The document's (or a chunk's) cache on `member` from the FamilyCache, its steps re-emitted live as run
-        events; `mapped` False: never mapped from the source (a reduce agent's notes exist on no other member)."""
+        events; `mapped` False: never mapped from the source (a reduce agent's notes exist on no other member);
+        `focus`: the agent's suffix ids, for a repair that ranks what it recomputes by the agent's question."""
         node = self.pipeline.agent(agent) if agent is not None else None
         gate = (node.gate if node is not None else None) or self.pipeline.gate
 
@@ -417,7 +418,7 @@ class Orchestra:
                 self.cache.measured_prefill(member, lease.prefill_seconds, lease.computed_tokens)
             run.leases.append((agent, lease))
             return lease
-        repair = self._repair_for(agent) if agent is not None else None
+        repair = self._repair_for(agent, focus) if agent is not None else None
         # a member whose prefix has other ids prefills it itself: the source's cache (or a map of the
         # source's prefill of these ids, which costs the same prefill again) cannot serve it better
         lease = await self.cache.acquire(member, prompt.ids, gate=gate, repair=repair, on_step=on_step,
@@ -426,10 +427,33 @@ class Orchestra:
         run.leases.append((agent, lease))
         return lease
 
-    def _repair_for(self, agent: str) -> RepairPolicy | None:
-        """How a mapped cache `agent` reads is repaired: its node's, else its spec's (None: the cache's policy)."""
+    def _repair_for(self, agent: str, focus: Sequence[int] | None = None) -> RepairPolicy | None:
+        """How a mapped cache `agent` reads is repaired: its node's, else its spec's (None: the cache's policy); a
+        `focus: question` policy gets the agent's suffix ids (`focus`; without them the document's tail ranks)."""
+        policy = self._asked_repair(agent)
+        if policy is not None and policy.focus == "question":
+            return policy.model_copy(update={"focus": tuple(int(i) for i in focus) if focus else None})
+        return policy
+
+    def _asked_repair(self, agent: str) -> RepairPolicy | None:
+        """The repair `agent` asks for, as written: its node's, else its spec's."""
         node = self.pipeline.agent(agent)
         return node.repair if node.repair is not None else self.specs[agent].mapped_repair
+
+    def wants_question_focus(self, agent: str) -> bool:
+        """Whether `agent`'s repair ranks what it recomputes by the agent's own question (`focus: question`)."""
+        policy = self._asked_repair(agent)
+        return policy is not None and policy.focus == "question"
+
+    async def question_focus(self, agent: str, member: str, upstream: Mapping[str, object]) -> list[int] | None:
+        """The agent's suffix ids on `member` (its instructions and question, with `upstream`), when its repair is
+        focused on its question; else None (nothing to lay out)."""
+        if not self.wants_question_focus(agent):
+            return None
+        from agents import suffix_ids
+
+        tokenizer = await in_thread(self.cache.executor.tokenizer, member)
+        return suffix_ids(tokenizer, self.specs[agent], upstream)
 
     async def _prompt_for(self, run: RunState, agent: str, member: str) -> MemberPrompt:
         """The document prefix as `member`'s own tokenizer and chat template lay it out (once per member and run).

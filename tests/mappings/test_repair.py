@@ -188,6 +188,28 @@ def test_attention_importance_matches_eager_attention(llama_family):
     assert got.sum().item() == pytest.approx(1.0, abs=1e-4)
 
 
+def test_question_focus_ranks_the_document_by_what_the_question_reads(llama_family):
+    """With a focus, the tokens after the document are the queries: their eager attention on its positions,
+    renormalised over the document (what they read of it), is the ranking."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(llama_family.child), attn_implementation="eager").eval()
+    ids = _ids()[:, :36]
+    doc, question = ids[:, :30], ids[0, 30:].tolist()
+    _, cache = prefill(model, doc)
+    got = attention_importance(model, list(cache_layers(cache)), doc, probe_tokens=5, focus=question)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_attentions=True)
+    # softmax over the document's keys only: the full row's weights on them, renormalised
+    want = torch.stack([(a[0, :, 30:, :30] / a[0, :, 30:, :30].sum(-1, keepdim=True)).float().mean(dim=(0, 1))
+                        for a in out.attentions]).mean(0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+    assert not torch.allclose(got, attention_importance(model, list(cache_layers(cache)), doc, probe_tokens=5),
+                              atol=1e-3)
+    policy = RepairPolicy(budget=0.2, scattered_share=1.0, focus=tuple(question))
+    assert policy.label.endswith(",Q") and policy != policy.model_copy(update={"focus": None})
+
+
 # ---- issue 16: the adaptive budget ladder ------------------------------------------------------------------
 
 def test_ladder_policy_validation_and_rungs():

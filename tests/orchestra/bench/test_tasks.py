@@ -320,3 +320,29 @@ def test_every_mapped_answer_carries_the_candidate_gates_readings(tiny_qa):
     md = tiny_qa[1].with_suffix(".md").read_text()
     assert "### Which reading notices that the map harmed an answer" in md
 
+
+def test_a_question_focused_repair_repairs_each_question_on_what_it_reads(tiny_family_home, tmp_path):
+    """`repair_focus: question`: one repaired cache per question, its interior tokens ranked by that question."""
+    import torch
+
+    from orchestra.bench import BenchFamily
+    from orchestra.bench.tasks import TaskConfig, run_tasks, tasks_markdown
+
+    home = tmp_path / "home"
+    shutil.copytree(tiny_family_home, home)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fam = BenchFamily.bundled(home, calibration_tokens=512)
+        config = TaskConfig(source="root", members=["finetuned"], window_tokens=40, max_new_tokens=4, tail_tokens=8,
+                            repair_budget=0.5, repair_focus="question", questions=TINY_QUESTIONS[:3], plain=False,
+                            qa_file=str(tiny_qa_file(tmp_path / "tiny-qa.json", TINY_QUESTIONS)))
+        k = run_tasks(config, fam, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert k.repair is not None and k.repair["scattered_share"] == 1.0
+    repaired = [a for a in k.answers if a.condition == "mapped+repair"]
+    assert len(repaired) == 3 and all(a.path == "mapped" for a in repaired)
+    assert len(k.repair_costs) == 3  # one repair per question, not per window
+    assert all(c > 0.0 for c in k.repair_costs)  # priced with the recomputed tail, on a 40-token window
+    assert any("each question reads" in line for line in tasks_markdown(k))

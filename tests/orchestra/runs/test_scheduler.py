@@ -276,6 +276,33 @@ async def test_an_agent_that_asks_for_repair_reads_a_repaired_map_and_the_others
     assert asked["scattered"] > 0 and asked["cost"] <= QA_REPAIR.budget  # interior tokens the source reads
 
 
+async def test_a_question_focused_repair_ranks_each_agents_map_by_its_own_question(fam, mapstore):
+    """`repair: {focus: question}`: the agent's own suffix ranks the interior tokens recomputed, so two questions
+    read two repaired entries, and an agent asking the same question shares the first's."""
+    from transformers import AutoTokenizer
+
+    from agents import suffix_ids
+
+    repair = {"budget": 0.5, "scattered_share": 1.0, "focus": "question"}
+
+    def qa(name: str, question: str) -> dict:
+        return {"name": name, "model": "child", "repair": repair,
+                "builtin": "question_answerer", "args": {"question": question, "max_new_tokens": 4}}
+
+    agents = [qa("who", "Who may copy it?"), qa("when", "When was it published?"), qa("again", "Who may copy it?")]
+    orch = Orchestra(_pipeline(fam, agents, gate={"offline": None, "probe": None},
+                               mapping={"repair_costs": "compute"}), mappings=mapstore)
+    report = await orch.run(DOC)
+    assert report.succeeded == ["who", "when", "again"]
+    tok = AutoTokenizer.from_pretrained(fam.child)
+    mapped = [c for c in report.caches if c.model == "child"]
+    assert all(c.path == "mapped" and c.repair and c.repair["scattered"] > 0 for c in mapped)
+    focuses = sorted({tuple(c.repair["policy"]["focus"]) for c in mapped})  # type: ignore[index]
+    # the agents' own questions rank: two questions, two focuses (the third agent asks the first's)
+    assert focuses == sorted({tuple(suffix_ids(tok, orch.specs[n])) for n in ("who", "when")})
+    assert len([e for e in orch.cache.pool.entries() if e.namespace.kind == "mapped"]) == 2
+
+
 async def test_degenerate_output_is_reported_and_never_passed_downstream(fam, mapstore):
     from transformers import AutoTokenizer
 
