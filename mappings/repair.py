@@ -443,8 +443,21 @@ def attention_importance(model: Model, layers: KVLayers, input_ids: torch.Tensor
     the document: an agent's question), those tokens are run after the whole cache instead and
     their attention on the document's positions ranks them (cost: ``len(focus)`` tokens).
     """
+    import torch
+
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    n = input_ids.shape[1]
     if focus:
-        return _focus_importance(model, layers, input_ids, focus)
+        ids = torch.tensor([list(focus)], dtype=torch.long, device=layers[0][0].device)
+        return _attention_on_document(model, layers, ids, n, n)
+    t = max(1, min(probe_tokens, n - 1))
+    return _attention_on_document(model, layers, input_ids[:, n - t :], n - t, n)
+
+
+def _attention_on_document(model: Model, layers: KVLayers, ids: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """How much ``ids``, run at positions ``start...`` over ``layers`` cut at ``start``, attend to each of the first
+    ``n`` positions, ``[n]``: softmax over those keys, averaged over the queries, heads and layers."""
     import torch
 
     from mappings.cache_io import build_cache, forward_with_cache, slice_layers
@@ -452,49 +465,20 @@ def attention_importance(model: Model, layers: KVLayers, input_ids: torch.Tensor
     from mappings.metrics import attention_received
     from mappings.rope import RopeSpec
 
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-    n = input_ids.shape[1]
-    t = max(1, min(probe_tokens, n - 1))
+    t = ids.shape[1]
+    positions = torch.arange(start, start + t)
     with capture_queries(model) as queries:
-        forward_with_cache(model, input_ids[:, n - t :], build_cache(slice_layers(layers, 0, n - t), model.config),
-                           logits_to_keep=1)
+        forward_with_cache(model, ids, build_cache(slice_layers(layers, 0, start), model.config),
+                           position_ids=positions[None].to(ids.device), logits_to_keep=1)
     rope = RopeSpec.from_config(model.config)
-    positions = torch.arange(n - t, n)
     total = torch.zeros(n)
     for i, (k, _v) in enumerate(layers):
         d = k.shape[-1]
         q = queries[i].float()
         q = q.reshape(q.shape[0], t, -1, d).transpose(1, 2)  # [B, H, t, d]
         q = rope.apply(q, positions.to(q.device))
-        total += attention_received(q[:1], k[:1], positions).mean(dim=(0, 1)).cpu()
-    return total / len(layers)
-
-
-def _focus_importance(model: Model, layers: KVLayers, input_ids: torch.Tensor, focus: Sequence[int]) -> torch.Tensor:
-    """How much the ``focus`` tokens, read after the ``n`` cached positions, attend to each of them, ``[n]``."""
-    import torch
-
-    from mappings.cache_io import build_cache, forward_with_cache, slice_layers
-    from mappings.capture import capture_queries
-    from mappings.metrics import attention_received
-    from mappings.rope import RopeSpec
-
-    n, f = input_ids.shape[-1], len(focus)
-    device = layers[0][0].device
-    ids = torch.tensor([list(focus)], dtype=torch.long, device=device)
-    positions = torch.arange(n, n + f)
-    with capture_queries(model) as queries:
-        forward_with_cache(model, ids, build_cache(slice_layers(layers, 0, n), model.config),
-                           position_ids=positions[None].to(device), logits_to_keep=1)
-    rope = RopeSpec.from_config(model.config)
-    total = torch.zeros(n)
-    for i, (k, _v) in enumerate(layers):
-        d = k.shape[-1]
-        q = queries[i].float()
-        q = q.reshape(q.shape[0], f, -1, d).transpose(1, 2)  # [B, H, f, d]
-        q = rope.apply(q, positions.to(q.device))
-        # the focus's attention over the document's keys only: which of them the question reads
+        # the softmax is over the document's keys alone: a focus's attention on its own tokens says nothing of
+        # which document tokens it reads
         total += attention_received(q[:1], k[:1, :, :n], positions).mean(dim=(0, 1)).cpu()
     return total / len(layers)
 
