@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agents.agreement import token_f1
 from orchestra.bench._context import BenchFamily, Pair
 from orchestra.bench.gate_signals import GateCandidate, Judged, score_candidates
 from orchestra.familycache.gates import GatePolicy
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from orchestra.familycache import CacheLease, FamilyCache
 
 __all__ = ["TaskConfig", "QAAnswer", "QAScore", "GateSummary", "LengthRow", "TaskSection", "run_tasks",
-           "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS", "plain_prompt_ids", "judged_answers"]
+           "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS", "plain_prompt_ids", "judged_answers", "token_f1"]
 
 Condition = Literal["source", "own", "mapped", "mapped+repair", "plain"]
 CONDITIONS: tuple[Condition, ...] = ("own", "mapped", "mapped+repair", "source", "plain")
@@ -199,20 +200,6 @@ def rouge_l(reference: str, candidate: str) -> float:
     if lcs == 0:
         return 0.0
     p, r = lcs / len(cand), lcs / len(ref)
-    return 2 * p * r / (p + r)
-
-
-def token_f1(reference: str, candidate: str) -> float:
-    """SQuAD's token F1 of two answers (normalised words, counted with multiplicity; 1.0 for two empty texts)."""
-    from orchestra.bench.qa import normalize
-
-    ref, cand = normalize(reference).split(), normalize(candidate).split()
-    if not ref and not cand:
-        return 1.0
-    common = sum((Counter(ref) & Counter(cand)).values())
-    if common == 0:
-        return 0.0
-    p, r = common / len(cand), common / len(ref)
     return 2 * p * r / (p + r)
 
 

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:
     from mappings.types import Tensor
 
-__all__ = ["OfflineGate", "ProbeGate", "ShadowGate", "GatePolicy", "GateDecision", "CircuitBreaker", "ProbeCheck",
-           "decide_offline", "decide_probe"]
+__all__ = ["OfflineGate", "ProbeGate", "AnswerGate", "ShadowGate", "GatePolicy", "GateDecision", "CircuitBreaker",
+           "ProbeCheck", "decide_offline", "decide_probe", "decide_answer"]
 
 
 class OfflineGate(BaseModel):
@@ -57,12 +57,23 @@ class ShadowGate(BaseModel):
     seed: int | None = Field(None, description="Seed for the sampling decision (None: nondeterministic).")
 
 
+class AnswerGate(BaseModel):
+    """After the agent answered on a mapped cache, the source answers it too on its own cache; an answer too far
+    from the source's (token F1 of their first `tokens` tokens) is thrown away and the agent runs again on a
+    re-prefill of its member."""
+
+    model_config = ConfigDict(extra="forbid")
+    tokens: int = Field(24, ge=1, description="Tokens of each answer compared; the source decodes this many.")
+    min_f1: float = Field(0.45, ge=0.0, le=1.0, description="Smallest acceptable token F1 of the two answers.")
+
+
 class GatePolicy(BaseModel):
     """Which gates guard an agent on a mapped cache; a missing gate is not applied."""
 
     model_config = ConfigDict(extra="forbid")
     offline: OfflineGate | None = Field(default_factory=OfflineGate, description="Check the mapping's manifest metrics.")
     probe: ProbeGate | None = Field(default_factory=ProbeGate, description="Online probe on the trailing document tokens.")
+    answer: AnswerGate | None = Field(None, description="Compare the agent's answer with the source's own answer.")
     shadow: ShadowGate | None = Field(None, description="Sampled re-prefill with a per-pair circuit breaker.")
     force_reprefill: bool = Field(False, description="Never use a mapped cache for this agent (always re-prefill).")
 
@@ -107,6 +118,18 @@ def decide_probe(policy: ProbeGate, probe_nll: float, reference_nll: float,
             return GateDecision(False, "probe", f"probe KL to the source rose by {excess_kl:.3f} > {policy.max_excess_kl}",
                                 metrics)
     return GateDecision(True, "probe", f"probe NLL excess {excess:.3f} <= {policy.max_excess_nll} nats/token", metrics)
+
+
+def decide_answer(policy: AnswerGate, mapped_answer: str, source_answer: str) -> GateDecision:
+    """Fails when the agent's answer on the mapped cache shares too few words with the source's own answer."""
+    from agents.agreement import token_f1
+
+    f1 = token_f1(source_answer, mapped_answer)
+    metrics = {"answer_f1": f1}
+    if f1 < policy.min_f1:
+        return GateDecision(False, "answer", f"the answer on the mapped cache agrees with the source's by token F1 "
+                            f"{f1:.2f} < {policy.min_f1}", metrics)
+    return GateDecision(True, "answer", f"answer token F1 to the source's {f1:.2f} >= {policy.min_f1}", metrics)
 
 
 @dataclass(frozen=True)

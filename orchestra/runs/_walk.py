@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from agents.runner import AgentResult
     from agents.spec import AgentSpec
     from orchestra.familycache import CacheLease, FamilyCache
+    from orchestra.familycache.gates import AnswerGate, GateDecision, GatePolicy
     from orchestra.pipelines.spec import AgentNode, PipelineSpec
     from orchestra.runs._chunked import ChunkedRuns
     from orchestra.runs._state import TokenSink
@@ -51,6 +52,11 @@ class _Orchestra(Protocol):
                        focus: Sequence[int] | None = None) -> CacheLease: ...
 
     async def question_focus(self, agent: str, member: str, upstream: Mapping[str, object]) -> list[int] | None: ...
+
+    def gate_for(self, agent: str) -> GatePolicy | None: ...
+
+    async def answer_check(self, run: RunState, agent: str, member: str, answer: AgentResult,
+                           upstream: Mapping[str, object], policy: AnswerGate) -> GateDecision: ...
 
 
 class DagWalk:
@@ -85,6 +91,7 @@ class DagWalk:
                 focus = await self.o.question_focus(name, agent.model, upstream)
                 lease = await self._agent_cache(run, report, prompt, focus)
                 result = await self._generate(run, agent, report, prompt, lease, on_token, upstream)
+                result = await self._answer_gate(run, agent, report, prompt, lease, result, on_token, upstream)
             await self._record_result(run, report, result, len(prompt.ids), first_token)
             await self._conclude(run, report, result)
         except Exception as exc:
@@ -105,6 +112,35 @@ class DagWalk:
         await run.emit(ev.CacheReady(run_id=run.run_id, model=model, agent=name, path=report.cache_path or lease.path,
                                      seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair))
         return lease
+
+    async def _answer_gate(self, run: RunState, agent: AgentNode, report: AgentReport, prompt: MemberPrompt,
+                           lease: CacheLease, result: AgentResult, on_token: TokenSink,
+                           upstream: dict[str, object]) -> AgentResult:
+        """The answer gate, where the agent's gates have one and it ran on a mapped cache: the result kept, or the
+        agent's answer again on a re-prefill of its member when the source answers too differently. An agent
+        with tools is not checked (the source's answer would run them again), nor one on vLLM engines."""
+        gate = self.o.gate_for(agent.name)
+        spec = self.o.specs[agent.name]
+        if (gate is None or gate.answer is None or lease.path != "mapped" or spec.tools
+                or not self.o.cache.executor.holds_caches):  # vLLM engines hold the caches: no source lease here
+            return result
+        name, model = agent.name, agent.model
+        decision = await self.o.answer_check(run, name, model, result, upstream, gate.answer)
+        report.gate.append({"gate": decision.gate, "passed": decision.passed, "reason": decision.reason,
+                            "metrics": decision.metrics})
+        await run.emit(ev.GateResult(run_id=run.run_id, agent=name, model=model, passed=decision.passed,
+                                     reason=decision.reason, metrics=decision.metrics))
+        if decision.passed:
+            return result
+        reason = f"answer gate failed: {decision.reason}"
+        await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=model, reason=reason))
+        own = await self.o._acquire(run, name, model, prompt, mapped=False)
+        gates = report.gate
+        self.record_cache(run, report, own)
+        report.gate, report.cache_path, report.fallback_reason = gates, "reprefilled", reason
+        await run.emit(ev.CacheReady(run_id=run.run_id, model=model, agent=name, path="reprefilled",
+                                     seconds=own.seconds, store_hit=own.hit))
+        return await self._generate(run, agent, report, prompt, own, on_token, upstream)
 
     def _upstream(self, run: RunState, agent: AgentNode, report: AgentReport) -> dict[str, object]:
         """What the agent's templates read: the run's inputs it names and its upstreams' outputs."""

@@ -47,8 +47,10 @@ from orchestra.runs._state import (
 from orchestra.runs._walk import DagWalk
 
 if TYPE_CHECKING:
+    from agents.runner import AgentResult
     from mappings.repair import RepairPolicy
     from orchestra.family.manifest import FamilyManifest
+    from orchestra.familycache.gates import AnswerGate, GateDecision, GatePolicy
     from orchestra.runs.checkpoint import Checkpointer, RunCheckpoint
 
 __all__ = ["Orchestra"]
@@ -434,6 +436,31 @@ class Orchestra:
         if policy is not None and policy.focus == "question":
             return policy.model_copy(update={"focus": tuple(int(i) for i in focus) if focus else None})
         return policy
+
+    def gate_for(self, agent: str) -> GatePolicy | None:
+        """The gates guarding `agent`'s mapped cache: its node's, else the pipeline's."""
+        return self.pipeline.agent(agent).gate or self.pipeline.gate
+
+    async def answer_check(self, run: RunState, agent: str, member: str, answer: AgentResult,
+                           upstream: Mapping[str, object], policy: AnswerGate) -> GateDecision:
+        """The answer gate on `answer`, the agent's reply on a mapped cache: the source answers the same prompt on
+        its own cache of the document (decoding `policy.tokens` tokens) and the two replies' first tokens are
+        compared."""
+        from orchestra.familycache.gates import decide_answer
+
+        spec = self.specs[agent]
+        capped = spec.model_copy(update={"generation": spec.generation.model_copy(
+            update={"max_new_tokens": min(spec.generation.max_new_tokens, policy.tokens)})})
+        lease = await self.cache.acquire(self.source_alias, run.prefix_ids)
+        try:
+            source = await self.cache.executor.generate(self.source_alias, capped, prefix_ids=run.prefix_ids,
+                                                        prefix_cache=lease.cache, upstream=dict(upstream))
+        finally:
+            lease.release()
+        tokenizer = await in_thread(self.cache.executor.tokenizer, member)
+        first = answer.token_ids[: policy.tokens]
+        return decide_answer(policy, str(tokenizer.decode(first, skip_special_tokens=True)),
+                             str(tokenizer.decode(source.token_ids[: policy.tokens], skip_special_tokens=True)))
 
     def _asked_repair(self, agent: str) -> RepairPolicy | None:
         """The repair `agent` asks for, as written: its node's, else its spec's."""

@@ -96,6 +96,15 @@ class ServeConfig(BaseModel):
     caches in Ray's object store, each reply decoded and batched in its member's actor); the same shape
     as a pipeline's ``executor:`` (``{kind: ray, address: auto, members: {finetuned: {num_gpus: 1}}}``)."""
 
+    @field_validator("gate")
+    @classmethod
+    def _no_answer_gate(cls, value: GatePolicy) -> GatePolicy:
+        if value.answer is not None:
+            raise ValueError("the answer gate re-runs a pipeline agent on a re-prefill after comparing its answer "
+                             "with the source's; a served request's reply is streamed as it is decoded: drop "
+                             "'answer' from the server's gate (pipelines run by POST /v1/runs keep their own)")
+        return value
+
     @field_validator("quantized")
     @classmethod
     def _views(cls, value: dict[str, str]) -> dict[str, str]:

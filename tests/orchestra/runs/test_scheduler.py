@@ -303,6 +303,34 @@ async def test_a_question_focused_repair_ranks_each_agents_map_by_its_own_questi
     assert len([e for e in orch.cache.pool.entries() if e.namespace.kind == "mapped"]) == 2
 
 
+async def test_the_answer_gate_reruns_an_agent_whose_mapped_answer_strays_from_the_sources(fam, mapstore):
+    """`gate: {answer: ...}`: after the agent answers on a mapped cache, the root answers too; an answer too far
+    from the root's is replaced by the agent's answer on a re-prefill, with the gate's reading and the fallback
+    in the events and the report. A threshold every answer meets keeps the mapped one."""
+    from orchestra.observability.events import Fallback, GateResult
+
+    agents = [_spec("a", "child", max_new_tokens=6)]
+    strict = {"offline": None, "probe": None, "answer": {"tokens": 6, "min_f1": 1.0}}
+    events: list = []
+    report = await Orchestra(_pipeline(fam, agents, gate=strict), mappings=mapstore).run(DOC, on_event=events.append)
+    a = report.agent("a")
+    answer = next(g for g in a.gate if g["gate"] == "answer")
+    assert answer["metrics"]["answer_f1"] < 1.0, "the tiny child answered word for word as the root: change the task"
+    assert not answer["passed"] and a.cache_path == "reprefilled" and a.fallback_reason.startswith("answer gate")
+    gate_events = [e for e in events if isinstance(e, GateResult) and e.agent == "a"]
+    assert gate_events[-1].passed is False and "answer_f1" in gate_events[-1].metrics
+    assert any(isinstance(e, Fallback) and e.reason.startswith("answer gate") for e in events)
+    own = await Orchestra(_pipeline(fam, agents, gate={"force_reprefill": True}), mappings=mapstore).run(DOC)
+    assert a.output == own.agent("a").output  # the answer kept is the one on the member's own prefill
+
+    lenient = {"offline": None, "probe": None, "answer": {"tokens": 6, "min_f1": 0.0}}
+    kept = (await Orchestra(_pipeline(fam, agents, gate=lenient), mappings=mapstore).run(DOC)).agent("a")
+    pure = (await Orchestra(_pipeline(fam, agents, gate={"offline": None, "probe": None}),
+                            mappings=mapstore).run(DOC)).agent("a")
+    assert kept.cache_path == "mapped" and next(g for g in kept.gate if g["gate"] == "answer")["passed"]
+    assert kept.output == pure.output  # a passed answer is the mapped one, untouched
+
+
 async def test_degenerate_output_is_reported_and_never_passed_downstream(fam, mapstore):
     from transformers import AutoTokenizer
 

@@ -47,6 +47,16 @@ def test_a_config_file_mistake_is_one_line_and_exit_2(tmp_path):
     assert result.exit_code == 2 and "no such file" in result.output
 
 
+def test_a_server_refuses_the_answer_gate_it_cannot_apply():
+    from pydantic import ValidationError
+
+    from orchestra.serve._config import ServeConfig
+
+    with pytest.raises(ValidationError, match="drop 'answer' from the server's gate"):
+        ServeConfig(gate={"answer": {"min_f1": 0.5}})
+    assert ServeConfig().gate.answer is None
+
+
 def test_a_toml_config_file_is_read_too(tmp_path):
     from orchestra.cli import app
 
