@@ -15,13 +15,22 @@ def fa():
 def test_variants_walk_from_the_old_method_to_the_default(fa):
     from mappings.methods import METHODS
 
-    variants = list(fa.VARIANTS.values())
+    variants = [change for change, calibration in fa.VARIANT_SETS["served"].values() if not calibration]
+    assert len(variants) == len(fa.VARIANT_SETS["served"])  # the served set changes the method, never the data
     assert variants[0] == {"exact_sinks": 0, "value_weights": "uniform"}  # every row alike: the method before
     for name in ("anchored_kl", "ridge_kl"):
         spec = METHODS[name]
         assert variants[-1] == {"exact_sinks": spec.exact_sinks, "value_weights": spec.value_weights}
     for a, b in zip(variants, variants[1:], strict=False):  # one change at a time
         assert sum(a[k] != b[k] for k in a) == 1
+
+
+def test_the_length_set_changes_one_thing_from_the_shipped_fit(fa):
+    length = fa.VARIANT_SETS["length"]
+    assert list(length.values())[0] == ({}, {})  # the shipped method on the shipped 512-token windows
+    for label, (change, calibration) in list(length.items())[1:]:
+        assert change or calibration, label
+        assert set(calibration) <= {"window"} and set(change) <= {"granularity", "rank", "rank_fraction"}
 
 
 def test_table_and_summary_read_the_rows(fa):
