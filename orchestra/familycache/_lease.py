@@ -91,7 +91,7 @@ class CacheLease:
         self.release()
 
     def gate_dicts(self) -> list[dict[str, object]]:
-        return [{"gate": d.gate, "passed": d.passed, "reason": d.reason, "metrics": d.metrics} for d in self.gates]
+        return [d.as_dict() for d in self.gates]
 
     def local_cache(self) -> KVCache:
         """The cache itself, for code that runs it in this process (an in-process executor's lease holds the

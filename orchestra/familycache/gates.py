@@ -85,6 +85,10 @@ class GateDecision:
     reason: str
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def as_dict(self) -> dict[str, object]:
+        """The decision as the run report and the events record it."""
+        return {"gate": self.gate, "passed": self.passed, "reason": self.reason, "metrics": self.metrics}
+
 
 def decide_offline(policy: OfflineGate, heldout_kl: float | None, heldout_top1: float | None = None) -> GateDecision:
     """KL is required; top-1 is checked when the manifest has it."""

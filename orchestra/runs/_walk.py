@@ -126,8 +126,7 @@ class DagWalk:
             return result
         name, model = agent.name, agent.model
         decision = await self.o.answer_check(run, name, model, result, upstream, gate.answer)
-        report.gate.append({"gate": decision.gate, "passed": decision.passed, "reason": decision.reason,
-                            "metrics": decision.metrics})
+        report.gate.append(decision.as_dict())
         await run.emit(ev.GateResult(run_id=run.run_id, agent=name, model=model, passed=decision.passed,
                                      reason=decision.reason, metrics=decision.metrics))
         if decision.passed:
