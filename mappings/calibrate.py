@@ -349,9 +349,12 @@ def screen_sources(
 class KLJudge:
     """Scores a candidate set of mapped prefix caches by the target's next-token KL on held-out suffixes."""
 
-    def __init__(self, target_model: PreTrainedModel, heldout: HeldOut, suffix_tokens: int, *, sinks: int = 0) -> None:
+    def __init__(self, target_model: PreTrainedModel, heldout: HeldOut, suffix_tokens: int, *, sinks: int = 0,
+                 tail: int = 0) -> None:
         """``sinks``: the first positions of every candidate are the target's own before it is scored, as in
-        a cache a FamilyCache serves (its ``sink_tokens``), so the choice fits what is served."""
+        a cache a FamilyCache serves (its ``sink_tokens``), so the choice fits what is served. ``tail``: the
+        last prefix positions are recomputed on the target over the candidate before the suffix is scored, as
+        a FamilyCache recomputes its probe tail; the candidate's own maps of them are not used."""
         from mappings.cache_io import build_cache, forward_with_cache, model_device, model_dtype, slice_layers
 
         self.model = target_model
@@ -359,7 +362,9 @@ class KLJudge:
         self.m = max(1, min(suffix_tokens, seq // 4))
         self.prefix = seq - self.m
         self.sinks = max(0, min(int(sinks), self.prefix))
+        self.tail = max(0, min(int(tail), self.prefix - self.sinks))
         self.suffix_ids = heldout.ids[:, self.prefix :]
+        self.scored_ids = heldout.ids[:, self.prefix - self.tail :]
         self.source_prefix = slice_layers(heldout.source, 0, self.prefix)
         true_prefix = slice_layers(heldout.target, 0, self.prefix)
         self._true_sinks = slice_layers(heldout.target, 0, self.sinks)
@@ -370,14 +375,17 @@ class KLJudge:
 
     def kl(self, prefix_layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
 
-        from mappings.cache_io import forward_with_cache, model_device, model_dtype
+        from mappings.cache_io import forward_with_cache, model_device, model_dtype, slice_layers
         from mappings.metrics import kl_divergence
 
         layers = list(prefix_layers)
         if self.sinks:
             layers = _true_prefix(layers, self._true_sinks, self.sinks)
+        if self.tail:
+            layers = slice_layers(layers, 0, self.prefix - self.tail)
         cache = self._build(layers, self.model.config, model_device(self.model), model_dtype(self.model))
-        logits, _, _ = forward_with_cache(self.model, self.suffix_ids, cache)
+        logits, _, _ = forward_with_cache(self.model, self.scored_ids, cache)
+        logits = logits[:, self.tail :]
         return float(kl_divergence(self.true_logits, logits.float().to(self.true_logits.device)).mean())
 
 
@@ -768,7 +776,7 @@ def _select_and_measure(pair: _Pair, layout: MapLayout, heldout: HeldOut, fit_st
     from mappings.apply import identity_map
 
     spec, tgt_model = pair.spec, pair.tgt.model
-    judge = KLJudge(tgt_model, heldout, spec.kl_suffix_tokens, sinks=spec.exact_sinks)
+    judge = KLJudge(tgt_model, heldout, spec.kl_suffix_tokens, sinks=spec.exact_sinks, tail=spec.judged_tail)
     kv_map, choices, scores = select_layers(fit_stats, spec, layout, judge, heldout, sweeps=sweeps,
                                             progress=progress, exact=pair.exact)
     identity = identity_map(pair.src.model.config, tgt_model.config) if pair.card.identical_layout else None

@@ -57,6 +57,10 @@ class MethodSpec(BaseModel):
         default=0, ge=0, description="leading positions a served cache holds exact (a FamilyCache's sink_tokens): "
         "left out of the fit, and the target's own when the KL selection scores a candidate"
     )
+    judged_tail: int = Field(
+        default=0, ge=0, description="last prefix positions the KL selection recomputes on the target over each "
+        "candidate before scoring (a FamilyCache's probe tail, recomputed on every mapped cache it serves)"
+    )
     value_weights: Literal["uniform", "attention"] = Field(
         default="uniform", description="value rows weighted alike, or by the attention the target's own last "
         "`attention_queries` queries of each window pay them (mixed with uniform by `attention_mix`)"

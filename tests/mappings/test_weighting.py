@@ -77,6 +77,31 @@ def test_the_judge_scores_candidates_with_the_targets_own_sinks(llama_family, co
     assert isinstance(held, HeldOut)
 
 
+def test_the_judge_with_a_tail_recomputes_it_over_the_candidate_and_ignores_its_map_there(llama_family, corpus):
+    source, target = load(llama_family.parent), load(llama_family.child)
+    windows = prepare_windows(corpus, load_tokenizer(llama_family.parent), CalibrationSettings(tokens=256, window=WINDOW))
+    held = capture_heldout(source, target, windows.heldout, queries=False)
+    judge, bare = KLJudge(target, held, 16, sinks=4, tail=8), KLJudge(target, held, 16, sinks=4)
+    prefix = judge.prefix
+    truth = [(k[:, :, :prefix], v[:, :, :prefix]) for k, v in held.target]
+    assert judge.kl(truth) == pytest.approx(0.0, abs=1e-5)  # the tail recomputed over the own prefix is the own tail
+
+    def spoil(layers, start, stop):  # the candidate's K/V at [start, stop) replaced by noise
+        out = []
+        for k, v in layers:
+            k, v = k.clone(), v.clone()
+            k[:, :, start:stop] = torch.randn_like(k[:, :, start:stop]) * 3
+            v[:, :, start:stop] = torch.randn_like(v[:, :, start:stop]) * 3
+            out.append((k, v))
+        return out
+
+    torch.manual_seed(0)
+    in_tail, before_tail = spoil(truth, prefix - 8, prefix), spoil(truth, prefix - 16, prefix - 8)
+    assert judge.kl(in_tail) == pytest.approx(0.0, abs=1e-5)  # what the candidate maps there is never read
+    assert bare.kl(in_tail) > 1e-3  # ... while a judge without the tail scores it
+    assert judge.kl(before_tail) > 1e-3  # positions before the tail still count, through the recomputed tail too
+
+
 def test_windows_no_longer_than_the_sinks_are_refused(llama_family, corpus):
     from mappings.calibrate import calibrate
 
