@@ -1,6 +1,7 @@
 """What each calibration change buys a served map (issue 16, goal 1): one change at a time, same data.
 
-    python benchmarks/fit_ablation.py [--member finetuned ...] [--tokens 8192] [--home DIR] [--out DIR]
+    python benchmarks/fit_ablation.py [--member finetuned ...] [--variants served|length|selection|tail]
+        [--tokens 8192] [--home DIR] [--out DIR]
 
 For each member the root -> member mapping is calibrated three times on the same corpus and budget
 as `orchestra family calibrate` (MPL-2.0, Apache-2.0 and GFDL-1.3; 8,192 fitting tokens in
@@ -13,14 +14,19 @@ windows of 512), changing one thing at a time from the method as shipped before 
 - ``+ attention values``: also value rows weighed by the attention the target's last 128 queries
   of each window pay them (half attention, half uniform): the method's default now.
 
+The other variant sets (``VARIANT_SETS``) each change one thing from the shipped method: ``length``
+the fitting windows, granularity and rank; ``selection`` how many held-out windows and tokens judge
+each layer's λ; ``tail`` judging with the probe tail recomputed, and no per-layer choice at all.
+
 Every mapping is then scored with ``mappings.evaluate`` on the held-out GPL-3 text, which
-calibration never sees, as served (``+sinks4``: the first 4 positions exact) and as a pure map:
+calibration never sees, as served (``+sinks4``: the first 4 positions exact; ``+tail32``: also the
+last 32 recomputed, as a FamilyCache serves it) and as a pure map:
 
 - ``test``: `benchmarks/evaluate_family.py`'s windows, 2 x (3,584 + 128 scored) from token 0;
 - ``dev``: 1 window of 3,584 + 128 from token 1,800, whose 128 scored tokens are none of the test
   windows' (the changes were picked on it and on the test windows; a second look at other text).
 
-Writes benchmarks/results/fit_ablation.json and .md.
+Writes benchmarks/results/fit_ablation.json and .md (``fit_ablation_<set>`` for the other sets).
 """
 
 from __future__ import annotations
@@ -51,8 +57,24 @@ VARIANT_SETS: dict[str, dict[str, tuple[dict[str, Any], dict[str, Any]]]] = {
         "full rank": ({"rank": None, "rank_fraction": None}, {}),
         "2048-token windows, full rank": ({"rank": None, "rank_fraction": None}, {"window": 2048}),
     },
+    # What the per-layer λ choice gains from judging on more held-out tokens than 2 windows x 32 (64 in all).
+    "selection": {
+        "shipped (2 windows x 32 judged)": ({}, {}),
+        "4 held-out windows": ({}, {"heldout_fraction": 0.25}),
+        "128 judged tokens per window": ({"kl_suffix_tokens": 128}, {}),
+        "4 windows x 128": ({"kl_suffix_tokens": 128}, {"heldout_fraction": 0.25}),
+        "8 windows x 128": ({"kl_suffix_tokens": 128}, {"heldout_fraction": 0.5}),
+    },
+    # What the per-layer λ choice gains from judging each candidate as served: its last 32 positions
+    # recomputed on the target, as a FamilyCache recomputes its probe tail on every mapped cache; and,
+    # as the floor, no choice at all (every layer at the default λ).
+    "tail": {
+        "shipped (judged on the whole map)": ({}, {}),
+        "judged with the 32-token tail recomputed": ({"judged_tail": 32}, {}),
+        "no per-layer choice (default λ everywhere)": ({"selection": "none"}, {}),
+    },
 }
-PREFIX, SUFFIX, DEV_OFFSET, SINKS = 3584, 128, 1800, 4
+PREFIX, SUFFIX, DEV_OFFSET, SINKS, TAIL = 3584, 128, 1800, 4, 32
 
 
 def measure(role: str, tokens: int, home: str | None, variants: str = "served") -> dict[str, Any]:
@@ -84,12 +106,14 @@ def measure(role: str, tokens: int, home: str | None, variants: str = "served") 
         row: dict[str, Any] = {"variant": label, "method": spec.name, **change, **settings_used,
                                "calibration_seconds": seconds, "heldout_kl": mapping.manifest.heldout["kl"]}
         for split, doc, windows in (("test", ids, 2), ("dev", ids[DEV_OFFSET:], 1)):
-            settings = EvaluationSettings(prefix_tokens=PREFIX, suffix_tokens=SUFFIX, windows=windows, tail_tokens=0,
+            settings = EvaluationSettings(prefix_tokens=PREFIX, suffix_tokens=SUFFIX, windows=windows, tail_tokens=TAIL,
                                           greedy_tokens=0, baselines=(), layer_curves=False, sink_tokens=SINKS,
                                           repair_costs="compute")
             report = evaluate(mapping, doc, settings, source=src, target=tgt, document_name=HELDOUT_TEXT)
             pure, served = report.row(spec.name), report.row(f"{spec.name}+sinks{SINKS}")
-            row[split] = {"kl": served.kl, "top1": served.top1, "pure_kl": pure.kl, "pure_top1": pure.top1}
+            tailed = report.row(f"{spec.name}+tail{TAIL}")
+            row[split] = {"kl": served.kl, "top1": served.top1, "pure_kl": pure.kl, "pure_top1": pure.top1,
+                          "tail_kl": tailed.kl, "tail_top1": tailed.top1}
         print(f"{role} {label}: test KL {row['test']['kl']:.4f} / top-1 {row['test']['top1']:.3f}, "
               f"dev {row['dev']['kl']:.4f} / {row['dev']['top1']:.3f} ({seconds:.0f} s)", flush=True)
         rows.append(row)
@@ -105,15 +129,22 @@ def markdown(results: list[dict[str, Any]], command: str, tokens: int = 8192, va
         "time; scored on the held-out GPL-3 text as served "
         f"(first {SINKS} positions exact) and as a pure map. test = 2 windows of {PREFIX} + {SUFFIX} scored tokens "
         f"from token 0 (`evaluate_family.py`'s); dev = 1 window from token {DEV_OFFSET} (other scored tokens). "
-        "KL in nats per token against the member's own prefill; lower is better.", "",
-        "| member | variant | test KL | test top-1 | dev KL | dev top-1 | pure map test KL | held-out KL "
-        "(calibration) | calibration s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"KL in nats per token against the member's own prefill; lower is better. With tail: the last {TAIL} "
+        "prefix positions also recomputed on the target, as a FamilyCache recomputes its probe tail on every "
+        "mapped cache it serves.", "",
+        "| member | variant | test KL | test top-1 | dev KL | dev top-1 | with tail: test KL / top-1 | with tail: "
+        "dev KL / top-1 | pure map test KL | held-out KL (calibration) | calibration s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def tailed(split: dict[str, Any]) -> str:
+        return f"{split['tail_kl']:.4f} / {split['tail_top1']:.3f}" if "tail_kl" in split else "-"
+
     for res in results:
         for r in res["rows"]:
             lines.append(f"| {res['member']} ({res['method']}) | {r['variant']} | {r['test']['kl']:.4f} | "
                          f"{r['test']['top1']:.3f} | {r['dev']['kl']:.4f} | {r['dev']['top1']:.3f} | "
+                         f"{tailed(r['test'])} | {tailed(r['dev'])} | "
                          f"{r['test']['pure_kl']:.4f} | {r['heldout_kl']:.4f} | {r['calibration_seconds']:.0f} |")
     first_label, last_label = list(VARIANT_SETS[variants])[0], list(VARIANT_SETS[variants])[-1]
     lines += ["", f"Change from `{first_label}` to `{last_label}`, served KL:", ""]
@@ -132,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--member", action="append", help="member role (repeat); default every non-root member")
     parser.add_argument("--tokens", type=int, default=8192, help="fitting tokens per calibration")
     parser.add_argument("--variants", choices=sorted(VARIANT_SETS), default="served",
-                        help="served: the changes that made the shipped method; length: fits for long served maps")
+                        help="served: the changes that made the shipped method; length: fits for long served maps; "
+                        "selection: the per-layer choice judged on more held-out tokens; tail: judged as "
+                        "served, with the probe tail recomputed")
     parser.add_argument("--home", default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)

@@ -33,6 +33,30 @@ def test_the_length_set_changes_one_thing_from_the_shipped_fit(fa):
         assert set(calibration) <= {"window"} and set(change) <= {"granularity", "rank", "rank_fraction"}
 
 
+def test_the_selection_set_only_judges_on_more_heldout_tokens(fa):
+    from mappings.calibrate import CalibrationSettings
+    from mappings.methods import METHODS
+
+    selection = fa.VARIANT_SETS["selection"]
+    assert list(selection.values())[0] == ({}, {})
+    shipped_windows, shipped_tokens = CalibrationSettings().heldout_fraction, METHODS["anchored_kl"].kl_suffix_tokens
+    for label, (change, calibration) in list(selection.items())[1:]:
+        assert set(calibration) <= {"heldout_fraction"} and set(change) <= {"kl_suffix_tokens"}, label
+        # every variant judges on more held-out tokens than the shipped fit, and fits the same rows
+        assert calibration.get("heldout_fraction", shipped_windows) * change.get("kl_suffix_tokens", shipped_tokens) \
+            > shipped_windows * shipped_tokens, label
+
+
+def test_the_tail_set_changes_only_how_layers_are_chosen(fa):
+    tail = fa.VARIANT_SETS["tail"]
+    assert list(tail.values())[0] == ({}, {})
+    changes = [change for change, calibration in list(tail.values())[1:] if not calibration]
+    assert changes == [{"judged_tail": fa.TAIL}, {"selection": "none"}]
+    from orchestra.familycache import CachePolicy
+
+    assert fa.TAIL == CachePolicy().tail_tokens  # the tail a FamilyCache recomputes on every mapped cache
+
+
 def test_table_and_summary_read_the_rows(fa):
     def row(label, test, dev):
         return {"variant": label, "heldout_kl": 0.01, "calibration_seconds": 60.0,
@@ -43,6 +67,10 @@ def test_table_and_summary_read_the_rows(fa):
                 "rows": [row("before", 0.0160, 0.0200), row("judged with sinks", 0.0140, 0.0125),
                          row("+ attention values", 0.0120, 0.0116)]}]
     md = fa.markdown(results, "python benchmarks/fit_ablation.py", 4096)
-    assert "| finetuned (anchored_kl) | before | 0.0160 | 0.940 | 0.0200 | 0.970 | 0.0224 |" in md
+    assert "| finetuned (anchored_kl) | before | 0.0160 | 0.940 | 0.0200 | 0.970 | - | - | 0.0224 |" in md
     assert "- finetuned: test 0.0160 -> 0.0120 (-25%); dev 0.0200 -> 0.0116 (-42%)" in md
     assert "4,096 tokens" in md
+    tailed = row("judged with the 32-token tail recomputed", 0.0110, 0.0100)
+    tailed["test"].update(tail_kl=0.0081, tail_top1=0.961)
+    md = fa.markdown([{**results[0], "rows": [tailed]}], "python benchmarks/fit_ablation.py", 8192, "tail")
+    assert "| 0.0100 | 0.970 | 0.0081 / 0.961 | - | 0.0154 |" in md
