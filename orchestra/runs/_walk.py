@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -90,8 +90,15 @@ class DagWalk:
                 upstream = self._upstream(run, agent, report)
                 focus = await self.o.question_focus(name, agent.model, upstream)
                 lease = await self._agent_cache(run, report, prompt, focus)
-                result = await self._generate(run, agent, report, prompt, lease, on_token, upstream)
-                result = await self._answer_gate(run, agent, report, prompt, lease, result, on_token, upstream)
+                answer_gate = self._answer_gate_for(agent, lease)
+                if answer_gate is not None:
+                    # the answer may be replaced: its tokens stream only once the gate has kept it
+                    held = _HeldTokens(on_token)
+                    result = await self._generate(run, agent, report, prompt, lease, held, upstream)
+                    result = await self._answer_gate(run, agent, report, prompt, result, answer_gate, on_token,
+                                                     upstream, held)
+                else:
+                    result = await self._generate(run, agent, report, prompt, lease, on_token, upstream)
             await self._record_result(run, report, result, len(prompt.ids), first_token)
             await self._conclude(run, report, result)
         except Exception as exc:
@@ -113,23 +120,28 @@ class DagWalk:
                                      seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair))
         return lease
 
-    async def _answer_gate(self, run: RunState, agent: AgentNode, report: AgentReport, prompt: MemberPrompt,
-                           lease: CacheLease, result: AgentResult, on_token: TokenSink,
-                           upstream: dict[str, object]) -> AgentResult:
-        """The answer gate, where the agent's gates have one and it ran on a mapped cache: the result kept, or the
-        agent's answer again on a re-prefill of its member when the source answers too differently. An agent
-        with tools is not checked (the source's answer would run them again), nor one on vLLM engines."""
+    def _answer_gate_for(self, agent: AgentNode, lease: CacheLease) -> AnswerGate | None:
+        """The answer gate the agent's answer goes through: its gates' one when it runs on a mapped cache. An
+        agent with tools is not checked (the source's answer would run them again), nor one on vLLM engines
+        (they hold the caches: there is no source lease here)."""
         gate = self.o.gate_for(agent.name)
-        spec = self.o.specs[agent.name]
-        if (gate is None or gate.answer is None or lease.path != "mapped" or spec.tools
-                or not self.o.cache.executor.holds_caches):  # vLLM engines hold the caches: no source lease here
-            return result
+        if (gate is None or lease.path != "mapped" or self.o.specs[agent.name].tools
+                or not self.o.cache.executor.holds_caches):
+            return None
+        return gate.answer
+
+    async def _answer_gate(self, run: RunState, agent: AgentNode, report: AgentReport, prompt: MemberPrompt,
+                           result: AgentResult, policy: AnswerGate, on_token: TokenSink, upstream: dict[str, object],
+                           held: _HeldTokens) -> AgentResult:
+        """The answer gate: the result kept (its held tokens then stream), or dropped unstreamed for the agent's
+        answer again on a re-prefill of its member when the source answers too differently."""
         name, model = agent.name, agent.model
-        decision = await self.o.answer_check(run, name, model, result, upstream, gate.answer)
+        decision = await self.o.answer_check(run, name, model, result, upstream, policy)
         report.gate.append(decision.as_dict())
         await run.emit(ev.GateResult(run_id=run.run_id, agent=name, model=model, passed=decision.passed,
                                      reason=decision.reason, metrics=decision.metrics))
         if decision.passed:
+            await held.release()
             return result
         reason = f"answer gate failed: {decision.reason}"
         await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=model, reason=reason))
@@ -294,3 +306,21 @@ class DagWalk:
                           and src.entry_id == lease.entry_id), 0.0)
         run.charged.add(lease.entry_id)
         report.prefill_s_spent = spent
+
+
+class _HeldTokens:
+    """A token sink that keeps what it is given until released: an answer the gate may still drop never
+    reaches a client."""
+
+    def __init__(self, sink: TokenSink) -> None:
+        self._sink = sink
+        self._held: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self._held.append((args, kwargs))
+
+    async def release(self) -> None:
+        """Nothing: the held tokens go to the sink, in order."""
+        held, self._held = self._held, []
+        for args, kwargs in held:
+            await self._sink(*args, **kwargs)

@@ -307,7 +307,7 @@ async def test_the_answer_gate_reruns_an_agent_whose_mapped_answer_strays_from_t
     """`gate: {answer: ...}`: after the agent answers on a mapped cache, the root answers too; an answer too far
     from the root's is replaced by the agent's answer on a re-prefill, with the gate's reading and the fallback
     in the events and the report. A threshold every answer meets keeps the mapped one."""
-    from orchestra.observability.events import Fallback, GateResult
+    from orchestra.observability.events import Fallback, GateResult, TokenEvent
 
     agents = [_spec("a", "child", max_new_tokens=6)]
     strict = {"offline": None, "probe": None, "answer": {"tokens": 6, "min_f1": 1.0}}
@@ -322,9 +322,21 @@ async def test_the_answer_gate_reruns_an_agent_whose_mapped_answer_strays_from_t
     assert any(isinstance(e, Fallback) and e.reason.startswith("answer gate") for e in events)
     own = await Orchestra(_pipeline(fam, agents, gate={"force_reprefill": True}), mappings=mapstore).run(DOC)
     assert a.output == own.agent("a").output  # the answer kept is the one on the member's own prefill
+    # only the kept answer streams: its tokens come after the gate's verdict, once, the dropped one never
+    at = {id(e): i for i, e in enumerate(events)}
+    tokens = [e for e in events if isinstance(e, TokenEvent) and e.agent == "a"]
+    assert tokens and all(at[id(e)] > at[id(gate_events[-1])] for e in tokens)
+    assert [e.index for e in tokens] == list(range(len(tokens))) and len(tokens) == a.tokens
 
     lenient = {"offline": None, "probe": None, "answer": {"tokens": 6, "min_f1": 0.0}}
-    kept = (await Orchestra(_pipeline(fam, agents, gate=lenient), mappings=mapstore).run(DOC)).agent("a")
+    events.clear()
+    kept = (await Orchestra(_pipeline(fam, agents, gate=lenient), mappings=mapstore).run(DOC,
+                                                                                          on_event=events.append)).agent("a")
+    verdict = next(e for e in events if isinstance(e, GateResult) and e.agent == "a" and "answer_f1" in e.metrics)
+    tokens = [e for e in events if isinstance(e, TokenEvent) and e.agent == "a"]
+    at = {id(e): i for i, e in enumerate(events)}
+    assert tokens and at[id(tokens[0])] > at[id(verdict)]  # held until kept, then released
+    assert len(tokens) == kept.tokens
     pure = (await Orchestra(_pipeline(fam, agents, gate={"offline": None, "probe": None}),
                             mappings=mapstore).run(DOC)).agent("a")
     assert kept.cache_path == "mapped" and next(g for g in kept.gate if g["gate"] == "answer")["passed"]
