@@ -365,7 +365,8 @@ class KLJudge:
         self.tail = max(0, min(int(tail), self.prefix - self.sinks))
         self.suffix_ids = heldout.ids[:, self.prefix :]
         self.scored_ids = heldout.ids[:, self.prefix - self.tail :]
-        self.source_prefix = slice_layers(heldout.source, 0, self.prefix)
+        # what a candidate map converts: the recomputed tail's own map is never read, so it is never made
+        self.source_prefix = slice_layers(heldout.source, 0, self.prefix - self.tail)
         true_prefix = slice_layers(heldout.target, 0, self.prefix)
         self._true_sinks = slice_layers(heldout.target, 0, self.sinks)
         cache = build_cache(true_prefix, target_model.config, model_device(target_model), model_dtype(target_model))
@@ -374,7 +375,8 @@ class KLJudge:
         self._build = build_cache
 
     def kl(self, prefix_layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-
+        """The target's mean next-token KL over the held-out suffixes with ``prefix_layers`` as its cache: the
+        candidate's map of ``source_prefix`` (positions after it, a recomputed tail's, are not read)."""
         from mappings.cache_io import forward_with_cache, model_device, model_dtype, slice_layers
         from mappings.metrics import kl_divergence
 
