@@ -91,14 +91,12 @@ class DagWalk:
                 focus = await self.o.question_focus(name, agent.model, upstream)
                 lease = await self._agent_cache(run, report, prompt, focus)
                 answer_gate = self._answer_gate_for(agent, lease)
-                if answer_gate is not None:
-                    # the answer may be replaced: its tokens stream only once the gate has kept it
-                    held = _HeldTokens(on_token)
-                    result = await self._generate(run, agent, report, prompt, lease, held, upstream)
+                # an answer the gate may replace streams only once the gate has kept it
+                held = _HeldTokens(on_token) if answer_gate is not None else None
+                result = await self._generate(run, agent, report, prompt, lease, held or on_token, upstream)
+                if answer_gate is not None and held is not None:
                     result = await self._answer_gate(run, agent, report, prompt, result, answer_gate, on_token,
                                                      upstream, held)
-                else:
-                    result = await self._generate(run, agent, report, prompt, lease, on_token, upstream)
             await self._record_result(run, report, result, len(prompt.ids), first_token)
             await self._conclude(run, report, result)
         except Exception as exc:
@@ -107,13 +105,19 @@ class DagWalk:
             done[name].set()
 
     async def _agent_cache(self, run: RunState, report: AgentReport, prompt: MemberPrompt,
-                           focus: list[int] | None = None) -> CacheLease:
+                           focus: list[int] | None = None, fallback: str | None = None) -> CacheLease:
         """Acquire the agent's document cache on its member (a question-focused repair ranks by `focus`), record it
-        on the report and announce it."""
+        on the report and announce it. `fallback`: why the mapped cache the agent already answered on gives way
+        to its member's own prefill (announced first; the gate decisions so far stay on the report)."""
         name, model = report.name, report.model
-        lease = await self.o._acquire(run, name, model, prompt, focus=focus)
+        if fallback is not None:
+            await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=model, reason=fallback))
+        gates = report.gate
+        lease = await self.o._acquire(run, name, model, prompt, focus=focus, mapped=fallback is None)
         self.record_cache(run, report, lease)
-        if prompt.own_reason is not None and self.o.share_prefill and report.fallback_reason is None:
+        if fallback is not None:
+            report.gate, report.cache_path, report.fallback_reason = gates, "reprefilled", fallback
+        elif prompt.own_reason is not None and self.o.share_prefill and report.fallback_reason is None:
             report.cache_path, report.fallback_reason = "reprefilled", prompt.own_reason
             await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=model, reason=prompt.own_reason))
         await run.emit(ev.CacheReady(run_id=run.run_id, model=model, agent=name, path=report.cache_path or lease.path,
@@ -143,14 +147,7 @@ class DagWalk:
         if decision.passed:
             await held.release()
             return result
-        reason = f"answer gate failed: {decision.reason}"
-        await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=model, reason=reason))
-        own = await self.o._acquire(run, name, model, prompt, mapped=False)
-        gates = report.gate
-        self.record_cache(run, report, own)
-        report.gate, report.cache_path, report.fallback_reason = gates, "reprefilled", reason
-        await run.emit(ev.CacheReady(run_id=run.run_id, model=model, agent=name, path="reprefilled",
-                                     seconds=own.seconds, store_hit=own.hit))
+        own = await self._agent_cache(run, report, prompt, fallback=f"answer gate failed: {decision.reason}")
         return await self._generate(run, agent, report, prompt, own, on_token, upstream)
 
     def _upstream(self, run: RunState, agent: AgentNode, report: AgentReport) -> dict[str, object]:
