@@ -16,7 +16,8 @@ Every step is reported as a `CacheStep` with its cost. Concurrent requests for t
 once (single-flight); entries are pinned while leased and evicted least-recently-used beyond the
 byte budget, which counts K/V, kept logits and hidden states. All model work goes through the
 `Executor`, which holds each model's lock, so no two threads ever drive one model at once.
-This is the only place in orchestra that maps, repairs, gates or falls back.
+A gate that can only decide after a mapped cache was used (the answer gate) settles its lease here
+(`settle`), so this is the only place in orchestra that maps, repairs, gates or falls back.
 """
 
 from __future__ import annotations
@@ -178,6 +179,45 @@ class FamilyCache:
         conversations), the lease holds just that prefix (`lease.tokens` says how many; a prefix of an entry is
         views of it) and the caller computes the rest, so no entry of these tokens alone is stored.
         """
+        req = self._request(member, token_ids, gate, repair, tail_tokens, on_step, cancel, inline_tail)
+        return self._finish(req, time.perf_counter(), lambda: self._serve(req, allow_mapped, reuse))
+
+    async def settle(self, lease: CacheLease, decision: GateDecision, token_ids: Sequence[int], *,
+                     on_step: StepSink | None = None) -> CacheLease:
+        """`settle_sync` in a worker thread; `on_step` is called from that thread."""
+        def work(cancel: threading.Event) -> CacheLease:
+            return self.settle_sync(lease, decision, token_ids, on_step=on_step, cancel=cancel)
+
+        # cancelled meanwhile: the own prefill it handed out is released, nobody will get it
+        return await run_in_thread(work, discard=CacheLease.release)
+
+    def settle_sync(self, lease: CacheLease, decision: GateDecision, token_ids: Sequence[int], *,
+                    on_step: StepSink | None = None, cancel: threading.Event | None = None) -> CacheLease:
+        """A gate that can only decide after the mapped cache was used (the answer gate reads the reply decoded on
+        it) settles `lease`, a mapped lease on `token_ids`: the decision is announced as a `gate` step and joins
+        the lease's gates. Passed, `lease` is returned as it is. Refused, `lease` is released and the member's own
+        prefill of the same tokens is handed out (reused where it is cached) as a `reprefilled` lease that names
+        the refusal as its fallback reason, as a refusal by the gates checked before use does."""
+        if lease.path != "mapped":
+            raise ValueError(f"only a mapped lease is settled by a later gate; this one is {lease.path}")
+        if len(token_ids) != lease.tokens:
+            raise ValueError(f"the lease holds {lease.tokens} tokens, not the {len(token_ids)} given: settle it on "
+                             "the token ids it was acquired for")
+        req = self._request(lease.member, token_ids, None, None, None, on_step, cancel, 0)
+        req.decisions = [*lease.gates, decision]
+        req.step(CacheStep(step="gate", member=lease.member, passed=decision.passed,
+                           reason=f"{decision.gate}: {decision.reason}", metrics=decision.metrics, source=lease.source))
+        if decision.passed:
+            lease.gates, lease.steps = req.decisions, [*lease.steps, *req.steps]
+            return lease
+        lease.release()
+        refused = f"{decision.gate} gate failed: {decision.reason}"
+        return self._finish(req, time.perf_counter(), lambda: self._serve(req, False, True, refused=refused))
+
+    def _request(self, member: str, token_ids: Sequence[int], gate: GatePolicy | None, repair: RepairPolicy | None,
+                 tail_tokens: int | None, on_step: StepSink | None, cancel: threading.Event | None,
+                 inline_tail: int) -> CacheRequest:
+        """A checked request for `token_ids` on `member`, with the policy's defaults filled in."""
         info = self.executor.info(member)
         ids = tuple(int(t) for t in token_ids)
         if not ids:
@@ -187,11 +227,13 @@ class FamilyCache:
                                 f"{info.max_positions} positions: shorten the input by {len(ids) - info.max_positions} tokens")
         gate = gate or self.policy.gate
         tail = max(tail_tokens or self.policy.tail_tokens, gate.probe.tokens if gate.probe else 2, 2)
-        req = CacheRequest(member, info, ids, gate, repair if repair is not None else self.policy.repair, tail,
-                       on_step or (lambda step: None), cancel=cancel, inline_tail=inline_tail)
-        started = time.perf_counter()
+        return CacheRequest(member, info, ids, gate, repair if repair is not None else self.policy.repair, tail,
+                            on_step or (lambda step: None), cancel=cancel, inline_tail=inline_tail)
+
+    def _finish(self, req: CacheRequest, started: float, serve: Callable[[], CacheLease]) -> CacheLease:
+        """Serve `req` (unpinning what it pinned on the way) and put its costs and steps on the lease."""
         try:
-            lease = self._serve(req, allow_mapped, reuse)
+            lease = serve()
         finally:
             for entry in req.pinned:
                 self._unpin(entry)
@@ -230,18 +272,19 @@ class FamilyCache:
         requests use it. A missing or broken one raises, as its gate would refuse it."""
         return self.routes.mapping(source, target)
 
-    def _serve(self, req: CacheRequest, allow_mapped: bool, reuse: bool) -> CacheLease:
-        """Plan a route (waiting for builds in flight it should reuse), carry it out, count the request once."""
+    def _serve(self, req: CacheRequest, allow_mapped: bool, reuse: bool, refused: str | None = None) -> CacheLease:
+        """Plan a route (waiting for builds in flight it should reuse), carry it out, count the request once.
+        `refused`: a mapped cache of these tokens was already refused for this reason (`settle`): the member's own
+        route, reported as the fallback."""
         n = len(req.ids)
         if not reuse:
             computed = self._compute(req, req.ids, None, 0, req.tail)
             self.pool.stats.misses += 1
             return CacheLease(req.member, n, computed.cache, "exact", 0, n)
-        mapped_ok = allow_mapped and not req.gate.force_reprefill
+        mapped_ok = allow_mapped and refused is None and not req.gate.force_reprefill
         if self.disk_tier is not None:
             self.disk_tier.promote(req, mapped_ok)
         route, flight = self.planner.plan_and_join(req, mapped_ok)
-        refused: str | None = None
         lease: CacheLease | None = None
         if isinstance(route, (Map, Extend, Exact)) and (isinstance(route, Map) or route.mapped):
             lease, refused = self.routes.carry_out(req, route, flight)

@@ -58,6 +58,9 @@ class _Orchestra(Protocol):
     async def answer_check(self, run: RunState, agent: str, member: str, answer: AgentResult,
                            upstream: Mapping[str, object], policy: AnswerGate) -> GateDecision: ...
 
+    async def settle(self, run: RunState, agent: str, lease: CacheLease, prompt: MemberPrompt,
+                     decision: GateDecision) -> CacheLease: ...
+
 
 class DagWalk:
     """The nodes of one `Orchestra`'s runs."""
@@ -95,8 +98,8 @@ class DagWalk:
                 held = _HeldTokens(on_token) if answer_gate is not None else None
                 result = await self._generate(run, agent, report, prompt, lease, held or on_token, upstream)
                 if answer_gate is not None and held is not None:
-                    result = await self._answer_gate(run, agent, report, prompt, result, answer_gate, on_token,
-                                                     upstream, held)
+                    result = await self._answer_gate(run, agent, report, prompt, lease, result, answer_gate,
+                                                     on_token, upstream, held)
             await self._record_result(run, report, result, len(prompt.ids), first_token)
             await self._conclude(run, report, result)
         except Exception as exc:
@@ -105,24 +108,22 @@ class DagWalk:
             done[name].set()
 
     async def _agent_cache(self, run: RunState, report: AgentReport, prompt: MemberPrompt,
-                           focus: list[int] | None = None, fallback: str | None = None) -> CacheLease:
+                           focus: list[int] | None = None) -> CacheLease:
         """Acquire the agent's document cache on its member (a question-focused repair ranks by `focus`), record it
-        on the report and announce it. `fallback`: why the mapped cache the agent already answered on gives way
-        to its member's own prefill (announced first; the gate decisions so far stay on the report)."""
+        on the report and announce it."""
         name, model = report.name, report.model
-        if fallback is not None:
-            await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=model, reason=fallback))
-        gates = report.gate
-        lease = await self.o._acquire(run, name, model, prompt, focus=focus, mapped=fallback is None)
+        lease = await self.o._acquire(run, name, model, prompt, focus=focus)
         self.record_cache(run, report, lease)
-        if fallback is not None:
-            report.gate, report.cache_path, report.fallback_reason = gates, "reprefilled", fallback
-        elif prompt.own_reason is not None and self.o.share_prefill and report.fallback_reason is None:
+        if prompt.own_reason is not None and self.o.share_prefill and report.fallback_reason is None:
             report.cache_path, report.fallback_reason = "reprefilled", prompt.own_reason
             await run.emit(ev.Fallback(run_id=run.run_id, agent=name, model=model, reason=prompt.own_reason))
-        await run.emit(ev.CacheReady(run_id=run.run_id, model=model, agent=name, path=report.cache_path or lease.path,
-                                     seconds=lease.seconds, store_hit=lease.hit, repair=lease.repair))
+        await self._cache_ready(run, report, lease)
         return lease
+
+    async def _cache_ready(self, run: RunState, report: AgentReport, lease: CacheLease) -> None:
+        await run.emit(ev.CacheReady(run_id=run.run_id, model=report.model, agent=report.name,
+                                     path=report.cache_path or lease.path, seconds=lease.seconds, store_hit=lease.hit,
+                                     repair=lease.repair))
 
     def _answer_gate_for(self, agent: AgentNode, lease: CacheLease) -> AnswerGate | None:
         """The answer gate the agent's answer goes through: its gates' one when it runs on a mapped cache. An
@@ -135,20 +136,20 @@ class DagWalk:
         return gate.answer
 
     async def _answer_gate(self, run: RunState, agent: AgentNode, report: AgentReport, prompt: MemberPrompt,
-                           result: AgentResult, policy: AnswerGate, on_token: TokenSink, upstream: dict[str, object],
-                           held: _HeldTokens) -> AgentResult:
+                           lease: CacheLease, result: AgentResult, policy: AnswerGate, on_token: TokenSink,
+                           upstream: dict[str, object], held: _HeldTokens) -> AgentResult:
         """The answer gate: the result kept (its held tokens then stream), or dropped unstreamed for the agent's
-        answer again on a re-prefill of its member when the source answers too differently."""
-        name, model = agent.name, agent.model
-        decision = await self.o.answer_check(run, name, model, result, upstream, policy)
-        report.gate.append(decision.as_dict())
-        await run.emit(ev.GateResult(run_id=run.run_id, agent=name, model=model, passed=decision.passed,
-                                     reason=decision.reason, metrics=decision.metrics))
-        if decision.passed:
+        answer again on its member's own prefill, which the FamilyCache hands out when the source answers too
+        differently."""
+        decision = await self.o.answer_check(run, agent.name, agent.model, result, upstream, policy)
+        settled = await self.o.settle(run, agent.name, lease, prompt, decision)
+        if settled is lease:
+            report.gate = lease.gate_dicts()
             await held.release()
             return result
-        own = await self._agent_cache(run, report, prompt, fallback=f"answer gate failed: {decision.reason}")
-        return await self._generate(run, agent, report, prompt, own, on_token, upstream)
+        self.record_cache(run, report, settled)
+        await self._cache_ready(run, report, settled)
+        return await self._generate(run, agent, report, prompt, settled, on_token, upstream)
 
     def _upstream(self, run: RunState, agent: AgentNode, report: AgentReport) -> dict[str, object]:
         """What the agent's templates read: the run's inputs it names and its upstreams' outputs."""

@@ -429,6 +429,19 @@ class Orchestra:
         run.leases.append((agent, lease))
         return lease
 
+    async def settle(self, run: RunState, agent: str, lease: CacheLease, prompt: MemberPrompt,
+                     decision: GateDecision) -> CacheLease:
+        """The FamilyCache settles `agent`'s mapped lease on a gate decided after decoding (the answer gate), its
+        steps re-emitted live as run events: `lease` itself when the gate passed, else the member's own prefill of
+        the prompt (held by the run, as every lease it takes)."""
+        def on_step(step: CacheStep) -> None:  # in the FamilyCache's worker thread
+            call_in_loop(run.emit, step_event(run.run_id, agent, step))
+
+        settled = await self.cache.settle(lease, decision, prompt.ids, on_step=on_step)
+        if settled is not lease:
+            run.leases.append((agent, settled))
+        return settled
+
     def _repair_for(self, agent: str, focus: Sequence[int] | None = None) -> RepairPolicy | None:
         """How a mapped cache `agent` reads is repaired: its node's, else its spec's (None: the cache's policy); a
         `focus: question` policy gets the agent's suffix ids (`focus`; without them the document's tail ranks)."""

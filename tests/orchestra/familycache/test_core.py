@@ -165,6 +165,44 @@ def test_offline_gate_refuses_before_the_map(registry, mapstore):
     lease.release()
 
 
+def test_a_gate_decided_after_use_keeps_a_passing_mapped_lease_and_swaps_a_refused_one_for_the_own_prefill(
+        registry, mapstore):
+    """`settle`: the answer gate decides only after an agent decoded on the mapped cache. A pass keeps the lease
+    with the decision among its gates; a refusal unpins the mapped entry and hands out the member's own prefill,
+    a `reprefilled` lease naming the refusal, with a gate step and then a fallback step."""
+    from orchestra.familycache.gates import GateDecision
+
+    cache = _family_cache(registry, mapstore)
+    doc = _ids(registry, data_text("gpl-3.txt")[300:600])
+    cache.acquire_sync("base", doc).release()
+    mapped = cache.acquire_sync("child", doc)
+    assert mapped.path == "mapped"
+    before = list(mapped.gates)
+    steps: list = []
+    kept = cache.settle_sync(mapped, GateDecision(True, "answer", "F1 1.00 >= 0.5", {"answer_f1": 1.0}), doc,
+                             on_step=steps.append)
+    assert kept is mapped and kept.path == "mapped" and kept.gates[:-1] == before
+    assert (kept.gates[-1].gate, kept.gates[-1].passed) == ("answer", True)
+    assert [(s.step, s.passed) for s in steps] == [("gate", True)] and steps[0].metrics == {"answer_f1": 1.0}
+
+    steps.clear()
+    entry = next(e for e in cache.pool.entries() if e.id == mapped.entry_id)
+    own = cache.settle_sync(mapped, GateDecision(False, "answer", "F1 0.20 < 0.5", {"answer_f1": 0.2}), doc,
+                            on_step=steps.append)
+    assert own.path == "reprefilled" and own.fallback_reason == "answer gate failed: F1 0.20 < 0.5"
+    assert own.source == "base" and own.computed_tokens == len(doc) and own.entry_id != mapped.entry_id
+    assert [(g.gate, g.passed) for g in own.gates][-2:] == [("answer", True), ("answer", False)]
+    kinds = [s.step for s in steps]
+    assert kinds[0] == "gate" and "fallback" in kinds and "map" not in kinds
+    assert next(s for s in steps if s.step == "fallback").reason == own.fallback_reason
+    assert entry.pins == 0  # the refused mapped entry is no longer held
+    with cache.acquire_sync("child", doc, allow_mapped=False) as again:  # the own prefill is now cached
+        assert again.hit and again.entry_id == own.entry_id
+    with pytest.raises(ValueError, match="only a mapped lease"):
+        cache.settle_sync(own, GateDecision(False, "answer", "x"), doc)
+    own.release()
+
+
 def test_concurrent_requests_for_one_prefix_build_it_once(registry, mapstore):
     cache = _family_cache(registry, mapstore)
     doc = _ids(registry, data_text("apache-2.0.txt")[:250])

@@ -319,7 +319,10 @@ async def test_the_answer_gate_reruns_an_agent_whose_mapped_answer_strays_from_t
     assert not answer["passed"] and a.cache_path == "reprefilled" and a.fallback_reason.startswith("answer gate")
     gate_events = [e for e in events if isinstance(e, GateResult) and e.agent == "a"]
     assert gate_events[-1].passed is False and "answer_f1" in gate_events[-1].metrics
-    assert any(isinstance(e, Fallback) and e.reason.startswith("answer gate") for e in events)
+    fallback = next(e for e in events if isinstance(e, Fallback) and e.agent == "a")
+    assert fallback.reason == a.fallback_reason and events.index(fallback) > events.index(gate_events[-1])
+    # the FamilyCache handed out the member's own prefill: the run holds it beside the refused mapped cache
+    assert {c.path for c in report.caches if c.model == "child"} == {"mapped", "reprefilled"}
     own = await Orchestra(_pipeline(fam, agents, gate={"force_reprefill": True}), mappings=mapstore).run(DOC)
     assert a.output == own.agent("a").output  # the answer kept is the one on the member's own prefill
     # only the kept answer streams: its tokens come after the gate's verdict, once, the dropped one never
