@@ -1,12 +1,13 @@
 """Which gate reading notices a harmed answer on a set it was not tuned on.
 
     python benchmarks/gate_candidates.py --tune benchmarks/results/qa_faithful.json \
-        --test benchmarks/results/qa_faithful_heldout.json [--out benchmarks/results]
+        --test benchmarks/results/qa_faithful_heldout.json [--out benchmarks/results] [--name gate_candidates]
 
-Both inputs are `orchestra bench --sections tasks` results, whose mapped answers carry every candidate
-reading (`orchestra.bench.gate_signals`). For each member and reading, the threshold that refuses
-80 % of the harmed questions of the tuning set is applied unchanged to the test set; the table shows
-catch and false-alarm rates on both, and on the two sets pooled. Writes gate_candidates.json and .md.
+Every input is an `orchestra bench --sections tasks` result, whose mapped answers carry every candidate
+reading (`orchestra.bench.gate_signals`); `--tune` and `--test` each take one or more, pooled (e.g. both
+question sets at one window length to tune, other lengths to test). For each member and reading, the
+threshold that refuses 80 % of the harmed questions of the tuning answers is applied unchanged to the test
+answers; the table shows catch and false-alarm rates on both, and on the two pooled. Writes <name>.json and .md.
 """
 
 from __future__ import annotations
@@ -39,12 +40,17 @@ def members_of(path: Path) -> list[str]:
     return [g.member for g in section.gates] if section is not None else []
 
 
-def compare(tune: Path, test: Path) -> list[dict[str, Any]]:
+def compare(tune: Path | list[Path], test: Path | list[Path]) -> list[dict[str, Any]]:
     from orchestra.bench import score_candidates
 
+    tunes = tune if isinstance(tune, list) else [tune]
+    tests = test if isinstance(test, list) else [test]
+    # a member counts where every input has it: a reading tuned on one member is never tested on another
+    members = [m for m in members_of(tunes[0]) if all(m in members_of(p) for p in [*tunes[1:], *tests])]
     rows = []
-    for member in members_of(tune):
-        a, b = judged(tune, member), judged(test, member)
+    for member in members:
+        a = [j for path in tunes for j in judged(path, member)]
+        b = [j for path in tests for j in judged(path, member)]
         tuned = {c.signal: c for c in score_candidates(a)}
         thresholds = {s: c.threshold for s, c in tuned.items() if c.threshold is not None}
         tested = {c.signal: c for c in score_candidates(b, thresholds)}
@@ -56,17 +62,21 @@ def compare(tune: Path, test: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _names(paths: list[Path]) -> str:
+    return " + ".join(f"`{p.name}`" for p in paths)
+
+
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
 
 
-def markdown(rows: list[dict[str, Any]], command: str, tune: Path, test: Path) -> str:
+def markdown(rows: list[dict[str, Any]], command: str, tune: list[Path], test: list[Path]) -> str:
     from orchestra.bench import SIGNALS
 
     what = {s.name: s.what for s in SIGNALS}
     lines = ["# Which gate reading notices a harmed answer, on a set it was not tuned on", "",
              f"Command: `{command}`", "",
-             f"Tuned on `{tune.name}`, tested on `{test.name}`. Harmed = the member's own prefill answers right and "
+             f"Tuned on {_names(tune)}, tested on {_names(test)}. Harmed = the member's own prefill answers right and "
              "the pure map wrong. Each reading's threshold refuses 80 % of the tuning set's harmed questions and is "
              "applied unchanged to the test set; pooled = both sets, threshold tuned on both. Goal: catch >= 80 %, "
              "false alarm <= 20 % on the test set. (oracle) readings need the member's own prefill.", "",
@@ -90,11 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     from mappings.atomic import write_atomic
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tune", type=Path, required=True, help="tasks result the thresholds are tuned on")
-    parser.add_argument("--test", type=Path, required=True, help="tasks result they are tested on")
+    parser.add_argument("--tune", type=Path, nargs="+", required=True,
+                        help="tasks results the thresholds are tuned on (pooled)")
+    parser.add_argument("--test", type=Path, nargs="+", required=True, help="tasks results they are tested on (pooled)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--name", default="gate_candidates", help="file name of the results, without .json / .md")
     args = parser.parse_args(argv)
-    for path in (args.tune, args.test):
+    for path in (*args.tune, *args.test):
         if not path.is_file():
             print(f"error: {path} does not exist: run `orchestra bench --sections tasks --out {path}` first",
                   file=sys.stderr)
@@ -102,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare(args.tune, args.test)
     command = ("python benchmarks/gate_candidates.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
     args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "gate_candidates.json", json.dumps({"command": command, "rows": rows}, indent=2))
+    write_atomic(args.out / f"{args.name}.json", json.dumps({"command": command, "rows": rows}, indent=2))
     md = markdown(rows, command, args.tune, args.test)
-    write_atomic(args.out / "gate_candidates.md", md)
+    write_atomic(args.out / f"{args.name}.md", md)
     print(md)
     return 0
 

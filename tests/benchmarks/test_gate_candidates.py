@@ -57,3 +57,16 @@ def test_a_result_without_a_tasks_section_is_named(gc, tmp_path: Path):
     assert gc.members_of(bare) == []
     with pytest.raises(SystemExit, match="has no tasks section"):
         gc.judged(bare, "finetuned")
+
+
+def test_several_results_on_one_side_are_pooled_and_written_under_the_name_given(gc, tmp_path: Path):
+    assert gc.main(["--tune", str(TUNE), str(TEST), "--test", str(TEST), "--out", str(tmp_path),
+                    "--name", "pooled"]) == 0
+    rows = json.loads((tmp_path / "pooled.json").read_text())["rows"]
+    assert not (tmp_path / "gate_candidates.json").exists()
+    assert "`qa_faithful.json` + `qa_faithful_heldout.json`" in (tmp_path / "pooled.md").read_text()
+    for member in ("finetuned", "int8"):
+        row = next(r for r in rows if r["member"] == member and r["signal"] == "answer_differs_source")
+        one, other = gc.judged(TUNE, member), gc.judged(TEST, member)
+        assert row["tune"]["questions"] == len([*one, *other]) == row["pooled"]["questions"] - len(other)
+        assert row["tune"]["harmed"] == sum(j.harmed for j in [*one, *other])
