@@ -180,7 +180,7 @@ class FamilyCache:
         views of it) and the caller computes the rest, so no entry of these tokens alone is stored.
         """
         req = self._request(member, token_ids, gate, repair, tail_tokens, on_step, cancel, inline_tail)
-        return self._finish(req, time.perf_counter(), lambda: self._serve(req, allow_mapped, reuse))
+        return self._finish(req, lambda: self._serve(req, allow_mapped, reuse))
 
     async def settle(self, lease: CacheLease, decision: GateDecision, token_ids: Sequence[int], *,
                      on_step: StepSink | None = None) -> CacheLease:
@@ -212,7 +212,7 @@ class FamilyCache:
             return lease
         lease.release()
         refused = f"{decision.gate} gate failed: {decision.reason}"
-        return self._finish(req, time.perf_counter(), lambda: self._serve(req, False, True, refused=refused))
+        return self._finish(req, lambda: self._serve(req, False, True, refused=refused))
 
     def _request(self, member: str, token_ids: Sequence[int], gate: GatePolicy | None, repair: RepairPolicy | None,
                  tail_tokens: int | None, on_step: StepSink | None, cancel: threading.Event | None,
@@ -230,8 +230,9 @@ class FamilyCache:
         return CacheRequest(member, info, ids, gate, repair if repair is not None else self.policy.repair, tail,
                             on_step or (lambda step: None), cancel=cancel, inline_tail=inline_tail)
 
-    def _finish(self, req: CacheRequest, started: float, serve: Callable[[], CacheLease]) -> CacheLease:
+    def _finish(self, req: CacheRequest, serve: Callable[[], CacheLease]) -> CacheLease:
         """Serve `req` (unpinning what it pinned on the way) and put its costs and steps on the lease."""
+        started = time.perf_counter()
         try:
             lease = serve()
         finally:
