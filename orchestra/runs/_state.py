@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from agents.bridge import call_in_loop
 from orchestra.familycache import CacheLease, CacheStep
 from orchestra.observability import events as ev
 from orchestra.observability.report import AgentReport, ChunkSummary, ModelCacheReport, RunReport
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from orchestra.runs.checkpoint import Checkpointer
 
 __all__ = ["EventSink", "MemberPrompt", "RunState", "TokenSink", "cache_reports", "chunk_summaries", "finished_event", "jsonable", "skip_reason",
-           "step_event", "token_sink", "unavailable"]
+           "step_event", "step_sink", "token_sink", "unavailable"]
 
 EventSink = Callable[[ev.Event], Awaitable[None] | None]
 TokenSink = Callable[..., Awaitable[None]]
@@ -79,6 +80,16 @@ def step_event(run_id: str, agent: str | None, step: CacheStep, chunk: int | Non
     if step.step == "fallback" and agent is not None:
         return ev.Fallback(run_id=run_id, agent=agent, model=step.member, reason=step.reason or "", chunk=chunk)
     return ev.CacheStepEvent(run_id=run_id, agent=agent, step=step, chunk=chunk)
+
+
+def step_sink(run: RunState, agent: str | None, chunk: int | None = None) -> Callable[[CacheStep], None]:
+    """A FamilyCache step sink that re-emits each step live as the run's event (called from the cache's worker
+    thread)."""
+
+    def on_step(step: CacheStep) -> None:
+        call_in_loop(run.emit, step_event(run.run_id, agent, step, chunk))
+
+    return on_step
 
 
 def token_sink(run: RunState, name: str, first_token: list[float]) -> TokenSink:

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.from_thread
 
-from agents.bridge import call_in_loop, in_thread
+from agents.bridge import in_thread
 from orchestra._logging import get_logger
 from orchestra.documents.chunking import HOLD_INPUT_TOKENS
 from orchestra.errors import DocumentError, RunResumeError
-from orchestra.familycache import CacheLease, CachePolicy, CacheStep, FamilyCache, make_executor
+from orchestra.familycache import CacheLease, CachePolicy, FamilyCache, make_executor
 from orchestra.familycache.gates import CircuitBreaker
 from orchestra.familycache.mapping_store import MappingStore
 from orchestra.models.registry import ModelRegistry
@@ -42,7 +42,7 @@ from orchestra.runs._state import (
     cache_reports,
     chunk_summaries,
     finished_event,
-    step_event,
+    step_sink,
 )
 from orchestra.runs._walk import DagWalk
 
@@ -406,10 +406,6 @@ class Orchestra:
         `focus`: the agent's suffix ids, for a repair that ranks what it recomputes by the agent's question."""
         node = self.pipeline.agent(agent) if agent is not None else None
         gate = (node.gate if node is not None else None) or self.pipeline.gate
-
-        def on_step(step: CacheStep) -> None:  # in the FamilyCache's worker thread
-            call_in_loop(run.emit, step_event(run.run_id, agent, step, chunk))
-
         prompt = prompt or MemberPrompt(run.prefix_ids)
         if not self.cache.executor.holds_caches:  # the engines keep the caches (vLLM): held there, recorded here
             from orchestra.runs._engine import engine_lease
@@ -423,7 +419,8 @@ class Orchestra:
         repair = self._repair_for(agent, focus) if agent is not None else None
         # a member whose prefix has other ids prefills it itself: the source's cache (or a map of the
         # source's prefill of these ids, which costs the same prefill again) cannot serve it better
-        lease = await self.cache.acquire(member, prompt.ids, gate=gate, repair=repair, on_step=on_step,
+        lease = await self.cache.acquire(member, prompt.ids, gate=gate, repair=repair,
+                                         on_step=step_sink(run, agent, chunk),
                                          allow_mapped=self.share_prefill and prompt.own_reason is None and mapped,
                                          reuse=self.share_prefill)
         run.leases.append((agent, lease))
@@ -434,10 +431,7 @@ class Orchestra:
         """The FamilyCache settles `agent`'s mapped lease on a gate decided after decoding (the answer gate), its
         steps re-emitted live as run events: `lease` itself when the gate passed, else the member's own prefill of
         the prompt (held by the run, as every lease it takes)."""
-        def on_step(step: CacheStep) -> None:  # in the FamilyCache's worker thread
-            call_in_loop(run.emit, step_event(run.run_id, agent, step))
-
-        settled = await self.cache.settle(lease, decision, prompt.ids, on_step=on_step)
+        settled = await self.cache.settle(lease, decision, prompt.ids, on_step=step_sink(run, agent))
         if settled is not lease:
             run.leases.append((agent, settled))
         return settled
