@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -13,5 +14,7 @@ def load_script(name: str) -> ModuleType:
     """``benchmarks/<name>.py`` as a module (its ``main`` not run)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: dataclasses resolve a module's string annotations through sys.modules.
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
