@@ -151,6 +151,17 @@ class LengthRow(_Model):
     correct_ids: list[str] = Field(default_factory=list)
 
 
+class MappingUsed(_Model):
+    """The stored mapping a member's mapped answers ran on: two runs compare only when these agree."""
+
+    method: str
+    calibration_tokens: int = Field(description="tokens the map was fitted on")
+    window: int = Field(description="tokens per calibration window")
+    corpus: list[str] = Field(default_factory=list, description="calibration texts")
+    heldout_kl: float | None = Field(None, description="the calibration's held-out next-token KL")
+    created_at: str = Field(description="when the mapping was calibrated (UTC, ISO 8601)")
+
+
 class TaskSection(_Model):
     config: TaskConfig
     dataset: str = Field(description="QA set name and version")
@@ -165,6 +176,8 @@ class TaskSection(_Model):
     lengths: list[LengthRow] = Field(default_factory=list)
     answers: list[QAAnswer] = Field(default_factory=list)
     skipped: list[str] = Field(default_factory=list)
+    mappings: dict[str, MappingUsed] = Field(default_factory=dict, description="member -> the mapping its mapped "
+                                             "answers ran on")
 
     def score(self, member: str, condition: str) -> QAScore:
         for s in self.scores:
@@ -320,18 +333,23 @@ def _chosen_questions(qa: QASet, config: TaskConfig) -> list[QAQuestion]:
     return chosen[: config.limit] if config.limit else chosen
 
 
-def _mappable_members(fam: BenchFamily, source: str, wanted: list[str], skipped: list[str]) -> list[str]:
-    """The members other than the source that it maps into (calibrated into the store first when missing);
-    one it cannot map into is reported in ``skipped`` and the others still run."""
+def _mappable_members(fam: BenchFamily, source: str, wanted: list[str], section: TaskSection) -> list[str]:
+    """The members other than the source that it maps into (calibrated into the store first when missing),
+    each one's mapping recorded in ``section.mappings``; one it cannot map into is reported in
+    ``section.skipped`` and the others still run."""
     members: list[str] = []
     for m in dict.fromkeys(wanted):
         if m == source:
             continue
         try:
-            fam.mapping(Pair(source=source, target=m))
+            manifest = fam.mapping(Pair(source=source, target=m)).manifest
         except Exception as exc:
-            skipped.append(f"{source}>{m}: no mapping ({type(exc).__name__}: {exc})")
+            section.skipped.append(f"{source}>{m}: no mapping ({type(exc).__name__}: {exc})")
             continue
+        cal = manifest.calibration
+        section.mappings[m] = MappingUsed(method=manifest.method.name, calibration_tokens=cal.token_count,
+                                          window=cal.window, corpus=list(cal.corpus_names),
+                                          heldout_kl=manifest.heldout.get("kl"), created_at=manifest.created_at)
         members.append(m)
     return members
 
@@ -452,7 +470,7 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
     repair = config.repair_policy()
     section = TaskSection(config=config, dataset=f"{qa.name} v{qa.version}", questions=len(chosen),
                           passages=len(groups), repair=repair.model_dump(mode="json"))
-    run = _task_run(config, fam, qa, repair, section.skipped)
+    run = _task_run(config, fam, qa, repair, section)
     gate_log: dict[str, list[_GateWindow]] = {m: [] for m in run.members}
     answers: list[QAAnswer] = []
     prefix_lengths: list[int] = []
@@ -473,10 +491,11 @@ def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) ->
 
 
 def _task_run(config: TaskConfig, fam: BenchFamily, qa: QASet, repair: RepairPolicy,
-              skipped: list[str]) -> _TaskRun:
-    """The source's tokenizer, the members it maps into (others noted in `skipped`), cache and asker."""
+              section: TaskSection) -> _TaskRun:
+    """The source's tokenizer, the members it maps into (their mappings recorded in `section`, others noted
+    as skipped), cache and asker."""
     tok = fam.loaded(config.source).tokenizer
-    members = _mappable_members(fam, config.source, config.members, skipped)
+    members = _mappable_members(fam, config.source, config.members, section)
     # Gates open for the measured conditions: the map itself is what is scored; `config.gate` is asked
     # separately.
     cache = fam.family_cache(config.source, tail_tokens=config.tail_tokens, repair_costs=config.repair_costs)
@@ -716,6 +735,11 @@ def tasks_markdown(k: TaskSection) -> list[str]:
     if by_condition:
         lines += ["", "FamilyCache lease paths the answers ran on, all members: " + "; ".join(
             f"{cond} {', '.join(f'{p} {n}' for p, n in paths.items())}" for cond, paths in by_condition.items()) + "."]
+    if k.mappings:
+        lines += ["", "Mappings the mapped answers ran on: " + "; ".join(
+            f"{m} {u.method} on {u.calibration_tokens:,} tokens in windows of {u.window} (held-out KL "
+            f"{'-' if u.heldout_kl is None else f'{u.heldout_kl:.4f}'}, calibrated {u.created_at})"
+            for m, u in k.mappings.items()) + "."]
     if k.lengths:
         types = sorted({t for r in k.lengths for t in r.by_type})
         lines += ["", f"### {k.lengths[0].member}'s own-prefill accuracy vs window length", "",

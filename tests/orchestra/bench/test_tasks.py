@@ -183,6 +183,27 @@ def test_every_member_answers_under_every_condition_on_the_lease_it_was_given(ti
             assert a.prefix_tokens > a.window_tokens > 0
 
 
+def test_the_section_records_the_mapping_each_members_answers_ran_on(tiny_qa):
+    result, out, fam = tiny_qa
+    k = result.tasks
+    members = [a for a in fam.aliases if a != "root"]
+    assert set(k.mappings) == set(members)
+    for m in members:
+        stored = fam.mapping(fam_pair(m)).manifest
+        used = k.mappings[m]
+        # the run calibrated the store on its own 512 tokens, not the family default: the record says so
+        assert used.calibration_tokens == stored.calibration.token_count == 512
+        assert (used.method, used.created_at) == (stored.method.name, stored.created_at)
+    md = out.with_suffix(".md").read_text()
+    assert f"Mappings the mapped answers ran on: {members[0]} {k.mappings[members[0]].method} on 512 tokens" in md
+
+
+def fam_pair(member: str):
+    from orchestra.bench import Pair
+
+    return Pair(source="root", target=member)
+
+
 def test_the_plain_baseline_is_one_user_turn_of_the_document_then_the_question(tiny_qa):
     """What a user would try without orchestra: the chat template over one user turn, nothing of orchestra's."""
     from agents.prompt import CHAT_DOCUMENT_INTRO, DOCUMENT_START, SYSTEM_MESSAGE
