@@ -31,8 +31,6 @@ Writes benchmarks/results/residual_stage.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _results import command_line, write_results  # noqa: E402  (after the path insert)
 
 from mappings.apply import LinearKVMap  # noqa: E402  (after the path insert, as every benchmark)
 
@@ -257,8 +257,6 @@ def markdown(res: dict[str, Any], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mappings.atomic import write_atomic
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--features", type=int, default=256, help="random gelu features per layer")
     parser.add_argument("--tokens", type=int, default=8192, help="fitting tokens")
@@ -266,12 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     res = measure(args.tokens, args.features, args.home)
-    command = ("python benchmarks/residual_stage.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "residual_stage.json", json.dumps({"command": command, **res}, indent=2))
-    md = markdown(res, command)
-    write_atomic(args.out / "residual_stage.md", md)
-    print(md)
+    command = command_line("residual_stage.py", argv)
+    write_results(args.out, "residual_stage", {"command": command, **res}, markdown(res, command))
     return 0
 
 

@@ -17,14 +17,14 @@ Writes benchmarks/results/served_tail.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _results import command_line, write_results  # noqa: E402  (after the path insert)
 
 PREFIX, SUFFIX, DEV_OFFSET, SINKS = 3584, 128, 1800, 4
 
@@ -92,8 +92,6 @@ def markdown(res: dict[str, Any], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mappings.atomic import write_atomic
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--member", default="finetuned", help="member role")
     parser.add_argument("--tails", default="32,64,128", help="tail lengths, comma-separated")
@@ -101,12 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     res = measure(args.member, [int(t) for t in args.tails.split(",")], args.home)
-    command = ("python benchmarks/served_tail.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "served_tail.json", json.dumps({"command": command, **res}, indent=2))
-    md = markdown(res, command)
-    write_atomic(args.out / "served_tail.md", md)
-    print(md)
+    command = command_line("served_tail.py", argv)
+    write_results(args.out, "served_tail", {"command": command, **res}, markdown(res, command))
     return 0
 
 

@@ -690,6 +690,23 @@ def _candidates_markdown(k: TaskSection) -> list[str]:
     return lines
 
 
+def _provenance_markdown(k: TaskSection) -> list[str]:
+    """What the answers ran on: the FamilyCache lease paths per condition, and each member's mapping."""
+    lines: list[str] = []
+    by_condition: dict[str, Counter[str]] = {}
+    for s in k.scores:
+        by_condition.setdefault(s.condition, Counter()).update(s.paths)
+    if by_condition:
+        lines += ["", "FamilyCache lease paths the answers ran on, all members: " + "; ".join(
+            f"{cond} {', '.join(f'{p} {n}' for p, n in paths.items())}" for cond, paths in by_condition.items()) + "."]
+    if k.mappings:
+        lines += ["", "Mappings the mapped answers ran on: " + "; ".join(
+            f"{m} {u.method} on {u.calibration_tokens:,} tokens in windows of {u.window} (held-out KL "
+            f"{'-' if u.heldout_kl is None else f'{u.heldout_kl:.4f}'}, calibrated {u.created_at})"
+            for m, u in k.mappings.items()) + "."]
+    return lines
+
+
 def tasks_markdown(k: TaskSection) -> list[str]:
     c = k.config
     source = next((s for s in k.scores if s.condition == "source"), None)
@@ -729,17 +746,7 @@ def tasks_markdown(k: TaskSection) -> list[str]:
             f"{_pct(mapped.agreement)} / {_pct(mapped.agreement_f1)} | {g.fell_back}/{g.windows}"
             f"{f' ({fails})' if fails else ''} | {_pct(g.catch_rate)} of {g.harmed} / {_pct(g.false_alarm_rate)} |")
     lines += _candidates_markdown(k)
-    by_condition: dict[str, Counter[str]] = {}
-    for s in k.scores:
-        by_condition.setdefault(s.condition, Counter()).update(s.paths)
-    if by_condition:
-        lines += ["", "FamilyCache lease paths the answers ran on, all members: " + "; ".join(
-            f"{cond} {', '.join(f'{p} {n}' for p, n in paths.items())}" for cond, paths in by_condition.items()) + "."]
-    if k.mappings:
-        lines += ["", "Mappings the mapped answers ran on: " + "; ".join(
-            f"{m} {u.method} on {u.calibration_tokens:,} tokens in windows of {u.window} (held-out KL "
-            f"{'-' if u.heldout_kl is None else f'{u.heldout_kl:.4f}'}, calibrated {u.created_at})"
-            for m, u in k.mappings.items()) + "."]
+    lines += _provenance_markdown(k)
     if k.lengths:
         types = sorted({t for r in k.lengths for t in r.by_type})
         lines += ["", f"### {k.lengths[0].member}'s own-prefill accuracy vs window length", "",
