@@ -19,6 +19,10 @@ Readings, and what taking them costs at run time:
   tokens);
 - ``answer_differs_source``: 1 - token F1 of the member's mapped answer against the source's own
   answer (the source decodes the answer too);
+- ``answer_tie``, ``answer_nll``: how close the member came, on the map, to answering otherwise: the
+  smallest gap between the log-probabilities of the top two tokens over the answer's tokens (negated),
+  and the answer's mean NLL. A small map error flips a greedy answer only where two tokens nearly tie,
+  and the member computes these distributions while it answers, so they cost nothing at run time;
 - ``oracle_start_kl_own``: the first-answer-token KL against the member's *own* prefill, which a
   gate never has (it is what the map is meant to save): the ceiling a distribution reading reaches.
 """
@@ -37,8 +41,8 @@ if TYPE_CHECKING:
 
     from mappings.types import KVCache, Model
 
-__all__ = ["SIGNALS", "Signal", "GateCandidate", "Judged", "answer_start_logits", "start_readings", "probe_readings",
-           "score_candidates", "threshold_for_catch", "TARGET_CATCH"]
+__all__ = ["SIGNALS", "Signal", "GateCandidate", "Judged", "answer_logits", "start_readings", "answer_readings",
+           "probe_readings", "score_candidates", "threshold_for_catch", "TARGET_CATCH"]
 
 TARGET_CATCH = 0.8
 """The catch rate a candidate's threshold is tuned to reach (issue goal: >= 80 % of harmed questions)."""
@@ -62,6 +66,8 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("start_kl_source", True, "question", "first answer token: KL from the source's"),
     Signal("start_top1_miss_source", True, "question", "first answer token differs from the source's"),
     Signal("answer_differs_source", True, "question", "1 - token F1 against the source's answer"),
+    Signal("answer_tie", True, "question", "smallest top-1/top-2 log-prob gap over the answer's tokens, negated"),
+    Signal("answer_nll", True, "question", "the answer's mean NLL on the map"),
     Signal("oracle_start_kl_own", False, "question", "first answer token: KL from the own prefill's (oracle)"),
 )
 
@@ -87,12 +93,37 @@ class GateCandidate(_Model):
                               "(ties count half)")
 
 
-def answer_start_logits(model: Model, cache: KVCache, prefix_len: int, suffix: Sequence[int]) -> torch.Tensor:
-    """The model's next-token logits after ``suffix`` over a copy of ``cache`` (``prefix_len`` positions):
-    the distribution of an agent's first answer token; ``cache`` is not modified."""
-    from agents.kv import copy_cache, forward_tokens
+def answer_logits(model: Model, cache: KVCache, prefix_len: int, suffix: Sequence[int],
+                  answer: Sequence[int] = ()) -> torch.Tensor:
+    """The distributions an agent's answer was drawn from over a copy of ``cache`` (``prefix_len`` positions):
+    ``suffix`` then ``answer`` teacher-forced, one row of logits per answer token (row 0: the first answer
+    token's; one row when ``answer`` is empty), float32 on the CPU; ``cache`` is not modified."""
+    import torch
 
-    return forward_tokens(model, list(suffix), copy_cache(cache, model), prefix_len).cpu()
+    from agents.kv import copy_cache
+    from mappings.cache_io import forward_with_cache, model_device
+
+    ids = [*suffix, *answer]
+    device = model_device(model)
+    input_ids = torch.as_tensor(ids, dtype=torch.long, device=device).view(1, -1)
+    positions = torch.arange(prefix_len, prefix_len + len(ids), device=device).unsqueeze(0)
+    logits, _, _ = forward_with_cache(model, input_ids, copy_cache(cache, model), position_ids=positions,
+                                      logits_to_keep=len(answer) + 1)
+    # the last position predicts what follows the answer: it drew an answer token only when there is none
+    rows = logits[0, -(len(answer) + 1):-1] if answer else logits[0, -1:]
+    return rows.float().cpu()
+
+
+def answer_readings(logits: torch.Tensor, answer: Sequence[int]) -> dict[str, float]:
+    """``answer_tie`` and ``answer_nll`` of an answer from its rows of `answer_logits` (empty for no answer)."""
+    import torch
+
+    if not answer:
+        return {}
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(2, dim=-1).values
+    chosen = logp[torch.arange(len(answer)), torch.as_tensor(list(answer))]
+    return {"answer_tie": -float((top[:, 0] - top[:, 1]).min()), "answer_nll": -float(chosen.mean())}
 
 
 def start_readings(mapped: torch.Tensor, source: torch.Tensor, own: torch.Tensor | None) -> dict[str, float]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -217,6 +217,14 @@ def rouge_l(reference: str, candidate: str) -> float:
 
 
 # -- running ----------------------------------------------------------------------------------------
+class Reply(NamedTuple):
+    """One answer as decoded: its text, why it failed (None: it did not) and the generated token ids."""
+
+    text: str
+    error: str | None
+    token_ids: tuple[int, ...]
+
+
 class QAAsker:
     """Answers questions with an agent (the question_answerer built-in unless `agent` is given) over a lease's
     cache, or the plain way; memoises answers on exact caches."""
@@ -226,7 +234,7 @@ class QAAsker:
         self.fam, self.cache, self.max_new, self.stop = fam, cache, max_new_tokens, tuple(stop)
         self.agent = agent
         """(question, max_new_tokens) -> the agent that answers (None: the question_answerer built-in)."""
-        self._memo: dict[tuple[str, tuple[int, ...], str], tuple[str, str | None]] = {}
+        self._memo: dict[tuple[str, tuple[int, ...], str], Reply] = {}
 
     def spec(self, q: QAQuestion) -> AgentSpec:
         from agents import BUILTINS
@@ -274,7 +282,7 @@ class QAAsker:
                                 correct=err is None and is_correct(text, q.answers), error=err))
         return out
 
-    def ask(self, member: str, lease: CacheLease, prefix: list[int], q: QAQuestion) -> tuple[str, str | None]:
+    def ask(self, member: str, lease: CacheLease, prefix: list[int], q: QAQuestion) -> Reply:
         from agents import generate
         from agents.errors import AgentError
 
@@ -285,9 +293,9 @@ class QAAsker:
         try:
             result = generate(lm.model, lm.tokenizer, self.spec(q), prefix_ids=prefix, prefix_cache=lease.local_cache(),
                               lock=self.cache.lock(member))
-            out: tuple[str, str | None] = (result.text.strip(), None)
+            out = Reply(result.text.strip(), None, tuple(result.token_ids))
         except AgentError as exc:  # e.g. a context overflow: recorded as a wrong answer, not fatal
-            out = ("", f"{type(exc).__name__}: {exc}")
+            out = Reply("", f"{type(exc).__name__}: {exc}", ())
         if lease.path == "exact":
             self._memo[key] = out
         return out
@@ -420,27 +428,32 @@ class _TaskRun:
         return DocumentPrompt(text).token_ids(self.tok), n
 
     def answer(self, member: str, condition: Condition, lease: CacheLease, prefix: list[int], n: int,
-               qs: list[QAQuestion]) -> list[QAAnswer]:
-        """`qs` asked by `member` on the lease's cache, scored."""
+               qs: list[QAQuestion], token_ids: dict[str, tuple[int, ...]] | None = None) -> list[QAAnswer]:
+        """`qs` asked by `member` on the lease's cache, scored; each answer's generated ids go to `token_ids`."""
         from orchestra.bench.qa import is_correct
 
         out = []
         for q in qs:
-            text, err = self.asker.ask(member, lease, prefix, q)
+            text, err, ids = self.asker.ask(member, lease, prefix, q)
+            if token_ids is not None:
+                token_ids[q.id] = ids
             out.append(QAAnswer(question=q.id, member=member, condition=condition, window_tokens=n,
                                 prefix_tokens=len(prefix), path=lease.path, prediction=text,
                                 correct=err is None and is_correct(text, q.answers), error=err))
         return out
 
-    def starts(self, member: str, lease: CacheLease, prefix: list[int], qs: list[QAQuestion]) -> dict[str, Tensor]:
-        """Each question's first-answer-token logits on the lease's cache (what the candidate gates read)."""
+    def starts(self, member: str, lease: CacheLease, prefix: list[int], qs: list[QAQuestion],
+               answers: dict[str, tuple[int, ...]] | None = None) -> dict[str, Tensor]:
+        """Each question's answer logits on the lease's cache (what the candidate gates read): one row per token
+        of its answer in `answers`, else the first answer token's alone."""
         from agents import suffix_ids
-        from orchestra.bench.gate_signals import answer_start_logits
+        from orchestra.bench.gate_signals import answer_logits
 
         lm = self.asker.fam.loaded(member)
         with self.cache.lock(member):
-            return {q.id: answer_start_logits(lm.model, lease.local_cache(), len(prefix),
-                                              suffix_ids(lm.tokenizer, self.asker.spec(q))) for q in qs}
+            return {q.id: answer_logits(lm.model, lease.local_cache(), len(prefix),
+                                        suffix_ids(lm.tokenizer, self.asker.spec(q)), (answers or {}).get(q.id, ()))
+                    for q in qs}
 
     def plain(self, member: str, pid: str, tokens: int, n: int, qs: list[QAQuestion]) -> list[QAAnswer]:
         """`qs` asked the plain way over the text `window` cut for (`pid`, `tokens`)."""
@@ -455,7 +468,7 @@ class _Window:
     tokens: int
     questions: list[QAQuestion]
     source_starts: dict[str, Tensor]
-    """The source's first-answer-token logits per question, on its own cache."""
+    """The source's first-answer-token logits per question, on its own cache (one row each)."""
 
 
 def run_tasks(config: TaskConfig, fam: BenchFamily, *, progress: bool = True) -> TaskSection:
@@ -531,8 +544,9 @@ def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[f
     tail, prefix, n, qs = run.config.tail_tokens, w.prefix, w.tokens, w.questions
     # Order matters: the exact (own) entry is built last, or the mapped requests would find it and hit it.
     with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail) as lease:
-        mapped = run.answer(member, "mapped", lease, prefix, n, qs)
-        mapped_starts = run.starts(member, lease, prefix, qs)
+        mapped_ids: dict[str, tuple[int, ...]] = {}
+        mapped = run.answer(member, "mapped", lease, prefix, n, qs, mapped_ids)
+        mapped_logits = run.starts(member, lease, prefix, qs, mapped_ids)
     answers = list(mapped)
     for policy, asked in _repairs(run, member, qs):
         with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail, repair=policy) as lease:
@@ -545,7 +559,7 @@ def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[f
     with run.cache.acquire_sync(member, prefix, allow_mapped=False) as lease:
         answers += run.answer(member, "own", lease, prefix, n, qs)
         own_starts = run.starts(member, lease, prefix, qs)
-    _record_signals(mapped, probe, mapped_starts, w.source_starts, own_starts)
+    _record_signals(mapped, probe, mapped_logits, mapped_ids, w.source_starts, own_starts)
     return answers
 
 
@@ -559,15 +573,19 @@ def _repairs(run: _TaskRun, member: str, qs: list[QAQuestion]) -> list[tuple[Rep
     return [(run.repair.model_copy(update={"focus": tuple(suffix_ids(tok, run.asker.spec(q)))}), [q]) for q in qs]
 
 
-def _record_signals(mapped: list[QAAnswer], probe: dict[str, float], mapped_starts: dict[str, Tensor],
-                    source_starts: dict[str, Tensor], own_starts: dict[str, Tensor]) -> None:
-    """The candidate gates' readings on each mapped answer: the window's probe and the question's answer start."""
-    from orchestra.bench.gate_signals import probe_readings, start_readings
+def _record_signals(mapped: list[QAAnswer], probe: dict[str, float], mapped_logits: dict[str, Tensor],
+                    mapped_ids: dict[str, tuple[int, ...]], source_starts: dict[str, Tensor],
+                    own_starts: dict[str, Tensor]) -> None:
+    """The candidate gates' readings on each mapped answer: the window's probe, the question's answer start
+    and how near the answer came to a tie."""
+    from orchestra.bench.gate_signals import answer_readings, probe_readings, start_readings
 
     window = probe_readings(probe)
     for a in mapped:
-        a.signals = {**window, **start_readings(mapped_starts[a.question], source_starts[a.question],
-                                                own_starts.get(a.question))}
+        rows, own = mapped_logits[a.question], own_starts.get(a.question)
+        a.signals = {**window, **start_readings(rows[0], source_starts[a.question][0],
+                                                None if own is None else own[0]),
+                     **answer_readings(rows, mapped_ids.get(a.question, ()))}
 
 
 def judged_answers(member: str, answers: list[QAAnswer]) -> list[Judged]:

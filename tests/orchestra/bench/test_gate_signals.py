@@ -63,3 +63,44 @@ def test_the_probe_reports_top1_agreement_and_entropy_shift_against_the_source()
     assert blurred["probe_source_top1"] == pytest.approx(2 / 3) and blurred["probe_entropy_shift"] > 0.3
     decision = check.decide(torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
     assert decision.metrics["probe_source_top1"] == pytest.approx(2 / 3)  # reported, not thresholded
+
+
+def test_answer_readings_name_the_nearest_tie_and_the_answer_loss():
+    import torch
+
+    from orchestra.bench.gate_signals import answer_readings
+
+    # token 0 wins clearly, then token 1 wins by a hair over token 2
+    logits = torch.tensor([[5.0, 0.0, 0.0], [0.0, 1.0, 0.9]])
+    r = answer_readings(logits, [0, 1])
+    logp = torch.log_softmax(logits, dim=-1)
+    assert r["answer_tie"] == pytest.approx(-0.1, abs=1e-5)
+    assert r["answer_nll"] == pytest.approx(-float(logp[0, 0] + logp[1, 1]) / 2)
+    assert answer_readings(logits[:0], []) == {}
+
+
+def test_answer_logits_are_the_distributions_the_greedy_answer_was_drawn_from(tiny_family):
+    """Teacher-forcing the answer reproduces the step-by-step decode's distributions, and leaves the cache alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agents.kv import copy_cache, forward_tokens
+    from mappings.cache_io import cache_layers, forward_with_cache
+    from orchestra.bench.gate_signals import answer_logits
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_family.child).eval()
+    prefix, suffix = list(range(5, 17)), [3, 9, 4]
+    _, cache, _ = forward_with_cache(model, torch.tensor([prefix]))
+    before = [k.clone() for k, _ in cache_layers(cache)]
+    step, answer, rows = copy_cache(cache, model), [], []
+    logits = forward_tokens(model, suffix, step, len(prefix))
+    for i in range(4):
+        rows.append(logits)
+        answer.append(int(logits.argmax()))
+        logits = forward_tokens(model, [answer[-1]], step, len(prefix) + len(suffix) + i)
+    forced = answer_logits(model, cache, len(prefix), suffix, answer)
+    assert forced.shape == (4, rows[0].shape[-1])
+    torch.testing.assert_close(forced, torch.stack(rows).cpu(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(answer_logits(model, cache, len(prefix), suffix)[0], rows[0].cpu(), atol=1e-4, rtol=1e-4)
+    after = [k for k, _ in cache_layers(cache)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)) and after[0].shape[-2] == len(prefix)

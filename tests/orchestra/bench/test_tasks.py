@@ -332,6 +332,8 @@ def test_every_mapped_answer_carries_the_candidate_gates_readings(tiny_qa):
             continue
         assert {"start_kl_source", "start_top1_miss_source", "oracle_start_kl_own"} <= set(a.signals)
         assert all(v == v for v in a.signals.values())  # no NaN
+        if a.error is None:  # every decoded answer has at least its end token: its tie and loss are read
+            assert a.signals["answer_tie"] <= 0.0 and a.signals["answer_nll"] >= 0.0
     for g in k.gates:
         names = [c.signal for c in g.candidates]
         assert set(names) <= {s.name for s in SIGNALS} and "answer_differs_source" in names
