@@ -13,8 +13,6 @@ answers; the table shows catch and false-alarm rates on both, and on the two poo
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,7 +95,7 @@ def markdown(rows: list[dict[str, Any]], command: str, tune: list[Path], test: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mappings.atomic import write_atomic
+    from _results import command_line, write_results
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tune", type=Path, nargs="+", required=True,
@@ -112,12 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
     rows = compare(args.tune, args.test)
-    command = ("python benchmarks/gate_candidates.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / f"{args.name}.json", json.dumps({"command": command, "rows": rows}, indent=2))
-    md = markdown(rows, command, args.tune, args.test)
-    write_atomic(args.out / f"{args.name}.md", md)
-    print(md)
+    command = command_line("gate_candidates.py", argv)
+    write_results(args.out, args.name, {"command": command, "rows": rows}, markdown(rows, command, args.tune, args.test))
     return 0
 
 
