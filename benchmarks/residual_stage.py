@@ -89,6 +89,8 @@ class StagedMap(LinearKVMap):
     def apply(self, source_layers: KVLayers, positions: torch.Tensor | None = None, **kwargs: Any) -> KVLayers:
         import torch
 
+        from mappings.calibrate import token_rows
+
         out = super().apply(source_layers, positions, **kwargs)
         for ti, stage in self.stages.items():
             if out[ti][0] is None:
@@ -97,19 +99,15 @@ class StagedMap(LinearKVMap):
             sk, sv = source_layers[stage.source]
             b, _, t, _ = sk.shape
             pos = torch.arange(t, device=k_out.device) if positions is None else positions.to(k_out.device)
-            xk = self.source_rope.strip(sk.to(k_out.device, torch.float32), pos, seq_len=int(pos.max()) + 1)
-            f = stage.features(_rows(xk), _rows(sv.to(k_out.device, torch.float32)))
+            seq = int(pos.max()) + 1
+            xk = self.source_rope.strip(sk.to(k_out.device, torch.float32), pos, seq_len=seq)
+            f = stage.features(token_rows(xk), token_rows(sv.to(k_out.device, torch.float32)))
             heads, dim = k_out.shape[1], k_out.shape[3]
             rk = (f @ stage.weights["k"]).view(b, t, heads, dim).transpose(1, 2)
-            rk = self.target_rope.apply(rk, pos, seq_len=int(pos.max()) + 1)
+            rk = self.target_rope.apply(rk, pos, seq_len=seq)
             rv = (f @ stage.weights["v"]).view(b, t, heads, dim).transpose(1, 2)
             out[ti] = ((k_out.float() + rk).to(k_out.dtype), (v_out.float() + rv).to(v_out.dtype))
         return out
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``[B, H, T, D]`` -> ``[B*T, H*D]`` token rows."""
-    return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], -1)
 
 
 def _capture(src: Any, tgt: Any, kv: LinearKVMap, windows: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CalibrationSettings", "CalibrationConfig", "calibrate", "prepare_windows", "CorpusWindows", "MapLayout",
            "HeldOut", "capture_heldout", "accumulate_stats", "screen_sources", "select_layers", "layer_metrics",
-           "KLJudge", "corpus_digest", "model_info"]
+           "KLJudge", "corpus_digest", "model_info", "token_rows"]
 
 Corpus = Sequence[str] | Sequence[tuple[str, str]] | MappingABC[str, str]
 
@@ -301,8 +301,8 @@ def capture_heldout(source: PreTrainedModel, target: PreTrainedModel, windows: S
 
 
 # --------------------------------------------------------------------------- layer screening
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``[B, H, T, D]`` -> ``[B*T, H*D]``."""
+def token_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D]`` -> ``[B*T, H*D]``: one row per token, its heads side by side (what a map's fit sees)."""
     return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], -1)
 
 
@@ -312,8 +312,8 @@ def _content(layers: list[tuple[torch.Tensor, torch.Tensor]], rope: RopeSpec, ke
 
     seq = layers[0][0].shape[2]
     pos = torch.arange(seq)
-    keys = [_flat(rope.strip(k, pos, seq_len=seq) if key_space == "content" else k) for k, _ in layers]
-    values = [_flat(v) for _, v in layers]
+    keys = [token_rows(rope.strip(k, pos, seq_len=seq) if key_space == "content" else k) for k, _ in layers]
+    values = [token_rows(v) for _, v in layers]
     return keys, values
 
 
@@ -576,8 +576,8 @@ def layer_metrics(
     attn_modules = decoder_layers(target_model)
     out = []
     for i, ((mk, mv), (tk, tv)) in enumerate(zip(mapped, heldout.target, strict=True)):
-        row: dict[str, object] = {"layer": i, "keys": fit_quality(_flat(mk), _flat(tk)),
-                               "values": fit_quality(_flat(mv), _flat(tv))}
+        row: dict[str, object] = {"layer": i, "keys": fit_quality(token_rows(mk), token_rows(tk)),
+                               "values": fit_quality(token_rows(mv), token_rows(tv))}
         if heldout.queries is not None:
             attn = getattr(attn_modules[i], "self_attn", None)
             scaling = float(getattr(attn, "scaling", tk.shape[-1] ** -0.5))
