@@ -1,8 +1,8 @@
 """Writing a benchmark's results: the JSON (with the command that made it) and the Markdown table, each
 written to a temporary sibling and renamed into place, so an interrupted run never leaves half a file.
 
-Shared by the benchmarks that write one result pair (`residual_stage.py`, `served_tail.py`,
-`gate_candidates.py`).
+Every benchmark that writes one result pair goes through it; the scripts are run as programs, so
+``benchmarks/`` is on ``sys.path`` and they import it as ``_results``.
 """
 
 from __future__ import annotations

@@ -32,8 +32,6 @@ Writes benchmarks/results/fit_ablation.json and .md (``fit_ablation_<set>`` for 
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -157,7 +155,7 @@ def markdown(results: list[dict[str, Any]], command: str, tokens: int = 8192, va
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mappings.atomic import write_atomic
+    from _results import command_line, write_results
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--member", action="append", help="member role (repeat); default every non-root member")
@@ -171,13 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = [measure(role, args.tokens, args.home, args.variants)
                for role in args.member or ["finetuned", "int8", "quantized", "distilled"]]
-    command = ("python benchmarks/fit_ablation.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
-    args.out.mkdir(parents=True, exist_ok=True)
+    command = command_line("fit_ablation.py", argv)
     stem = "fit_ablation" if args.variants == "served" else f"fit_ablation_{args.variants}"
-    write_atomic(args.out / f"{stem}.json", json.dumps({"command": command, "results": results}, indent=2))
-    md = markdown(results, command, args.tokens, args.variants)
-    write_atomic(args.out / f"{stem}.md", md)
-    print(md)
+    write_results(args.out, stem, {"command": command, "results": results},
+                  markdown(results, command, args.tokens, args.variants))
     return 0
 
 

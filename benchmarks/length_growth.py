@@ -26,7 +26,6 @@ log cut length. Writes benchmarks/results/length_growth.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -330,9 +329,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import shlex
-
-    from mappings.atomic import write_atomic
+    from _results import command_line, write_results
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--member", action="append", help="member role (repeat); default finetuned, int8, quantized")
@@ -362,14 +359,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(measure_fixed(role, cuts, args.suffix, args.sinks, args.home, layout, ends))
             else:
                 results.append(measure(role, cuts, args.suffix, args.sinks, args.home, layout, args.offset))
-    command = "python benchmarks/length_growth.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = command_line("length_growth.py", argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "length_growth.json", json.dumps({"command": command.strip(), "results": results}, indent=2))
-    md = markdown(results, command.strip())
     png = plot(results, args.out / "length_growth.png")
-    md += f"\n![KL against context length]({png.name})\n"
-    write_atomic(args.out / "length_growth.md", md)
-    print(md)
+    md = markdown(results, command) + f"\n![KL against context length]({png.name})\n"
+    write_results(args.out, "length_growth", {"command": command, "results": results}, md)
     return 0
 
 

@@ -14,7 +14,6 @@ over, and on this VM one costs tens of microseconds. Writes results/map_memory.j
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -117,7 +116,8 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
 
 
 def main() -> None:
-    from mappings.atomic import write_atomic
+    from _results import command_line, write_results
+
     from orchestra.bench import BenchFamily, Pair, machine_info
     from orchestra.documents.texts import data_text
 
@@ -137,14 +137,9 @@ def main() -> None:
         mapping = fam.mapping(Pair(source="root", target=role))  # the stored one; calibrated first if missing
         results.append({"member": role, **measure(source.model, fam.loaded(role).model, mapping.kv_map, ids,
                                                   args.repeats)})
-    command = "python benchmarks/map_memory.py " + " ".join(sys.argv[1:])
-    machine = machine_info()
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "map_memory.json", json.dumps({"command": command.strip(), "machine": machine.model_dump(),
-                                                           "results": results}, indent=2))
-    md = markdown(results, command.strip())
-    write_atomic(args.out / "map_memory.md", md)
-    print(md)
+    command = command_line("map_memory.py", None)
+    write_results(args.out, "map_memory", {"command": command, "machine": machine_info().model_dump(),
+                                           "results": results}, markdown(results, command))
 
 
 if __name__ == "__main__":

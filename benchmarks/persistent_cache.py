@@ -168,7 +168,8 @@ def markdown(rows: list[dict[str, Any]], demo: dict[str, Any] | None, command: s
 
 
 def main() -> None:
-    from mappings.atomic import write_atomic
+    from _results import command_line, write_results
+
     from orchestra.bench import BenchFamily, machine_info
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -187,15 +188,11 @@ def main() -> None:
             rows += measure(fam, members, length, Path(tmp) / f"kv{length}")
             print(json.dumps(rows[-len(members):], default=str)[:2000], flush=True)
         demo = None if args.skip_demo else demo_twice(args.home, Path(tmp))
-    command = ("python benchmarks/persistent_cache.py " + " ".join(sys.argv[1:])).strip()
+    command = command_line("persistent_cache.py", None)
     machine = machine_info()
     text = f"{machine.cpu_model}, {machine.cpu_count} CPUs, torch {machine.torch}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "persistent_cache.json", json.dumps(
-        {"command": command, "machine": machine.model_dump(), "rows": rows, "demo": demo}, indent=2))
-    md = markdown(rows, demo, command, text)
-    write_atomic(args.out / "persistent_cache.md", md)
-    print(md)
+    write_results(args.out, "persistent_cache", {"command": command, "machine": machine.model_dump(), "rows": rows,
+                                                 "demo": demo}, markdown(rows, demo, command, text))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    from mappings.atomic import write_atomic
+    from _results import command_line, write_results
+
     from orchestra.bench import machine_info
     from orchestra.documents.texts import data_text
 
@@ -125,14 +126,10 @@ def main() -> None:
         process.terminate()
         process.wait(60)
     machine = machine_info()
-    result = {"command": ("python benchmarks/tool_rounds.py " + " ".join(sys.argv[1:])).strip(),
+    result = {"command": command_line("tool_rounds.py", None),
               "machine": f"{machine.cpu_model}, {machine.cpu_count} CPUs, torch {machine.torch}",
               "document_tokens": len(ids), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "tool_rounds.json", json.dumps(result, indent=2))
-    md = markdown(result)
-    write_atomic(args.out / "tool_rounds.md", md)
-    print(md)
+    write_results(args.out, "tool_rounds", result, markdown(result))
 
 
 if __name__ == "__main__":
