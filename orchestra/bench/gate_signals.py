@@ -97,7 +97,9 @@ def answer_logits(model: Model, cache: KVCache, prefix_len: int, suffix: Sequenc
                   answer: Sequence[int] = ()) -> torch.Tensor:
     """The distributions an agent's answer was drawn from over a copy of ``cache`` (``prefix_len`` positions):
     ``suffix`` then ``answer`` teacher-forced, one row of logits per answer token (row 0: the first answer
-    token's; one row when ``answer`` is empty), float32 on the CPU; ``cache`` is not modified."""
+    token's; one row when ``answer`` is empty), float32 on the CPU; ``cache`` is not modified. These are the
+    model's own logits, before the agent's repetition control: where an n-gram ban took the top token away,
+    the decode chose from a distribution this row does not show."""
     import torch
 
     from agents.kv import copy_cache

@@ -442,8 +442,8 @@ class _TaskRun:
                                 correct=err is None and is_correct(text, q.answers), error=err))
         return out
 
-    def starts(self, member: str, lease: CacheLease, prefix: list[int], qs: list[QAQuestion],
-               answers: dict[str, tuple[int, ...]] | None = None) -> dict[str, Tensor]:
+    def answer_rows(self, member: str, lease: CacheLease, prefix: list[int], qs: list[QAQuestion],
+                    answers: dict[str, tuple[int, ...]] | None = None) -> dict[str, Tensor]:
         """Each question's answer logits on the lease's cache (what the candidate gates read): one row per token
         of its answer in `answers`, else the first answer token's alone."""
         from agents import suffix_ids
@@ -529,7 +529,7 @@ def _answer_passage(run: _TaskRun, pid: str, qs: list[QAQuestion], section: Task
         return None
     with run.cache.acquire_sync(source, prefix) as lease:
         answers = run.answer(source, "source", lease, prefix, n, qs)
-        window = _Window(prefix=prefix, tokens=n, questions=qs, source_starts=run.starts(source, lease, prefix, qs))
+        window = _Window(prefix=prefix, tokens=n, questions=qs, source_starts=run.answer_rows(source, lease, prefix, qs))
     for m in run.members:
         answers += _member_answers(run, m, window, section.repair_costs, gate_log[m])
     for m in [source, *run.members] if config.plain else []:
@@ -546,7 +546,7 @@ def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[f
     with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail) as lease:
         mapped_ids: dict[str, tuple[int, ...]] = {}
         mapped = run.answer(member, "mapped", lease, prefix, n, qs, mapped_ids)
-        mapped_logits = run.starts(member, lease, prefix, qs, mapped_ids)
+        mapped_logits = run.answer_rows(member, lease, prefix, qs, mapped_ids)
     answers = list(mapped)
     for policy, asked in _repairs(run, member, qs):
         with run.cache.acquire_sync(member, prefix, gate=run.open_gate, tail_tokens=tail, repair=policy) as lease:
@@ -558,7 +558,7 @@ def _member_answers(run: _TaskRun, member: str, w: _Window, repair_costs: list[f
         probe = next((d.metrics for d in lease.gates if d.gate == "probe"), {})
     with run.cache.acquire_sync(member, prefix, allow_mapped=False) as lease:
         answers += run.answer(member, "own", lease, prefix, n, qs)
-        own_starts = run.starts(member, lease, prefix, qs)
+        own_starts = run.answer_rows(member, lease, prefix, qs)
     _record_signals(mapped, probe, mapped_logits, mapped_ids, w.source_starts, own_starts)
     return answers
 
