@@ -247,11 +247,27 @@ def _build_members(
     log: Log | None,
 ) -> FamilyManifest:
     """Build (or reuse) the root and every derived member, then write ``family.json``."""
+    from filelock import FileLock
+
     home_path = resolve_home(home)
     fam = family_dir(home_path)
     fam.mkdir(parents=True, exist_ok=True)
-    say = log or (lambda _msg: None)
+    # a second process building the same home (the demo beside a server, two test workers) waits and reuses
+    with FileLock(str(fam / ".build.lock")):
+        return _build_members_locked(home_path, fam, gguf=gguf, allow_download=allow_download, force=force,
+                                     log=log)
 
+
+def _build_members_locked(
+    home_path: Path,
+    fam: Path,
+    *,
+    gguf: str | os.PathLike[str] | None,
+    allow_download: bool,
+    force: bool,
+    log: Log | None,
+) -> FamilyManifest:
+    say = log or (lambda _msg: None)
     existing = {spec.name: _current(fam / spec.name, spec) for spec in MEMBERS}
     if not force and all(r is not None and (r.role == "root" or r.divergence) for r in existing.values()):
         manifest = FamilyManifest(home=str(home_path), members={n: r for n, r in existing.items() if r})

@@ -174,11 +174,26 @@ class MappingStore:
                 warnings.warn(msg, stacklevel=2)
                 if log:
                     log(msg)
-                self.calibrate(source, target, path, cancel=cancel)
-                calibrated = True
+                calibrated = self._calibrate_missing(source, target, path, cancel)
             mapping = load_mapping(path, source.info.fingerprint, target.info.fingerprint, device=target.device)
             self._cache[key] = mapping
             return mapping, calibrated
+
+    def _calibrate_missing(self, source: LoadedModel, target: LoadedModel, path: Path,
+                           cancel: threading.Event | None) -> bool:
+        """Calibrate the pair at `path` unless another process saved it while this one waited; whether it did.
+
+        Two processes on one home (a server and a script, or two test workers) that miss the same pair at
+        once would otherwise both spend the calibration; the file lock makes the second load the first's.
+        """
+        from filelock import FileLock
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path.parent / f".{path.name}.lock")):
+            if (path / "manifest.json").is_file():
+                return False
+            self.calibrate(source, target, path, cancel=cancel)
+            return True
 
     def fit(self, source: LoadedModel, target: LoadedModel, cancel: threading.Event | None = None) -> Mapping:
         """Calibrate the pair's mapping in memory (not saved); `cancel` stops it at the next forward pass."""

@@ -137,7 +137,41 @@ async def test_half_written_folder_is_recalibrated_in_place_of_failing(fam, pris
     report = await Orchestra(_pipeline(fam), mappings=store).run(DOC)
     assert report.agent("b").status in FINISHED and report.agent("b").cache_path == "mapped"
     assert load_mapping(folder).manifest.tensors.sha256  # whole again
-    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]
+    # nothing half-written beside it; the pair's lock file stays, as filelock keeps it (it is not data)
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".") and p.suffix != ".lock"]
+
+
+def test_two_stores_that_miss_the_same_pair_at_once_calibrate_it_once(fam, tmp_path):
+    """Two processes on one home (a server and a script, two test workers) share a mappings folder: the
+    second to miss the pair waits on the first's calibration and loads what it saved instead of fitting
+    its own. Two store objects stand for the two processes (each has its own in-memory cache and lock)."""
+    import threading
+    import warnings
+
+    stores = [MappingStore(tmp_path / "maps", tokens=512, corpus=CORPUS, method="ridge") for _ in range(2)]
+    orch = Orchestra(_pipeline(fam), mappings=stores[0])
+    source, target = orch.registry.load("base"), orch.registry.load("child")
+    start, results, errors = threading.Barrier(2), [None, None], []
+
+    def get(i: int) -> None:
+        try:
+            start.wait()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "calibrating one now" is the point
+                results[i] = stores[i].get(source, target)
+        except Exception as exc:  # surfaced below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=get, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(calibrated for _, calibrated in results) == [False, True]
+    path = stores[0].path_for(source, target)
+    assert load_mapping(path).manifest.tensors.sha256
+    assert results[0][0].manifest.tensors.sha256 == results[1][0].manifest.tensors.sha256
 
 
 def test_family_calibrate_replaces_a_half_written_mapping(tiny_family_home, tmp_path):
