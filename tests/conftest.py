@@ -3,6 +3,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The suite runs one worker per core (README's test command): a worker's torch keeping to one thread
+    # leaves the other core to the other worker instead of both oversubscribing both cores. Set before
+    # anything imports torch, and inherited by the servers and CLIs the tests start.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 from tests.tiny_family import ARCHITECTURES, TinyFamily, build_tiny_family
