@@ -113,4 +113,4 @@ def test_readme_first_command_installs_the_family_builder_and_runs_the_demo():
     lines = (REPO / "README.md").read_text().split("```")[1].splitlines()[1:3]
     demo, tests = lines
     assert demo.endswith("&& orchestra demo") and '".[build]"' in demo
-    assert "python -m pytest" in tests and '".[dev]"' in tests
+    assert tests.endswith("python -m pytest -n 2 --dist loadfile") and '".[dev]"' in tests
