@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import queue
+import signal
 import sys
 import threading
 import weakref
@@ -401,9 +402,41 @@ async def in_thread(fn: Callable[..., R], *args: object, limiter: anyio.Capacity
 
 def run_blocking(fn: Callable[..., Awaitable[R]], *args: object) -> R:
     """``await fn(*args)`` from blocking code, in an event loop of its own; RuntimeError in a thread that already
-    runs one (the caller should await `fn` there instead)."""
+    runs one (the caller should await `fn` there instead).
+
+    In the main thread, with Python's own Ctrl-C handling in place, Ctrl-C cancels the work and then raises
+    KeyboardInterrupt here, once everything the work started has unwound (its finally blocks, its threads
+    joined, a Ray executor's actors stopped). The cancellation is anyio's, delivered again at every await until
+    the work has left: asyncio's own, one `Task.cancel()` of the main task, is lost for good when any code
+    below catches that one CancelledError (a library's broad handler, a cancel scope exiting at the same
+    moment), and the run then waits forever on what it was waiting for. A second Ctrl-C raises
+    KeyboardInterrupt in the loop, as asyncio's second one does, and the loop's close cancels what is left.
+    """
+    hook = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
     async def call() -> R:
-        return await fn(*args)
+        if not hook:
+            return await fn(*args)
+        loop = asyncio.get_running_loop()
+        scope = anyio.CancelScope()
+
+        def interrupt() -> None:
+            if scope.cancel_called:  # the second Ctrl-C: stop waiting for the work to unwind
+                raise KeyboardInterrupt
+            scope.cancel()
+
+        loop.add_signal_handler(signal.SIGINT, interrupt)
+        try:
+            with scope:
+                return await fn(*args)
+        except Exception as exc:  # the work's own error for being cancelled (a cancelled generation, say)
+            if scope.cancel_called:
+                raise KeyboardInterrupt from exc
+            raise
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+        raise KeyboardInterrupt  # the work has unwound from the Ctrl-C that cancelled it
 
     return anyio.run(call)
 

@@ -303,3 +303,80 @@ async def test_in_thread_waits_for_its_call_when_the_caller_is_cancelled():
         tg.cancel_scope.cancel()
         threading.Timer(0.2, release.set).start()  # it ends later: an abandoning caller would be gone by then
     assert ended == [True]
+
+
+CTRL_C_SCRIPT = """
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+
+from agents.bridge import run_blocking
+
+ready = Path(sys.argv[1])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when the suite runs in the background
+
+
+async def work():
+    try:
+        ready.write_text("waiting")
+        await anyio.sleep_forever()
+    except BaseException:  # a library below that catches the one CancelledError it is sent
+        pass
+    ready.write_text("swallowed")
+    await anyio.sleep_forever()  # asyncio's one Task.cancel() is spent: only a cancel sent again ends this
+
+
+try:
+    run_blocking(work)
+except KeyboardInterrupt:
+    print("interrupted", ready.read_text())
+    sys.exit(130)
+print("returned")
+"""
+
+
+def test_ctrl_c_ends_blocking_work_even_when_code_below_swallows_one_cancellation(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.waiting import wait_for_exit, wait_until
+
+    script, ready = tmp_path / "ctrl_c.py", tmp_path / "ready"
+    script.write_text(CTRL_C_SCRIPT)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), str(ready)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_until(ready.exists, what="the work to start", alive=proc)
+        proc.send_signal(signal.SIGINT)
+        out = wait_for_exit(proc).decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "interrupted swallowed" in out  # it got past the swallowed cancellation, and was cancelled again
+
+
+def test_run_blocking_returns_raises_and_leaves_ctrl_c_as_it_found_it():
+    import signal
+
+    from agents.bridge import run_blocking
+
+    async def answer(x: int) -> int:
+        await anyio.sleep(0)
+        return x + 1
+
+    async def fail() -> None:
+        await anyio.sleep(0)
+        raise Boom("no")
+
+    assert run_blocking(answer, 41) == 42
+    with pytest.raises(Boom, match="no"):
+        run_blocking(fail)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
