@@ -426,7 +426,10 @@ def run_blocking(fn: Callable[..., Awaitable[R]], *args: object) -> R:
                 raise KeyboardInterrupt
             scope.cancel()
 
-        loop.add_signal_handler(signal.SIGINT, interrupt)
+        try:
+            loop.add_signal_handler(signal.SIGINT, interrupt)
+        except (NotImplementedError, RuntimeError):  # a loop without signal handlers (Windows): asyncio's own
+            return await fn(*args)
         try:
             with scope:
                 return await fn(*args)
