@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -39,9 +40,24 @@ def real_family():
     """
     from orchestra.family import build_family
 
-    family = build_family(home=os.environ.get("ORCHESTRA_HOME"), calibrate=False)
-    _ensure_mapping(family, "finetuned")
+    with _every_core():
+        family = build_family(home=os.environ.get("ORCHESTRA_HOME"), calibrate=False)
+        _ensure_mapping(family, "finetuned")
     return family
+
+
+@contextmanager
+def _every_core():
+    """Torch on every core for the block: a first build of the family is minutes of one worker's work, and the
+    other worker, once it needs the family too, waits on the build's lock with its core idle."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _ensure_mapping(family, role: str, tokens: int = 4096) -> None:
