@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from _results import command_line, write_results  # noqa: E402  (after the path insert)
+from _stored_pair import load_stored_pair  # noqa: E402
 
 PREFIX, SUFFIX, SINKS = 3584, 128, 4
 STRIDE = 2048  # windows start this far apart: each scores its own 128 tokens and reads a prefix half new
@@ -63,22 +64,12 @@ def heldout_texts() -> list[str]:
 
 def measure(role: str, tails: list[int], served_tails: list[int], home: str | None) -> dict[str, Any]:
     from mappings.evaluate import EvaluationSettings, evaluate
-    from mappings.models import load_model
-    from mappings.store import load_mapping
     from orchestra.documents.texts import data_text
-    from orchestra.family import load_family
     from orchestra.familycache.gates import GatePolicy
     from orchestra.familycache.served import evaluate_served
 
-    family = load_family(home)
-    root = next(m for m in family.members.values() if m.role == "root")
-    member = next(m for m in family.members.values() if m.role == role)
-    src_path, tgt_path = family.member_path(root.name), family.member_path(member.name)
-    src, tgt = load_model(src_path), load_model(tgt_path)
-    # the folder `MappingStore.path_for` names for the pair
-    path = (Path(family.home) / "mappings" / f"{root.name}__to__{member.name}__"
-            f"{root.fingerprint['combined'][:10]}_{member.fingerprint['combined'][:10]}")
-    mapping = load_mapping(path, src.fingerprint, tgt.fingerprint)
+    pair = load_stored_pair(role, home)
+    src, tgt, mapping, path = pair.source, pair.target, pair.mapping, pair.folder
     own = mapping.manifest.method.name
     texts: list[dict[str, Any]] = []
     for name in heldout_texts():
@@ -105,7 +96,7 @@ def measure(role: str, tails: list[int], served_tails: list[int], home: str | No
                     sinks.append({"text": text["text"], "window": w, "kl": base.kl, "top1": base.top1})
         for tail in served_tails:
             for w in text["starts"]:
-                rep = evaluate_served(path, text["ids"][w:w + PREFIX + SUFFIX], source=src_path, target=tgt_path,
+                rep = evaluate_served(path, text["ids"][w:w + PREFIX + SUFFIX], source=pair.source_path, target=pair.target_path,
                                       prefix_tokens=PREFIX, suffix_tokens=SUFFIX, gate=GatePolicy(), tail_tokens=tail)
                 win = rep.windows[0]
                 served[tail].append({"text": text["text"], "window": w, "kl": win.kl, "top1": win.top1,
@@ -113,7 +104,7 @@ def measure(role: str, tails: list[int], served_tails: list[int], home: str | No
         print(f"{text['text']}: {text['windows']} windows scored", flush=True)
     cal = mapping.manifest.calibration
     return {
-        "member": role, "name": member.name, "method": own, "calibration_tokens": cal.token_count,
+        "member": role, "name": pair.name, "method": own, "calibration_tokens": cal.token_count,
         "calibrated_at": mapping.manifest.created_at,
         "texts": [{k: v for k, v in t.items() if k not in ("ids", "starts")} for t in texts],
         "sinks": {**pool(sinks), "per_window": sinks},

@@ -25,25 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from _results import command_line, write_results  # noqa: E402  (after the path insert)
+from _stored_pair import load_stored_pair  # noqa: E402
 
 PREFIX, SUFFIX, DEV_OFFSET, SINKS = 3584, 128, 1800, 4
 
 
 def measure(role: str, tails: list[int], home: str | None) -> dict[str, Any]:
     from mappings.evaluate import EvaluationSettings, evaluate
-    from mappings.models import load_model
-    from mappings.store import load_mapping
     from orchestra.documents.texts import HELDOUT_TEXT, data_text
-    from orchestra.family import load_family
 
-    family = load_family(home)
-    root = next(m for m in family.members.values() if m.role == "root")
-    member = next(m for m in family.members.values() if m.role == role)
-    src, tgt = load_model(family.member_path(root.name)), load_model(family.member_path(member.name))
-    # the folder `MappingStore.path_for` names for the pair
-    path = (Path(family.home) / "mappings" / f"{root.name}__to__{member.name}__"
-            f"{root.fingerprint['combined'][:10]}_{member.fingerprint['combined'][:10]}")
-    mapping = load_mapping(path, src.fingerprint, tgt.fingerprint)
+    pair = load_stored_pair(role, home)
+    src, tgt, mapping = pair.source, pair.target, pair.mapping
     own = mapping.manifest.method.name
     ids = tgt.tokenizer(data_text(HELDOUT_TEXT), add_special_tokens=False)["input_ids"]
     rows = []
@@ -61,7 +53,7 @@ def measure(role: str, tails: list[int], home: str | None) -> dict[str, Any]:
               f"dev {row['dev']['kl']:.4f} / {row['dev']['top1']:.3f}", flush=True)
         rows.append(row)
     cal = mapping.manifest.calibration
-    return {"member": role, "name": member.name, "method": own, "calibration_tokens": cal.token_count,
+    return {"member": role, "name": pair.name, "method": own, "calibration_tokens": cal.token_count,
             "calibrated_at": mapping.manifest.created_at, "rows": rows}
 
 
