@@ -21,7 +21,6 @@ benchmarks/results/served_heldout.json and .md.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,18 +31,10 @@ sys.path.insert(0, str(ROOT))
 from _results import command_line, write_results  # noqa: E402  (after the path insert)
 from _stored_pair import load_stored_pair  # noqa: E402
 
+from orchestra.bench import wilson  # noqa: E402
+
 PREFIX, SUFFIX, SINKS = 3584, 128, 4
 STRIDE = 2048  # windows start this far apart: each scores its own 128 tokens and reads a prefix half new
-
-
-def wilson(hits: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95 % Wilson score interval of a share of ``hits`` in ``n``."""
-    if n <= 0:
-        return (0.0, 1.0)
-    p = hits / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def pool(windows: list[dict[str, Any]]) -> dict[str, Any]:

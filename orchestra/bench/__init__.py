@@ -21,6 +21,7 @@ from orchestra.bench._run import SECTIONS, BenchConfig, run_bench
 from orchestra.bench.calibration import CalibrationBenchConfig, CalibrationSection, run_calibration
 from orchestra.bench.crossfamily import CrossFamilyConfig, CrossFamilySection, run_crossfamily
 from orchestra.bench.gate_signals import SIGNALS, GateCandidate, Judged, score_candidates
+from orchestra.bench.intervals import paired_ratio_interval, wilson
 from orchestra.bench.pipeline import (
     PipelineComparison,
     PipelineConfig,
@@ -48,6 +49,7 @@ from orchestra.bench.tasks import (
     plain_prompt_ids,
     rouge_l,
     run_tasks,
+    score_answers,
 )
 from orchestra.bench.timing import TimingConfig, TimingSection, run_timing
 
@@ -74,6 +76,9 @@ __all__ = [
     "QAAsker",
     "plain_prompt_ids",
     "judged_answers",
+    "score_answers",
+    "wilson",
+    "paired_ratio_interval",
     "SIGNALS",
     "GateCandidate",
     "Judged",

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from orchestra.familycache import CacheLease, FamilyCache
 
 __all__ = ["TaskConfig", "QAAnswer", "QAScore", "GateSummary", "LengthRow", "TaskSection", "run_tasks",
-           "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS", "plain_prompt_ids", "judged_answers", "token_f1"]
+           "score_answers", "tasks_markdown", "rouge_l", "lcs_length", "CONDITIONS", "plain_prompt_ids", "judged_answers", "token_f1"]
 
 Condition = Literal["source", "own", "mapped", "mapped+repair", "plain"]
 CONDITIONS: tuple[Condition, ...] = ("own", "mapped", "mapped+repair", "source", "plain")
@@ -113,6 +113,11 @@ class QAScore(_Model):
     retention: float | None = Field(None, description="accuracy / the member's own-prefill accuracy (None if that is 0)")
     agreement: float | None = Field(None, description="share of answers equal (normalised) to the own-prefill answer")
     agreement_f1: float | None = Field(None, description="mean token F1 of the answers against the own-prefill answers")
+    retention_interval: tuple[float, float] | None = Field(
+        None, description="95 % paired bootstrap interval of the retention, over the questions")
+    agreement_interval: tuple[float, float] | None = Field(None, description="95 % Wilson interval of the agreement")
+    lost: int | None = Field(None, description="questions the own prefill answers right and this cache wrong")
+    gained: int | None = Field(None, description="questions the own prefill answers wrong and this cache right")
     rouge_l: float | None = Field(None, description="mean ROUGE-L of the answers against the own-prefill answers")
     paths: dict[str, int] = Field(default_factory=dict, description="lease paths the answers ran on")
 
@@ -131,6 +136,9 @@ class GateSummary(_Model):
     catch_rate: float | None = Field(None, description="harmed windows the gates refused / harmed windows")
     false_alarm_rate: float | None = Field(None, description="unharmed windows the gates refused / unharmed windows")
     changed_catch_rate: float | None = Field(None, description="changed windows the gates refused / changed windows")
+    catch_interval: tuple[float, float] | None = Field(None, description="95 % Wilson interval of the catch rate")
+    false_alarm_interval: tuple[float, float] | None = Field(
+        None, description="95 % Wilson interval of the false-alarm rate")
     candidates: list[GateCandidate] = Field(default_factory=list, description="each candidate reading scored as a "
                                             "gate over the member's questions")
 
@@ -313,7 +321,11 @@ def plain_prompt_ids(tokenizer: Tokenizer, document: str, question: str) -> list
     return [int(i) for i in tokenizer.encode(f"{document}\n\nQuestion: {question}\nAnswer:")]
 
 
-def _score(member: str, condition: Condition, answers: list[QAAnswer], own: dict[str, QAAnswer] | None) -> QAScore:
+def score_answers(member: str, condition: Condition, answers: list[QAAnswer],
+                  own: dict[str, QAAnswer] | None = None) -> QAScore:
+    """The member's accuracy on ``answers``; for a mapped condition also its retention, agreement and the
+    questions it lost and gained against ``own`` (question id -> the own-prefill answer), with intervals."""
+    from orchestra.bench.intervals import paired_ratio_interval, wilson
     from orchestra.bench.qa import normalize
 
     n = len(answers)
@@ -323,11 +335,16 @@ def _score(member: str, condition: Condition, answers: list[QAAnswer], own: dict
     if own is not None and condition in ("mapped", "mapped+repair"):
         pairs = [(own[a.question], a) for a in answers if a.question in own]
         if pairs:
-            score.agreement = sum(normalize(o.prediction) == normalize(a.prediction) for o, a in pairs) / len(pairs)
+            agree = sum(normalize(o.prediction) == normalize(a.prediction) for o, a in pairs)
+            score.agreement = agree / len(pairs)
+            score.agreement_interval = wilson(agree, len(pairs))
             score.rouge_l = sum(rouge_l(o.prediction, a.prediction) for o, a in pairs) / len(pairs)
             score.agreement_f1 = sum(token_f1(o.prediction, a.prediction) for o, a in pairs) / len(pairs)
+            score.lost = sum(o.correct and not a.correct for o, a in pairs)
+            score.gained = sum(a.correct and not o.correct for o, a in pairs)
         own_correct = sum(o.correct for o, _ in pairs)
         score.retention = (sum(a.correct for _, a in pairs) / own_correct) if own_correct else None
+        score.retention_interval = paired_ratio_interval([o.correct for o, _ in pairs], [a.correct for _, a in pairs])
     return score
 
 
@@ -373,6 +390,7 @@ class _GateWindow:
 def _gate_summary(member: str, windows: list[_GateWindow], answers: list[QAAnswer]) -> GateSummary:
     """How often the gates passed the member's map, which gate refused it when they did not, and how well their
     refusals match the windows where the pure map changed (or harmed) an answer of the member's own prefill."""
+    from orchestra.bench.intervals import wilson
     from orchestra.bench.qa import normalize
 
     leases = [w.lease for w in windows]
@@ -391,12 +409,17 @@ def _gate_summary(member: str, windows: list[_GateWindow], answers: list[QAAnswe
         n = sum(among)
         return sum(x and y for x, y in zip(numerator, among, strict=True)) / n if n else None
 
+    def interval(numerator: list[bool], among: list[bool]) -> tuple[float, float] | None:
+        n = sum(among)
+        return wilson(sum(x and y for x, y in zip(numerator, among, strict=True)), n) if n else None
+
     return GateSummary(
         member=member, windows=len(leases), passed=sum(lease.path == "mapped" for lease in leases),
         fell_back=sum(refused), failed_gates=dict(Counter(failed)),
         reasons=list(dict.fromkeys(lease.fallback_reason or "" for lease in leases if lease.path != "mapped"))[:3],
         harmed=sum(harmed), changed=sum(changed), catch_rate=share(refused, harmed),
-        false_alarm_rate=share(refused, [not h for h in harmed]), changed_catch_rate=share(refused, changed))
+        false_alarm_rate=share(refused, [not h for h in harmed]), changed_catch_rate=share(refused, changed),
+        catch_interval=interval(refused, harmed), false_alarm_interval=interval(refused, [not h for h in harmed]))
 
 
 @dataclass(frozen=True)
@@ -616,13 +639,13 @@ def _fill_scores(section: TaskSection, members: list[str], gate_log: dict[str, l
         own = {a.question: a for a in answers if a.member == m and a.condition == "own"}
         for condition in ("own", "mapped", "mapped+repair", *(("plain",) if plain else ())):
             rows = [a for a in answers if a.member == m and a.condition == condition]
-            section.scores.append(_score(m, condition, rows, own))
+            section.scores.append(score_answers(m, condition, rows, own))
         summary = _gate_summary(m, gate_log[m], answers)
         summary.candidates = score_candidates(judged_answers(m, answers))
         section.gates.append(summary)
-    section.scores.append(_score(source, "source", [a for a in answers if a.condition == "source"], None))
+    section.scores.append(score_answers(source, "source", [a for a in answers if a.condition == "source"], None))
     if plain:
-        section.scores.append(_score(source, "plain", [a for a in answers if a.member == source
+        section.scores.append(score_answers(source, "plain", [a for a in answers if a.member == source
                                                        and a.condition == "plain"], None))
 
 
@@ -671,6 +694,17 @@ def _length_row(length: int, member: str, groups: dict[str, list[QAQuestion]],
 # -- report -----------------------------------------------------------------------------------------
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
+
+
+def _pct_in(v: float | None, interval: tuple[float, float] | None) -> str:
+    """A share with its 95 % interval: ``82% (59-100%)``."""
+    if v is None or interval is None:
+        return _pct(v)
+    return f"{v:.0%} ({interval[0]:.0%}-{interval[1]:.0%})"
+
+
+def _lost_gained(s: QAScore) -> str:
+    return "" if s.lost is None else f", -{s.lost}/+{s.gained}"
 
 
 def _repair_words(k: TaskSection) -> str:
@@ -737,7 +771,9 @@ def tasks_markdown(k: TaskSection) -> list[str]:
         f"own prefill, mapped = {c.source}'s cache mapped (gates open, {c.tail_tokens}-token tail recomputed), "
         f"mapped+repair = the same repaired ({_repair_words(k)}), source = {c.source} answering on its own "
         "prefill. Retention = accuracy / own-prefill accuracy; agreement = answers identical to the own-prefill ones "
-        "(normalised), and their mean token F1; catch = windows where the pure map turned a right own-prefill answer "
+        "(normalised), and their mean token F1; -lost/+gained = questions the own prefill answers right and the cache "
+        "wrong, and the other way round; in brackets, 95 % intervals (retention: paired bootstrap over the questions; "
+        "the shares: Wilson); catch = windows where the pure map turned a right own-prefill answer "
         "wrong that the gates refused; false alarm = the other windows the gates refused. "
         "plain = the baseline without orchestra's prompt: the member's chat template over one user turn, the window "
         "then the question, on its own prefill, same budget and stops (no shared prefix).",
@@ -760,9 +796,13 @@ def tasks_markdown(k: TaskSection) -> list[str]:
         fails = ", ".join(f"{gate} {n}" for gate, n in g.failed_gates.items())
         lines.append(
             f"| {m} | {own.n} | {_pct(own.accuracy)} | {_pct(mapped.accuracy)} | {_pct(rep.accuracy)} | "
-            f"{_pct(plain[m].accuracy if m in plain else None)} | {_pct(source.accuracy if source else None)} | {_pct(mapped.retention)} | {_pct(rep.retention)} | "
-            f"{_pct(mapped.agreement)} / {_pct(mapped.agreement_f1)} | {g.fell_back}/{g.windows}"
-            f"{f' ({fails})' if fails else ''} | {_pct(g.catch_rate)} of {g.harmed} / {_pct(g.false_alarm_rate)} |")
+            f"{_pct(plain[m].accuracy if m in plain else None)} | {_pct(source.accuracy if source else None)} | "
+            f"{_pct_in(mapped.retention, mapped.retention_interval)}{_lost_gained(mapped)} | "
+            f"{_pct_in(rep.retention, rep.retention_interval)}{_lost_gained(rep)} | "
+            f"{_pct_in(mapped.agreement, mapped.agreement_interval)} / {_pct(mapped.agreement_f1)} | "
+            f"{g.fell_back}/{g.windows}{f' ({fails})' if fails else ''} | "
+            f"{_pct_in(g.catch_rate, g.catch_interval)} of {g.harmed} / "
+            f"{_pct_in(g.false_alarm_rate, g.false_alarm_interval)} |")
     lines += _candidates_markdown(k)
     lines += _provenance_markdown(k)
     if k.lengths:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from orchestra.bench import wilson
 from tests.benchmarks.conftest import load_script
 
 
@@ -24,12 +25,6 @@ def test_windows_pool_by_scored_token_with_a_wilson_interval(sh):
     assert wider["top1_high"] - wider["top1_low"] > p["top1_high"] - p["top1_low"]
 
 
-def test_wilson_interval_matches_the_textbook_value(sh):
-    low, high = sh.wilson(97, 100)
-    assert low == pytest.approx(0.9154, abs=1e-3) and high == pytest.approx(0.9897, abs=1e-3)
-    assert sh.wilson(0, 0) == (0.0, 1.0)
-
-
 def test_the_heldout_texts_leave_out_every_calibration_text(sh):
     from orchestra.documents.texts import CALIBRATION_TEXTS, HELDOUT_TEXT
 
@@ -40,7 +35,7 @@ def test_the_heldout_texts_leave_out_every_calibration_text(sh):
 
 def test_tables_read_the_ungated_map_and_the_gated_path(sh):
     def pooled(kl, hits, n=256):
-        low, high = sh.wilson(hits, n)
+        low, high = wilson(hits, n)
         return {"windows": n // 128, "scored_tokens": n, "kl": kl, "top1": hits / n, "top1_hits": hits,
                 "top1_low": low, "top1_high": high}
 

@@ -293,6 +293,30 @@ def test_the_gates_catch_rate_counts_harmed_windows_they_refused():
     assert (g.harmed, g.changed, g.fell_back) == (2, 3, 2)
     assert (g.catch_rate, g.false_alarm_rate) == (0.5, 0.5)
     assert g.changed_catch_rate == pytest.approx(1 / 3)
+    # one caught of two harmed windows: the interval says how little two windows show
+    assert g.catch_interval is not None and g.catch_interval[0] < 0.15 and g.catch_interval[1] > 0.85
+    assert g.false_alarm_interval is not None and g.false_alarm_interval[0] < 0.5 < g.false_alarm_interval[1]
+
+
+def test_a_mapped_score_counts_lost_and_gained_questions_with_intervals():
+    from orchestra.bench.tasks import QAAnswer, score_answers
+
+    def answer(q: str, condition: str, prediction: str, correct: bool) -> QAAnswer:
+        return QAAnswer(question=q, member="tuned", condition=condition, window_tokens=512, prefix_tokens=530,
+                        prediction=prediction, correct=correct, path="mapped" if condition == "mapped" else "exact")
+
+    own = {q: answer(q, "own", p, c) for q, p, c in
+           [("a", "2.0", True), ("b", "3 years", True), ("c", "GPL", True), ("d", "x", False)]}
+    mapped = [answer("a", "mapped", "1.0", False), answer("b", "mapped", "3 years", True),
+              answer("c", "mapped", "the GPL", True), answer("d", "mapped", "MIT", True)]
+    s = score_answers("tuned", "mapped", mapped, own)
+    assert (s.correct, s.lost, s.gained) == (3, 1, 1)
+    assert s.retention == pytest.approx(1.0)
+    assert s.agreement == pytest.approx(0.25)  # only b reads the same; "the GPL" is not "GPL"
+    assert s.retention_interval is not None and s.retention_interval[0] < 1.0 < s.retention_interval[1]
+    assert s.agreement_interval is not None and s.agreement_interval[0] < 0.25 < s.agreement_interval[1]
+    own_score = score_answers("tuned", "own", list(own.values()))
+    assert own_score.lost is None and own_score.retention_interval is None
 
 
 def test_window_length_sweep(tiny_qa):
