@@ -57,6 +57,22 @@ def test_the_tail_set_changes_only_how_layers_are_chosen(fa):
     assert fa.TAIL == CachePolicy().tail_tokens  # the tail a FamilyCache recomputes on every mapped cache
 
 
+def test_the_data_set_changes_only_the_fitting_text_and_never_fits_the_scored_one(fa):
+    from orchestra.documents.texts import CALIBRATION_TEXTS, HELDOUT_TEXT, data_text
+
+    data = fa.VARIANT_SETS["data"]
+    assert list(data.values())[0] == ({}, {})
+    for label, (change, calibration) in list(data.items())[1:]:
+        assert not change, label  # the shipped method: only the text it is fitted on changes
+        assert set(calibration) <= {"corpus", "tokens", "window", "max_heldout_windows"}, label
+        # the same two windows judge each layer as in the shipped calibration (16 fitting windows x 0.125)
+        assert calibration["max_heldout_windows"] == 2, label
+    # the shipped texts stay, the held-out judge stays last, and GPL-3, which every row is scored on, is never fitted
+    assert set(CALIBRATION_TEXTS) <= set(fa.MORE_TEXTS) and fa.MORE_TEXTS[-1] == CALIBRATION_TEXTS[-1]
+    assert HELDOUT_TEXT not in fa.MORE_TEXTS
+    assert all(data_text(name).strip() for name in fa.MORE_TEXTS)
+
+
 def test_table_and_summary_read_the_rows(fa):
     def row(label, test, dev):
         return {"variant": label, "heldout_kl": 0.01, "calibration_seconds": 60.0,
