@@ -47,13 +47,12 @@ def paired_ratio_interval(base: Sequence[bool], other: Sequence[bool], *, resamp
     n = len(base)
     if n == 0 or not any(base):
         return None
-    # Only four kinds of pair exist; resampling their counts is the same as resampling the pairs.
-    kinds = [(int(b), int(o)) for b, o in zip(base, other, strict=True)]
+    pairs = [(int(b), int(o)) for b, o in zip(base, other, strict=True)]
     rng = random.Random(seed)
     ratios = []
     for _ in range(resamples):
         b_hits = o_hits = 0
-        for b, o in rng.choices(kinds, k=n):
+        for b, o in rng.choices(pairs, k=n):
             b_hits += b
             o_hits += o
         if b_hits:

@@ -405,21 +405,21 @@ def _gate_summary(member: str, windows: list[_GateWindow], answers: list[QAAnswe
         changed.append(any(normalize(o.prediction) != normalize(m.prediction) for o, m in pairs))
     refused = [lease.path != "mapped" for lease in leases]
 
-    def share(numerator: list[bool], among: list[bool]) -> float | None:
+    def share(numerator: list[bool], among: list[bool]) -> tuple[float | None, tuple[float, float] | None]:
+        """The share of ``among`` that ``numerator`` holds, and its Wilson interval (None, None: none among)."""
         n = sum(among)
-        return sum(x and y for x, y in zip(numerator, among, strict=True)) / n if n else None
+        hits = sum(x and y for x, y in zip(numerator, among, strict=True))
+        return (hits / n, wilson(hits, n)) if n else (None, None)
 
-    def interval(numerator: list[bool], among: list[bool]) -> tuple[float, float] | None:
-        n = sum(among)
-        return wilson(sum(x and y for x, y in zip(numerator, among, strict=True)), n) if n else None
-
+    catch, catch_interval = share(refused, harmed)
+    false_alarm, false_alarm_interval = share(refused, [not h for h in harmed])
     return GateSummary(
         member=member, windows=len(leases), passed=sum(lease.path == "mapped" for lease in leases),
         fell_back=sum(refused), failed_gates=dict(Counter(failed)),
         reasons=list(dict.fromkeys(lease.fallback_reason or "" for lease in leases if lease.path != "mapped"))[:3],
-        harmed=sum(harmed), changed=sum(changed), catch_rate=share(refused, harmed),
-        false_alarm_rate=share(refused, [not h for h in harmed]), changed_catch_rate=share(refused, changed),
-        catch_interval=interval(refused, harmed), false_alarm_interval=interval(refused, [not h for h in harmed]))
+        harmed=sum(harmed), changed=sum(changed), catch_rate=catch, false_alarm_rate=false_alarm,
+        changed_catch_rate=share(refused, changed)[0], catch_interval=catch_interval,
+        false_alarm_interval=false_alarm_interval)
 
 
 @dataclass(frozen=True)
