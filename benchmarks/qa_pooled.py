@@ -125,6 +125,18 @@ def _with(v: float | None, interval: list[float] | tuple[float, float] | None) -
     return _pct(v) if v is None or interval is None else f"{v:.0%} ({interval[0]:.0%}-{interval[1]:.0%})"
 
 
+def _retention(score: dict[str, Any]) -> str:
+    """A cache's retention with its interval and the questions it lost and gained, or ``-``."""
+    if not score:
+        return "-"
+    return f"{_with(score.get('retention'), score.get('retention_interval'))}, -{score['lost']}/+{score['gained']}"
+
+
+def _low_high(row: dict[str, Any], key: str) -> tuple[float | None, float | None]:
+    interval = row.get(key)
+    return (interval[0], interval[1]) if interval else (None, None)
+
+
 def markdown(results: list[dict[str, Any]], command: str) -> str:
     lines = ["# The tasks bench's goals on both question sets pooled", "", f"Command: `{command}`", "",
              "Each group pools `orchestra bench --sections tasks` runs on the two question sets (the bundled licences "
@@ -146,23 +158,13 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for m in res["members"]:
             own, mapped, rep, g = m.get("own", {}), m.get("mapped", {}), m.get("mapped+repair", {}), m["gates"]
-
-            def ret(s: dict[str, Any]) -> str:
-                if not s:
-                    return "-"
-                return f"{_with(s.get('retention'), s.get('retention_interval'))}, -{s['lost']}/+{s['gained']}"
-
-            def low_high(s: dict[str, Any], key: str) -> tuple[float | None, float | None]:
-                interval = s.get(key)
-                return (interval[0], interval[1]) if interval else (None, None)
-
-            v_map = verdict(*low_high(mapped, "retention_interval"), GOALS["retention mapped"])
-            v_rep = verdict(*low_high(rep, "retention_interval"), GOALS["retention repaired"])
-            v_catch = verdict(*low_high(g, "catch_interval"), GOALS["catch"])
-            v_fa = verdict(*low_high(g, "false_alarm_interval"), MAX_FALSE_ALARM, at_most=True)
+            v_map = verdict(*_low_high(mapped, "retention_interval"), GOALS["retention mapped"])
+            v_rep = verdict(*_low_high(rep, "retention_interval"), GOALS["retention repaired"])
+            v_catch = verdict(*_low_high(g, "catch_interval"), GOALS["catch"])
+            v_fa = verdict(*_low_high(g, "false_alarm_interval"), MAX_FALSE_ALARM, at_most=True)
             v_gate = "not met" if "not met" in (v_catch, v_fa) else ("met" if v_catch == v_fa == "met" else "open")
             lines.append(
-                f"| {m['member']} | {own.get('correct', '-')}/{own.get('n', '-')} | {ret(mapped)} | {ret(rep)} | "
+                f"| {m['member']} | {own.get('correct', '-')}/{own.get('n', '-')} | {_retention(mapped)} | {_retention(rep)} | "
                 f"{_with(mapped.get('agreement'), mapped.get('agreement_interval'))} | "
                 f"{_with(g['catch_rate'], g['catch_interval'])} ({g['caught']}/{g['harmed']}) | "
                 f"{_with(g['false_alarm_rate'], g['false_alarm_interval'])} | {v_map} | {v_rep} | {v_gate} | "
